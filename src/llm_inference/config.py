@@ -1,0 +1,183 @@
+"""Frozen configuration dataclasses, built once and never mutated.
+
+`ModelConfig` comes from a checkpoint's `config.json` (or GGUF metadata, see models/gguf.py);
+the others describe the engine: cache, scheduler, parallelism.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder or file that cannot be loaded: the message names the problem."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.x ("llama3") frequency scaling of RoPE."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+    rope_type: str = "llama3"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str = "float32"
+    model_type: str = "llama"
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise CheckpointError(
+                f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> ModelConfig:
+        folder = Path(path)
+        if not folder.exists():
+            raise CheckpointError(f"checkpoint path does not exist: {folder}")
+        cfg_file = folder / "config.json"
+        if not cfg_file.is_file():
+            raise CheckpointError(f"no config.json in checkpoint folder {folder}")
+        try:
+            data = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from e
+        return cls.from_dict(data, source=str(cfg_file))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> ModelConfig:
+        model_type = d.get("model_type")
+        if model_type != "llama":
+            raise CheckpointError(
+                f"{source}: unsupported model_type {model_type!r}; only 'llama' "
+                f"({', '.join(SUPPORTED_ARCHITECTURES)}) is supported"
+            )
+        for key in ("attention_bias", "mlp_bias"):
+            if d.get(key):
+                raise CheckpointError(f"{source}: {key}=true is not supported (bias-free only)")
+
+        def req(key: str) -> Any:
+            if key not in d or d[key] is None:
+                raise CheckpointError(f"{source}: missing required config key {key!r}")
+            return d[key]
+
+        hidden = int(req("hidden_size"))
+        heads = int(req("num_attention_heads"))
+        kv_heads = int(d.get("num_key_value_heads") or heads)
+        head_dim = d.get("head_dim") or hidden // heads
+        rope_theta, rope_scaling = _parse_rope(d, source)
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        dtype = d.get("torch_dtype") or d.get("dtype") or "float32"
+        return cls(
+            hidden_size=hidden,
+            num_hidden_layers=int(req("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=int(head_dim),
+            intermediate_size=int(req("intermediate_size")),
+            vocab_size=int(req("vocab_size")),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+            torch_dtype=str(dtype),
+        )
+
+
+def _parse_rope(d: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
+    """Read rope_theta and scaling from `rope_scaling` (transformers 4) or `rope_parameters` (5)."""
+    params = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or None
+    theta = float(d.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = params
+    if not scaling:
+        return theta, None
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise CheckpointError(
+            f"{source}: unsupported rope scaling type {kind!r}; supported: none, 'llama3'"
+        )
+    try:
+        return theta, RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"{source}: llama3 rope scaling is missing key {e}") from e
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = False
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: str = "cpu"
+    dtype: str = "float32"
+    # "auto": Triton kernels on CUDA, PyTorch references on CPU; "reference" forces references.
+    kernel_backend: str = "auto"
+    seed: int = 0

@@ -1,0 +1,88 @@
+"""Test helpers: tiny random Llama checkpoints written by transformers, with a small tokenizer."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "Hello world! How are you today? I am fine, thank you.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Unicode: café, naïve, 日本語, emoji 🙂.",
+    "def main():\n    print('hello')\n",
+]
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_template():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<|bos|>", "<|eos|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>")
+    fast.chat_template = (
+        "{% for m in messages %}<|bos|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|bos|>assistant: {% endif %}"
+    )
+    return fast
+
+
+def tiny_config(**overrides):
+    from transformers import LlamaConfig
+
+    tok = _tokenizer_template()
+    kw = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+def make_checkpoint(
+    folder: Path, seed: int = 0, max_shard_size: str | None = None, **overrides
+) -> Path:
+    """Write a random tiny LlamaForCausalLM (float32) plus tokenizer to `folder`; return it."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_config(**overrides)).eval()
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, safe_serialization=True, **kw)
+    _tokenizer_template().save_pretrained(folder)
+    return Path(folder)
+
+
+def hf_model(folder: Path, dtype=torch.float32):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+
+
+def _needs_cuda():
+    import pytest
+
+    return pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+needs_cuda = _needs_cuda()
