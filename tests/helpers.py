@@ -51,6 +51,7 @@ def tiny_config(**overrides):
         num_key_value_heads=2,
         max_position_embeddings=512,
         rms_norm_eps=1e-5,
+        initializer_range=0.1,
         tie_word_embeddings=False,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,

@@ -1,8 +1,26 @@
-"""SamplingParams: how one request picks its tokens (vLLM-compatible names)."""
+"""SamplingParams: how one request picks its tokens (vLLM-compatible names).
+
+Every field is checked in ``__post_init__``; an invalid value raises ``ValueError`` whose
+message names the field and the range it allows.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
+
+# Temperatures below this are treated as greedy (argmax), as vLLM does.
+GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass
@@ -35,11 +53,58 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        def fail(name: str, allowed: str) -> None:
+            raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        if not _is_int(self.n) or self.n < 1:
+            fail("n", "an integer >= 1")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            if not _is_number(getattr(self, name)):
+                fail(name, "a number")
+        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
+            fail("temperature", "finite and >= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            fail("top_p", "in (0, 1]")
+        if not _is_int(self.top_k) or not (self.top_k in (-1, 0) or self.top_k >= 1):
+            fail("top_k", "-1 or 0 (disabled) or an integer >= 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", "in [0, 1]")
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            fail("repetition_penalty", "> 0 (1 means no penalty)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                fail(name, "in [-2, 2]")
+        if self.seed is not None and not _is_int(self.seed):
+            fail("seed", "None or an integer")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            fail("max_tokens", "None or an integer >= 1")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            fail("min_tokens", "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"<= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            fail("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "a list of non-negative integers")
+        if not all(isinstance(s, str) and s for s in self.stop_strings):
+            fail("stop", "a non-empty string or a list of non-empty strings")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """True when the request takes the argmax (temperature 0, or below GREEDY_EPS)."""
+        return self.temperature < GREEDY_EPS
+
+    def replace(self, **changes) -> SamplingParams:
+        """A validated copy with some fields changed (lists are copied, never shared)."""
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        kw.update(changes)
+        if isinstance(kw["stop"], list):
+            kw["stop"] = list(kw["stop"])
+        kw["stop_token_ids"] = list(kw["stop_token_ids"] or [])
+        return SamplingParams(**kw)
+
+    def clone(self) -> SamplingParams:
+        return self.replace()

@@ -1,0 +1,22 @@
+"""Scheduling and KV block bookkeeping: pure Python, never imports torch."""
+
+from llm_inference.core.block_pool import BlockPool, KVCacheBlock, NoFreeBlocksError
+from llm_inference.core.kv_cache_manager import KVCacheManager, slot_for_position, slot_mapping
+from llm_inference.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from llm_inference.core.request import Request, RequestStatus
+from llm_inference.core.scheduler import Scheduler
+
+__all__ = [
+    "BlockPool",
+    "KVCacheBlock",
+    "KVCacheManager",
+    "ModelRunnerOutput",
+    "NoFreeBlocksError",
+    "Request",
+    "RequestStatus",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerOutput",
+    "slot_for_position",
+    "slot_mapping",
+]

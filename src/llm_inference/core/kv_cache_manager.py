@@ -1,0 +1,107 @@
+"""Block tables of requests, over one BlockPool, and the position -> slot arithmetic.
+
+A request's block table `block_ids` maps logical block i (token positions
+`[i * block_size, (i + 1) * block_size)`) to a physical block. The token at position p
+lives in slot `block_ids[p // block_size] * block_size + p % block_size` of the flat
+cache `[num_blocks * block_size, ...]`.
+
+`allocate_slots(request, n)` grows the table so that positions `[0, num_computed + n)` have
+slots:
+
+    |<---- num_computed_tokens ---->|<--- num_new_tokens --->|
+    [ block 0 ][ block 1 ][ block 2 ][ block 3 ][ new block ]
+    |<-- already in request.block_ids -------->|<- allocated ->|
+"""
+
+from __future__ import annotations
+
+from llm_inference.core.block_pool import BlockPool
+from llm_inference.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def slot_for_position(block_ids: list[int], position: int, block_size: int) -> int:
+    """Flat cache slot of the token at `position` (IndexError past the block table)."""
+    if position < 0:
+        raise IndexError(f"negative token position {position}")
+    logical = position // block_size
+    if logical >= len(block_ids):
+        raise IndexError(
+            f"position {position} needs logical block {logical}, but the block table has "
+            f"{len(block_ids)} blocks"
+        )
+    return block_ids[logical] * block_size + position % block_size
+
+
+def slot_mapping(
+    block_ids: list[int], start_position: int, num_tokens: int, block_size: int
+) -> list[int]:
+    """Slots of positions `[start_position, start_position + num_tokens)`, block by block."""
+    if num_tokens == 0:
+        return []
+    end = start_position + num_tokens
+    slot_for_position(block_ids, end - 1, block_size)  # bounds check
+    slots: list[int] = []
+    pos = start_position
+    while pos < end:
+        offset = pos % block_size
+        run = min(block_size - offset, end - pos)
+        base = slot_for_position(block_ids, pos, block_size)
+        slots.extend(range(base, base + run))
+        pos += run
+    return slots
+
+
+class KVCacheManager:
+    """Allocates and frees the blocks of requests; the only writer of `request.block_ids`."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        self.block_size = block_size
+        self.block_pool = BlockPool(num_blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use, in [0, 1]."""
+        return self.block_pool.num_used_blocks / self.block_pool.num_blocks
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def can_fit(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` fits in the whole pool (when nothing else runs)."""
+        return self.blocks_for_tokens(num_tokens) <= self.block_pool.num_blocks
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        """New blocks `request` needs to hold `num_computed_tokens + num_new_tokens` tokens."""
+        total = self.blocks_for_tokens(request.num_computed_tokens + num_new_tokens)
+        return max(0, total - len(request.block_ids))
+
+    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
+        """Grow `request.block_ids` to cover its next `num_new_tokens` tokens.
+
+        Returns False, changing nothing, when the pool has too few free blocks.
+        """
+        needed = self.num_blocks_needed(request, num_new_tokens)
+        if needed > self.block_pool.num_free_blocks:
+            return False
+        if needed:
+            request.block_ids.extend(self.block_pool.allocate(needed))
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks (tail first, so the tail is reused first)."""
+        self.block_pool.free(reversed(request.block_ids))
+        request.block_ids = []

@@ -1,0 +1,117 @@
+"""Request: one prompt's journey through the scheduler, and its status.
+
+Invariants (kept by the scheduler and the KV cache manager):
+
+- `all_token_ids == prompt_token_ids + output_token_ids`; the first `num_computed_tokens` of
+  them have their K/V written in the paged cache, in `block_ids` (logical block i -> physical
+  block `block_ids[i]`), so `len(block_ids) * block_size >= num_computed_tokens`.
+- A WAITING or PREEMPTED request owns no blocks and has `num_computed_tokens == 0`; preemption
+  discards the cache, so a readmitted request recomputes prompt + outputs.
+- A finished request owns no blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+import time
+
+from llm_inference.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status in _FINISH_REASONS
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """Token ids, progress (`num_computed_tokens`) and block table of one sequence.
+
+    `max_tokens` is the resolved limit of new tokens: the engine passes it (for example
+    derived from max_model_len when `sampling_params.max_tokens` is None); otherwise it is
+    `sampling_params.max_tokens`, or unlimited (the scheduler still stops at max_model_len).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        max_tokens: int | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt has no tokens")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.eos_token_ids = tuple(eos_token_ids)
+        if max_tokens is None:
+            max_tokens = sampling_params.max_tokens
+        self.max_tokens: int = sys.maxsize if max_tokens is None else int(max_tokens)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.stop_reason: int | str | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def get_token_ids(self, start: int, end: int) -> list[int]:
+        """`all_token_ids[start:end]` without concatenating the whole sequence."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """ "stop", "length" or "abort" once finished, else None."""
+        return _FINISH_REASONS.get(self.status)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"tokens={self.num_prompt_tokens}+{self.num_output_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_ids})"
+        )

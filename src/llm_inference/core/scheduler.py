@@ -1,0 +1,204 @@
+"""Continuous batching: one token budget per step, chunked prefill, recompute preemption.
+
+There is no prefill phase and no decode phase. Each request needs
+`num_tokens - num_computed_tokens` tokens computed (its whole prompt when new, one token when
+decoding, prompt + outputs when readmitted after preemption); `schedule()` hands out the
+step's budget of `max_num_batched_tokens`:
+
+1. RUNNING requests, oldest first, each get `min(needed, budget left)` tokens. When the KV
+   cache has no room, the newest running request is preempted (blocks freed, progress
+   reset, put at the front of the waiting queue) and allocation is retried; if the request
+   being scheduled is itself the newest, it is preempted and the step stops there.
+2. If nobody was preempted, WAITING requests are admitted in FIFO order while budget and
+   `max_num_seqs` allow; admission stops at the first request that cannot get blocks.
+
+Ownership: `running` and `waiting` are disjoint, and `requests` holds exactly the requests
+in either; only running requests own blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from llm_inference.config import SchedulerConfig
+from llm_inference.core.kv_cache_manager import KVCacheManager
+from llm_inference.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from llm_inference.core.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, num_blocks: int, block_size: int) -> None:
+        self.config = scheduler_config
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.num_steps = 0
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        if request.num_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r} has {request.num_tokens} tokens, more than "
+                f"max_model_len={self.config.max_model_len}"
+            )
+        self._check_fits(request, request.num_tokens)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[str] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to compute until a sample arrives
+                index += 1
+                continue
+            self._check_fits(request, request.num_computed_tokens + num_new)
+            while not self.kv_cache_manager.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            scheduled.append((request, num_new))
+            budget -= num_new
+            index += 1
+
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+
+        if scheduled:
+            self.num_steps += 1
+        return SchedulerOutput(
+            scheduled=[self._make_scheduled(req, n) for req, n in scheduled],
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            preempted_request_ids=preempted,
+        )
+
+    def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
+        """Move waiting requests to running in FIFO order; returns the budget left."""
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            self._check_fits(request, request.num_computed_tokens + num_new)
+            if not self.kv_cache_manager.allocate_slots(request, num_new):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+        return budget
+
+    def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.get_token_ids(start, start + num_new),
+            start_position=start,
+            block_ids=list(request.block_ids),
+            needs_sample=start + num_new == request.num_tokens,
+            sampling_params=request.sampling_params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def _check_fits(self, request: Request, num_tokens: int) -> None:
+        """Raise instead of waiting forever for a request larger than the whole KV cache."""
+        if not self.kv_cache_manager.can_fit(num_tokens):
+            kv = self.kv_cache_manager
+            raise RuntimeError(
+                f"request {request.request_id!r} needs {kv.blocks_for_tokens(num_tokens)} KV "
+                f"blocks for {num_tokens} tokens, but the whole cache has {kv.num_blocks} "
+                f"blocks of {kv.block_size} tokens; lower max_model_len / max_tokens or give "
+                f"the KV cache more memory"
+            )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """Advance progress, append sampled tokens, finish and free stopped requests.
+
+        Returns the requests that received a new token this step, finished ones included.
+        Requests finished (aborted) between `schedule` and this call are skipped.
+        """
+        out = model_runner_output
+        sampled = dict(zip(out.request_ids, out.sampled_token_ids, strict=True))
+        updated: list[Request] = []
+        for item in scheduler_output.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or request.num_computed_tokens != item.start_position:
+                continue  # finished (aborted) since schedule(), or an id reused since
+            request.num_computed_tokens += len(item.token_ids)
+            new_tokens = sampled.get(item.request_id) or []
+            if item.needs_sample and not new_tokens:
+                raise ValueError(f"request {item.request_id!r} needed a sample but got none")
+            if not new_tokens:
+                continue
+            for token_id in new_tokens:
+                request.append_output_token(token_id)
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    self._finish(request, status)
+                    break
+            updated.append(request)
+        if any(r.is_finished for r in updated):
+            self.running = [r for r in self.running if not r.is_finished]
+        return updated
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        """Stop tokens win over length limits when both hold on the same token."""
+        params = request.sampling_params
+        num_output = request.num_output_tokens
+        if num_output >= params.min_tokens:
+            eos = token_id in request.eos_token_ids and not params.ignore_eos
+            if eos or token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if num_output >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = status
+        del self.requests[request.request_id]
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside (abort, stop string); unknown ids are ignored."""
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"{status} is not a finished status")
+        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        found = [self.requests[i] for i in ids if i in self.requests]
+        if not found:
+            return
+        for request in found:
+            self._finish(request, status)
+        self.running = [r for r in self.running if not r.is_finished]
+        self.waiting = deque(r for r in self.waiting if not r.is_finished)

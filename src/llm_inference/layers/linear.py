@@ -1,0 +1,98 @@
+"""Tensor-parallel linear layers. Parameters are created at shard size; each carries a
+`weight_loader(param, loaded_weight[, shard_id])` that narrows the full checkpoint tensor to
+this rank's shard. No bias: Llama checkpoints we support are bias-free."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llm_inference.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size
+
+
+def _divide(a: int, b: int) -> int:
+    if a % b:
+        raise ValueError(f"{a} is not divisible by tensor_parallel_size {b}")
+    return a // b
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks (dim 0 of the weight)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, _divide(out_features, get_tp_size()))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        size = param.shape[0]
+        param.data.copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+
+class MergedColumnParallelLinear(LinearBase):
+    """Several column-parallel outputs fused in one weight (gate_proj and up_proj)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int]) -> None:
+        tp = get_tp_size()
+        self.shard_sizes = [_divide(s, tp) for s in output_sizes]
+        super().__init__(in_features, sum(self.shard_sizes))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        size = self.shard_sizes[shard_id]
+        offset = sum(self.shard_sizes[:shard_id])
+        shard = loaded.narrow(0, self.tp_rank * size, size)
+        param.data.narrow(0, offset, size).copy_(shard)
+
+
+class QKVParallelLinear(LinearBase):
+    """q, k and v projections fused; heads split across ranks. When there are fewer KV heads
+    than ranks, each KV head is replicated on tp_size // num_kv_heads ranks."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int) -> None:
+        tp = get_tp_size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp)
+        if tp >= num_kv_heads:
+            _divide(tp, num_kv_heads)
+            self.num_kv_heads = 1
+        else:
+            self.num_kv_heads = _divide(num_kv_heads, tp)
+        self.total_kv_heads = num_kv_heads
+        q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        super().__init__(hidden, q + 2 * kv)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, index = 0, q, self.tp_rank
+        else:
+            offset = q if shard_id == "k" else q + kv
+            size = kv
+            # With replication several ranks share one KV head.
+            replicas = max(1, self.tp_size // self.total_kv_heads)
+            index = self.tp_rank // replicas
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, index * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks (dim 1); partial outputs summed by one all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(_divide(in_features, get_tp_size()), out_features)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        size = param.shape[1]
+        param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(F.linear(x, self.weight))

@@ -1,0 +1,134 @@
+"""Llama (Llama 2/3.x, SmolLM2, ...) as a composition of tensor-parallel layers.
+
+`forward(input_ids, positions, attn)` takes a flat batch: 1-D `input_ids` and `positions`
+holding the tokens of several sequences back to back, and either an `AttentionMetadata` or the
+list of sequence lengths (then attention is causal within each sequence, with no KV cache).
+It returns hidden states [T, hidden]; `compute_logits` maps selected rows to the vocabulary.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from llm_inference.config import ModelConfig
+from llm_inference.kernels import reference
+from llm_inference.layers.activation import SiluAndMul
+from llm_inference.layers.attention import Attention, AttentionMetadata
+from llm_inference.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from llm_inference.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from llm_inference.layers.norm import RMSNorm
+from llm_inference.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, ops: ModuleType) -> None:
+        super().__init__()
+        c = config
+        self.qkv_proj = QKVParallelLinear(
+            c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = c.head_dim
+        self.o_proj = RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size)
+        self.rotary = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, c.head_dim, c.head_dim**-0.5, ops)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata):
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, md)
+        return self.o_proj(out.reshape(-1, q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, ops: ModuleType) -> None:
+        super().__init__()
+        i = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [i, i])
+        self.down_proj = RowParallelLinear(i, config.hidden_size)
+        self.act = SiluAndMul(ops)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, ops: ModuleType) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary, ops)
+        self.mlp = LlamaMLP(config, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+    def forward(self, positions, x, residual, md):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, md)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint name -> (our fused parameter, shard id).
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig, ops: ModuleType = reference) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            ops,
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary, ops) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata | list[int],
+    ) -> torch.Tensor:
+        md = attn if isinstance(attn, AttentionMetadata) else AttentionMetadata.dense(list(attn))
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, md)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers]
