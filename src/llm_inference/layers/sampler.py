@@ -44,7 +44,10 @@ def _splitmix64(x: int) -> int:
 
 def noise_keys(seeds: list[int], steps: list[int]) -> list[int]:
     """One 32-bit key per row from (seed, step); any Python int is a valid seed."""
-    return [_splitmix64(_splitmix64(s & _M64) ^ (t & _M64)) & _M32 for s, t in zip(seeds, steps)]
+    return [
+        _splitmix64(_splitmix64(s & _M64) ^ (t & _M64)) & _M32
+        for s, t in zip(seeds, steps, strict=True)
+    ]
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -81,6 +84,21 @@ def _padded(rows: list[list[int]], vocab_size: int, device) -> torch.Tensor:
     data = [[t if 0 <= t < vocab_size else vocab_size for t in r] for r in rows]
     data = [r + [vocab_size] * (width - len(r)) for r in data]
     return torch.tensor(data, dtype=torch.int64, device=device)
+
+
+def _min_tokens_pairs(
+    params: list[SamplingParams], outputs: list[list[int]], eos: tuple[int, ...], V: int
+) -> tuple[list[int], list[int]]:
+    """(rows, token ids) to mask while len(output) < min_tokens: stop_token_ids, and EOS
+    unless ignore_eos."""
+    rows, cols = [], []
+    for b, (p, out) in enumerate(zip(params, outputs, strict=True)):
+        if len(out) < p.min_tokens:
+            ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
+            ids = sorted(t for t in ids if 0 <= t < V)
+            rows += [b] * len(ids)
+            cols += ids
+    return rows, cols
 
 
 @dataclass
@@ -125,35 +143,34 @@ class SamplingMetadata:
     ) -> SamplingMetadata:
         V = vocab_size
         greedy = [p.temperature < GREEDY_EPS for p in params]
-        rand = [p for p, g in zip(params, greedy) if not g]
-
-        def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
-        ks = [V if g or not 0 < p.top_k < V else p.top_k for p, g in zip(params, greedy)]
-        top_ps = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
-        min_ps = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+        temps, ks, top_ps, min_ps = [], [], [], []
+        for p, g in zip(params, greedy, strict=True):
+            temps.append(1.0 if g else p.temperature)
+            ks.append(V if g or not 0 < p.top_k < V else p.top_k)
+            top_ps.append(1.0 if g else p.top_p)
+            min_ps.append(0.0 if g else p.min_p)
         use_rep = any(p.repetition_penalty != 1.0 for p in params)
         no_pen = not use_rep and all(
             p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 for p in params
         )
-        rows, cols = [], []
-        for b, (p, out) in enumerate(zip(params, output_token_ids)):
-            if len(out) < p.min_tokens:
-                stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-                for t in sorted(i for i in stop_ids if 0 <= i < V):
-                    rows.append(b)
-                    cols.append(t)
+        rows, cols = _min_tokens_pairs(params, output_token_ids, eos_token_ids, V)
         lp_rows = [b for b, p in enumerate(params) if p.logprobs is not None]
         steps = [len(out) for out in output_token_ids]
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
         return cls(
             vocab_size=V,
-            temperature=floats([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
+            temperature=floats(temps),
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            all_greedy=not rand,
+            all_greedy=all(greedy),
             all_random=not any(greedy),
-            noise_keys=torch.tensor(noise_keys(seeds, steps), dtype=torch.int64, device=device),
-            top_k=torch.tensor(ks, device=device) if any(k < V for k in ks) else None,
+            noise_keys=ints(noise_keys(seeds, steps)),
+            top_k=ints(ks) if any(k < V for k in ks) else None,
             max_top_k=max((k for k in ks if k < V), default=0),
             top_p=floats(top_ps) if any(p < 1.0 for p in top_ps) else None,
             min_p=floats(min_ps) if any(p > 0.0 for p in min_ps) else None,
@@ -163,10 +180,10 @@ class SamplingMetadata:
             frequency_penalty=None if no_pen else floats([p.frequency_penalty for p in params]),
             prompt_token_ids=_padded(prompt_token_ids, V, device) if use_rep else None,
             output_token_ids=None if no_pen else _padded(output_token_ids, V, device),
-            min_tokens_rows=torch.tensor(rows, dtype=torch.int64, device=device) if rows else None,
-            min_tokens_cols=torch.tensor(cols, dtype=torch.int64, device=device) if rows else None,
+            min_tokens_rows=ints(rows) if rows else None,
+            min_tokens_cols=ints(cols) if rows else None,
             logprobs_k=[p.logprobs for p in params],
-            logprobs_rows=torch.tensor(lp_rows, device=device) if lp_rows else None,
+            logprobs_rows=ints(lp_rows) if lp_rows else None,
             max_num_logprobs=max((params[b].logprobs for b in lp_rows), default=None),
         )
 
@@ -185,11 +202,8 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """
     B, V = logits.shape
     counts = torch.zeros(B, V + 1, dtype=logits.dtype, device=logits.device)
-    counts.scatter_add_(
-        1,
-        md.output_token_ids,
-        torch.ones_like(counts).narrow(1, 0, 1).expand_as(md.output_token_ids),
-    )
+    ones = torch.ones(md.output_token_ids.shape, dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, md.output_token_ids, ones)
     counts = counts[:, :V]
     if md.prompt_token_ids is not None:
         seen = torch.zeros(B, V + 1, dtype=torch.bool, device=logits.device)
@@ -274,6 +288,6 @@ class Sampler(torch.nn.Module):
         out: list[Logprobs | None] = [None] * len(md.logprobs_k)
         for i, b in enumerate(md.logprobs_rows.tolist()):
             k = md.logprobs_k[b]
-            top = dict(zip(top_ids[i][:k], top_vals[i][:k]))
+            top = dict(zip(top_ids[i][:k], top_vals[i][:k], strict=True))
             out[b] = Logprobs(token_id=tokens[i], logprob=chosen[i], top=top)
         return out
