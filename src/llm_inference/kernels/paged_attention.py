@@ -1,0 +1,260 @@
+"""Paged decode attention in Triton: one query token per sequence, K/V read through block tables.
+
+Shapes (as in reference.py):
+  q            [B, Hq, D]           any batch/head strides, last dim contiguous
+  k/v cache    [N, BS, Hkv, D]      last dim contiguous; BS (block size) a power of two
+  block_tables [B, max_blocks]      int32 or int64; entries past a sequence's length never read
+  seq_lens     [B]                  int32 or int64, 1 <= seq_lens[i] <= max_blocks * BS
+
+Work split: one program per (sequence, KV head, context split).
+- Grouped-query: the G = Hq / Hkv query heads sharing a KV head form a [G, D] tile (padded to 16
+  rows for the tensor cores), so each K/V tile is loaded once for the whole group and the scores
+  are one small matrix product.
+- Split-K: a sequence's context is cut into `num_splits` chunks of `chunk` tokens (a multiple of
+  the tile). Each program writes its normalized partial output and its log-sum-exp (base 2) to
+  fp32 scratch; `_merge_kernel` combines them. With one split the first kernel writes the output
+  itself and no merge runs.
+- `num_splits` depends only on the batch size, the largest possible context (`max_seq_len`, a
+  Python int that defaults to the block-table capacity), the number of SMs and the head shape,
+  never on the values in `seq_lens`: no host synchronization, and a fixed grid for CUDA graphs.
+  Splits that start past a sequence's length write log-sum-exp -inf and exit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+WAVES = 4  # aim for this many programs per SM before splitting stops paying
+MIN_CHUNK = 256  # fewest tokens worth a split of their own
+MAX_SPLITS = 128
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
+    scale_log2,
+    stride_qb, stride_qh,
+    stride_kn, stride_kt, stride_kh,
+    stride_vn, stride_vt, stride_vh,
+    stride_btb,
+    stride_ob, stride_oh,
+    chunk,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b).to(tl.int32)
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    bt_row = bt_ptr + b * stride_btb
+    k_head = k_ptr + kvh * stride_kh
+    v_head = v_ptr + kvh * stride_vh
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + offs_n
+        valid = tok < end
+        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        within = tok % BLOCK_SIZE
+        k_rows = blk * stride_kn + within * stride_kt
+        k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_rows = blk * stride_vn + within * stride_vt
+        v = tl.load(v_head + v_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    nonempty = l_i > 0.0
+    result = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        # Scratch layout: part [B, Hq, NUM_SPLITS, D] and lse [B, Hq, NUM_SPLITS], fp32.
+        rows = (b * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + rows, lse, mask=g_mask)
+        p_ptrs = part_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(p_ptrs, result, mask=g_mask[:, None])
+
+
+@triton.jit
+def _merge_kernel(
+    part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """out[b, h] = sum_s w_s * part[b, h, s] / sum_s w_s with w_s = 2^(lse_s - max lse)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = b * tl.num_programs(1) + h
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < NUM_SPLITS
+    lse = tl.load(lse_ptr + row * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))
+    live = lse > float("-inf")  # splits that saw at least one token; split 0 always does
+    w = tl.where(live, tl.exp2(lse - tl.max(lse, 0)), 0.0)
+    p_ptrs = part_ptr + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :]
+    part = tl.load(p_ptrs, mask=live[:, None], other=0.0)
+    result = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    o_ptrs = out_ptr + b * stride_ob + h * stride_oh + offs_d
+    tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty))
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the CPU interpreter: any small number
+
+
+def default_block_n(head_dim: int, block_size: int) -> int:
+    """Tokens per K/V tile: 16 KB of K per tile in 16-bit types, and whole cache blocks."""
+    return max(8192 // head_dim, block_size, 16)
+
+
+def choose_splits(
+    batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int
+) -> tuple[int, int]:
+    """(num_splits, chunk tokens) from sizes only: enough programs to fill every SM.
+
+    Splits stop at WAVES programs per SM, at MIN_CHUNK tokens per split and at MAX_SPLITS;
+    the chunk is a whole number of tiles and splits that would be empty for `max_seq_len`
+    are dropped.
+    """
+    tiles = triton.cdiv(max(max_seq_len, 1), block_n)
+    want = triton.cdiv(WAVES * num_sms, batch * num_kv_heads)
+    by_chunk = triton.cdiv(tiles * block_n, MIN_CHUNK)
+    splits = max(1, min(want, by_chunk, MAX_SPLITS, tiles))
+    tiles_per_split = triton.cdiv(tiles, splits)
+    return triton.cdiv(tiles, tiles_per_split), tiles_per_split * block_n
+
+
+def _check(q, k_cache, v_cache, block_tables, seq_lens, out) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4:
+        shapes = f"{tuple(q.shape)}, {tuple(k_cache.shape)}"
+        raise ValueError(f"q must be [B, Hq, D] and caches [N, BS, Hkv, D]; got {shapes}")
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if v_cache.shape != k_cache.shape or cache_dim != head_dim:
+        raise ValueError(f"cache shapes {k_cache.shape}/{v_cache.shape} do not fit q {q.shape}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block size must be a power of two, got {block_size}")
+    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"dtypes differ: q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"unsupported dtype {q.dtype}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must be [{num_seqs}, max_blocks], got {block_tables.shape}")
+    if seq_lens.shape != (num_seqs,):
+        raise ValueError(f"seq_lens must be [{num_seqs}], got {tuple(seq_lens.shape)}")
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    if block_tables.stride(1) != 1 or seq_lens.stride(0) != 1:
+        raise ValueError("block_tables rows and seq_lens must be contiguous")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {out.shape} {out.dtype}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim")
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Triton version of reference.paged_attention_decode.
+
+    `max_seq_len` bounds seq_lens (default: the block-table capacity); it only sets the split
+    count, so any bound that holds is correct, a tight one is faster.
+    """
+    _check(q, k_cache, v_cache, block_tables, seq_lens, out)
+    block_size = k_cache.shape[1]
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * block_size
+    block_n = default_block_n(q.shape[2], block_size)
+    splits, chunk = choose_splits(
+        q.shape[0], k_cache.shape[2], max_seq_len, block_n, _num_sms(q.device)
+    )
+    return launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, splits, chunk, block_n)
+
+
+def launch(
+    q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, chunk, block_n,
+    num_warps: int = 4, num_stages: int = 3,
+) -> torch.Tensor:  # fmt: skip
+    """Run with an explicit split and tile configuration (tests and the benchmark sweep it).
+
+    Every token of every sequence must fall in some split: num_splits * chunk >= max seq_len.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if chunk < 1 or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"need chunk >= 1 and a power-of-two tile >= 16: {chunk}, {block_n}")
+    if out is None:
+        out = torch.empty_like(q)
+    if num_splits > 1:
+        part = torch.empty(
+            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part = lse = out  # unused
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part, lse,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        chunk,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        _merge_kernel[(num_seqs, num_heads)](
+            part, lse, out, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            num_warps=4 if head_dim >= 128 else 2,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,78 @@
+"""Rotary embedding (neox / rotate-half) in Triton, applied in place to q and k.
+
+q [T, Hq, D] and k [T, Hkv, D] are usually strided views into one fused qkv tensor: last dim
+contiguous, any head and token strides. cos_sin_cache [max_positions, D] float32 holds cos in the
+first D/2 columns and sin in the last D/2 (llama3 frequency scaling is applied when the cache is
+built, once). One program per token rotates all of its q and k heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(base, stride_h, cos, sin, NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
+                  HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):  # fmt: skip
+    offs_h = tl.arange(0, BLOCK_H)
+    offs = tl.arange(0, BLOCK_HALF)
+    mask = (offs_h[:, None] < NUM_HEADS) & (offs[None, :] < HALF)
+    ptrs = base + offs_h[:, None] * stride_h + offs[None, :]
+    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptrs, (x1 * cos - x2 * sin).to(base.dtype.element_ty), mask=mask)
+    tl.store(ptrs + HALF, (x2 * cos + x1 * sin).to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    pos_ptr, q_ptr, k_ptr, cs_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+    NUM_Q: tl.constexpr, NUM_K: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK_HALF)
+    cs_row = cs_ptr + pos * stride_cs
+    cos = tl.load(cs_row + offs, mask=offs < HALF, other=0.0)[None, :]
+    sin = tl.load(cs_row + HALF + offs, mask=offs < HALF, other=0.0)[None, :]
+    _rotate_heads(q_ptr + t * stride_qt, stride_qh, cos, sin, NUM_Q, BLOCK_Q, HALF, BLOCK_HALF)
+    _rotate_heads(k_ptr + t * stride_kt, stride_kh, cos, sin, NUM_K, BLOCK_K, HALF, BLOCK_HALF)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of reference.rotary_embedding: rotates q and k in place, returns them."""
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q [T, Hq, D] and k [T, Hkv, D] expected, got {q.shape}, {k.shape}")
+    num_tokens, _, head_dim = q.shape
+    if positions.shape != (num_tokens,) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"positions must be int32/int64 [{num_tokens}], got {positions.shape}")
+    if head_dim % 2 or cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim:
+        raise ValueError(f"cos_sin_cache must be [max_pos, {head_dim}], got {cos_sin_cache.shape}")
+    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.stride(1) != 1:
+        raise ValueError("cos_sin_cache must be float32 with contiguous rows")
+    if q.dtype != k.dtype or q.stride(2) != 1 or k.stride(2) != 1:
+        raise ValueError("q and k must share a dtype and be contiguous in their last dim")
+    for name, t in (("positions", positions), ("k", k), ("cos_sin_cache", cos_sin_cache)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    if positions.stride(0) != 1 and num_tokens > 1:
+        raise ValueError("positions must be contiguous")
+    half = head_dim // 2
+    if num_tokens:
+        _rotary_kernel[(num_tokens,)](
+            positions, q, k, cos_sin_cache,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+            NUM_Q=q.shape[1], NUM_K=k.shape[1],
+            BLOCK_Q=triton.next_power_of_2(q.shape[1]), BLOCK_K=triton.next_power_of_2(k.shape[1]),
+            HALF=half, BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
+        )  # fmt: skip
+    return q, k

@@ -1,0 +1,22 @@
+"""The five Triton ops, with the signatures and semantics of reference.py (see get_ops).
+
+Each launcher checks shapes, dtypes, strides and devices and raises ValueError. Extras beyond
+the reference signatures are optional: `max_seq_len` for paged attention (sets the split count
+without a host sync) and keyword `out=` buffers for rms_norm and silu_and_mul.
+"""
+
+from __future__ import annotations
+
+from llm_inference.kernels.activation import silu_and_mul
+from llm_inference.kernels.kv_cache import store_kv_cache
+from llm_inference.kernels.paged_attention import paged_attention_decode
+from llm_inference.kernels.rms_norm import rms_norm
+from llm_inference.kernels.rotary import rotary_embedding
+
+__all__ = [
+    "paged_attention_decode",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "store_kv_cache",
+]

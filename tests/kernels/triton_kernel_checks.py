@@ -1,0 +1,220 @@
+"""Checks of each Triton kernel against its reference, shared by the CPU and GPU tests.
+
+Each `check_*` draws fresh random inputs, poisons every output with NaN first (or, for in-place
+kernels, relies on inputs that the op must change), runs the Triton launcher and the reference,
+and raises AssertionError on a mismatch. The CPU tests run them in a child process under
+TRITON_INTERPRET=1 (`python triton_kernel_checks.py [KERNEL ...]`): the interpreter must be on
+before triton is first imported.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+# Relative L2 error allowed per sequence (attention) and elementwise tolerances (the rest).
+ATTN_TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
+ELEM_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _ops():
+    from llm_inference.kernels import reference, triton_ops
+
+    return reference, triton_ops
+
+
+def make_paged_case(device, dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size, gen):
+    """Random q and caches; each sequence's blocks are a random, non-contiguous set of a pool
+    larger than needed. block_tables is a strided view with random (valid) ids past the end."""
+    need = [math.ceil(n / block_size) for n in seq_lens]
+    width = max(need) + 2
+    num_blocks = sum(need) + 7
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.randint(0, num_blocks, (len(seq_lens), width + 3), generator=gen)
+    used = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = perm[used : used + n]
+        used += n
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, generator=gen).to(device, dtype)
+    v_cache = torch.randn(cache_shape, generator=gen).to(device, dtype)
+    q = (2 * torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)).to(device, dtype)
+    block_tables = tables.to(device, torch.int32)[:, :width]
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, block_tables, lens
+
+
+def assert_attention_close(out, q, k_cache, v_cache, block_tables, lens, scale, what=""):
+    reference, _ = _ops()
+    f = torch.float32
+    ref = reference.paged_attention_decode(
+        q.to(f), k_cache.to(f), v_cache.to(f), block_tables, lens, scale
+    )
+    assert torch.isfinite(out).all(), f"{what}: unwritten (NaN) or non-finite outputs"
+    err = (out.float() - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)
+    worst = int(err.argmax())
+    assert err.max() < ATTN_TOL[q.dtype], (
+        f"{what}: relative error {err.max().item():.2e} at seq {worst} (len {int(lens[worst])})"
+    )
+
+
+def check_paged_attention(device, dtype, seq_lens, num_heads, num_kv_heads, head_dim,
+                          block_size, seed, configs=()):  # fmt: skip
+    """The public launcher (default and tight max_seq_len), then each (splits, chunk, tile)."""
+    from llm_inference.kernels import paged_attention
+
+    gen = torch.Generator().manual_seed(seed)
+    case = make_paged_case(
+        device, dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size, gen
+    )
+    q, k_cache, v_cache, block_tables, lens = case
+    scale = head_dim**-0.5
+    for max_len in (None, max(seq_lens)):
+        out = torch.full_like(q, float("nan"))
+        res = paged_attention.paged_attention_decode(
+            q, k_cache, v_cache, block_tables, lens, scale, out, max_seq_len=max_len
+        )
+        assert res is out
+        assert_attention_close(out, *case, scale, f"max_seq_len={max_len}")
+    for splits, chunk, block_n in configs:
+        out = torch.full_like(q, float("nan"))
+        paged_attention.launch(
+            q, k_cache, v_cache, block_tables, lens, scale, out, splits, chunk, block_n
+        )
+        assert_attention_close(out, *case, scale, f"splits={splits} chunk={chunk} n={block_n}")
+
+
+def check_rms_norm(device, dtype, num_tokens, hidden, seed):
+    reference, triton_ops = _ops()
+    gen = torch.Generator().manual_seed(seed)
+    # x and residual are row slices of wider buffers: row stride != hidden.
+    x = torch.randn(num_tokens, hidden + 8, generator=gen).to(device, dtype)[:, :hidden]
+    res = torch.randn(num_tokens, hidden + 4, generator=gen).to(device, dtype)[:, :hidden]
+    weight = (1 + torch.randn(hidden, generator=gen)).to(device, dtype)
+    tol = ELEM_TOL[dtype]
+    out = torch.full((num_tokens, hidden), float("nan"), dtype=dtype, device=device)
+    assert triton_ops.rms_norm(x, weight, 1e-5, out=out) is out
+    torch.testing.assert_close(out, reference.rms_norm(x, weight, 1e-5), rtol=tol, atol=tol)
+
+    ref_out, ref_res = reference.rms_norm(x.clone(), weight, 1e-5, res.clone())
+    out = torch.full((num_tokens, hidden), float("nan"), dtype=dtype, device=device)
+    got_out, got_res = triton_ops.rms_norm(x.clone(), weight, 1e-5, res, out=out)
+    assert got_out is out and got_res.data_ptr() == res.data_ptr()
+    torch.testing.assert_close(got_res, ref_res, rtol=0, atol=0)  # same fp32 add, same rounding
+    torch.testing.assert_close(got_out, ref_out, rtol=tol, atol=tol)
+    got = triton_ops.rms_norm(x.clone(), weight.float(), 1e-6)  # float32 weight
+    torch.testing.assert_close(got, reference.rms_norm(x, weight.float(), 1e-6), rtol=tol, atol=tol)
+
+
+def check_silu_and_mul(device, dtype, num_tokens, inter, seed):
+    reference, triton_ops = _ops()
+    gen = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(num_tokens, 2 * inter, generator=gen)).to(device, dtype)
+    out = torch.full((num_tokens, inter), float("nan"), dtype=dtype, device=device)
+    assert triton_ops.silu_and_mul(x, out=out) is out
+    tol = ELEM_TOL[dtype]
+    torch.testing.assert_close(out, reference.silu_and_mul(x), rtol=tol, atol=tol)
+    x3 = x.view(2, num_tokens // 2, 2 * inter) if num_tokens % 2 == 0 else x[None]
+    got = triton_ops.silu_and_mul(x3)
+    torch.testing.assert_close(got, reference.silu_and_mul(x3), rtol=tol, atol=tol)
+
+
+def _split_qkv(qkv, num_heads, num_kv_heads, head_dim):
+    """q, k, v views of a fused qkv [T, (Hq + 2 Hkv) D], as the model makes them."""
+    q_end, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+    q = qkv[:, :q_end].unflatten(1, (num_heads, head_dim))
+    k = qkv[:, q_end:k_end].unflatten(1, (num_kv_heads, head_dim))
+    v = qkv[:, k_end:].unflatten(1, (num_kv_heads, head_dim))
+    return q, k, v
+
+
+def _fused_qkv(device, dtype, num_tokens, num_heads, num_kv_heads, head_dim, gen):
+    """A random qkv whose rows are padded (token stride > width)."""
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    return torch.randn(num_tokens, width + 16, generator=gen).to(device, dtype)[:, :width]
+
+
+def check_rotary(device, dtype, num_tokens, num_heads, num_kv_heads, head_dim, seed):
+    reference, triton_ops = _ops()
+    gen = torch.Generator().manual_seed(seed)
+    max_pos = 8192
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+    # Positions >= 1 so that every element changes (an unwritten one is caught).
+    positions = torch.randint(1, max_pos, (num_tokens,), generator=gen).to(device)
+    qkv = _fused_qkv(device, dtype, num_tokens, num_heads, num_kv_heads, head_dim, gen)
+    ref_qkv = qkv.clone()
+    ref_q, ref_k, _ = _split_qkv(ref_qkv, num_heads, num_kv_heads, head_dim)
+    reference.rotary_embedding(positions, ref_q, ref_k, cos_sin)
+    q, k, _ = _split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    assert q.stride(0) != q.shape[1] * head_dim  # really a strided view
+    got_q, got_k = triton_ops.rotary_embedding(positions, q, k, cos_sin)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()
+    tol = ELEM_TOL[dtype]
+    torch.testing.assert_close(qkv, ref_qkv, rtol=tol, atol=tol)
+    v_start = (num_heads + num_kv_heads) * head_dim
+    assert torch.equal(qkv[:, v_start:], ref_qkv[:, v_start:]), "v must be untouched"
+
+
+def check_store_kv_cache(device, dtype, num_tokens, num_kv_heads, head_dim, block_size, seed):
+    reference, triton_ops = _ops()
+    gen = torch.Generator().manual_seed(seed)
+    qkv = _fused_qkv(device, dtype, num_tokens, 2 * num_kv_heads, num_kv_heads, head_dim, gen)
+    _, k, v = _split_qkv(qkv, 2 * num_kv_heads, num_kv_heads, head_dim)
+    num_blocks = 2 * math.ceil(num_tokens / block_size) + 3
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=gen) < 0.2] = -1  # padding tokens
+    slots = slots.to(device)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    reference.store_kv_cache(k, v, ref_k, ref_v, slots)
+    triton_ops.store_kv_cache(k, v, k_cache, v_cache, slots.to(torch.int32))
+    # Exact: written slots hold the inputs, skipped and untouched slots stay NaN.
+    torch.testing.assert_close(k_cache, ref_k, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, ref_v, rtol=0, atol=0, equal_nan=True)
+
+
+INTERPRETER_KERNELS = ("paged_attention", "rms_norm", "silu_and_mul", "rotary", "store_kv_cache")
+
+
+def run_interpreter(kernel: str) -> None:
+    """Small CPU cases in float32 and float16, for TRITON_INTERPRET=1."""
+    for i, dtype in enumerate((torch.float32, torch.float16)):
+        if kernel == "paged_attention":
+            lens = [1, 15, 16, 17, 70, 131]
+            shapes = (((4, 2, 16), 16), ((6, 2, 32), 32), ((8, 1, 16), 16))
+            for shape, bs in shapes if dtype == torch.float32 else shapes[1:2]:
+                cfgs = [(1, 192, 16), (3, 64, 32), (9, 16, 16)]
+                check_paged_attention("cpu", dtype, lens, *shape, bs, seed=i, configs=cfgs)
+        elif kernel == "rms_norm":
+            check_rms_norm("cpu", dtype, 5, 48, seed=i)
+        elif kernel == "silu_and_mul":
+            check_silu_and_mul("cpu", dtype, 6, 40, seed=i)
+        elif kernel == "rotary":
+            check_rotary("cpu", dtype, 7, 6, 2, 16, seed=i)
+        elif kernel == "store_kv_cache":
+            check_store_kv_cache("cpu", dtype, 21, 2, 16, 8, seed=i)
+        else:
+            raise ValueError(kernel)
+
+
+def main(kernels: list[str]) -> None:
+    """Run each kernel's interpreter cases; print one `RESULT <kernel> ok|FAIL` line each."""
+    import traceback
+
+    for kernel in kernels:
+        try:
+            run_interpreter(kernel)
+            print(f"RESULT {kernel} ok", flush=True)
+        except Exception:
+            traceback.print_exc()
+            print(f"RESULT {kernel} FAIL", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or list(INTERPRETER_KERNELS))
