@@ -181,3 +181,14 @@ def test_scheduled_request_carries_block_table_and_sampling_inputs():
     sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
     assert sched.schedule().is_empty
     assert sched.num_steps == 1
+
+
+def test_no_admission_in_a_step_that_preempted_even_if_blocks_came_free():
+    sched = make_scheduler(num_blocks=3, block_size=4, budget=5)
+    add(sched, "a", 4)
+    add(sched, "b", 8)
+    assert plan(step(sched)) == [("a", 0, 4), ("b", 0, 1)]  # b: a 1-token chunk, 1 block
+    out = step(sched)  # a takes the last block; b's next chunk needs one: b preempts itself
+    assert out.preempted_request_ids == ["b"]
+    assert plan(out) == [("a", 4, 1)]  # b's freed block would fit a 4-token chunk: not now
+    assert plan(step(sched)) == [("a", 5, 1), ("b", 0, 4)]

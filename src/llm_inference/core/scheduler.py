@@ -38,12 +38,14 @@ class Scheduler:
         self.num_steps = 0
 
     def add_request(self, request: Request) -> None:
+        """Queue a new request; its prompt must be shorter than max_model_len (so that
+        `num_tokens <= max_model_len` always holds) and fit in the whole KV cache."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
-        if request.num_tokens > self.config.max_model_len:
+        if request.num_tokens >= self.config.max_model_len:
             raise ValueError(
-                f"request {request.request_id!r} has {request.num_tokens} tokens, more than "
-                f"max_model_len={self.config.max_model_len}"
+                f"request {request.request_id!r} has {request.num_tokens} tokens, which leaves "
+                f"no room for output within max_model_len={self.config.max_model_len}"
             )
         self._check_fits(request, request.num_tokens)
         request.status = RequestStatus.WAITING
