@@ -25,7 +25,7 @@ sys.path.insert(0, str(HERE))
 import triton_kernel_checks as checks  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-LLAMA_SHAPES = [(32, 8, 64), (24, 8, 128), (32, 8, 128)]  # Llama 3.2 1B, 3.2 3B, 3.1 8B
+LLAMA_SHAPES = [(32, 8, 64), (24, 8, 128)]  # Llama 3.2 1B and 3B: (q heads, KV heads, head dim)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,8 @@ def test_paged_attention_gpu_bf16(shape, block_size):
     from llm_inference.kernels.paged_attention import default_block_n
 
     block_n = default_block_n(shape[2], block_size)
-    cfgs = [(1, 4096, block_n), (32, 128, block_n), (3, 1408, 32)]
+    cfgs = [(1, 4096, block_n, False), (32, 128, block_n, False), (3, 1408, 32, False),
+            (32, 128, block_n, True), (5, 832, block_n, True)]  # fmt: skip
     lens = mixed_lens(40, block_size, seed=block_size)
     checks.check_paged_attention("cuda", torch.bfloat16, lens, *shape, block_size, 1, cfgs)
 
@@ -116,10 +117,13 @@ def test_paged_attention_gpu_fp16_small_batch():
 
 
 @cuda
-def test_paged_attention_replays_in_cuda_graph():
+@pytest.mark.parametrize("fused_merge", [False, True])
+def test_paged_attention_replays_in_cuda_graph(fused_merge, monkeypatch):
     """No host sync: capture once, then change lengths, tables and q in place and replay."""
+    from llm_inference.kernels import paged_attention
     from llm_inference.kernels.triton_ops import paged_attention_decode
 
+    monkeypatch.setattr(paged_attention, "FUSED_MERGE", fused_merge)
     gen = torch.Generator().manual_seed(4)
     case = checks.make_paged_case("cuda", torch.bfloat16, [4096] * 8, 32, 8, 64, 16, gen)
     q, k_cache, v_cache, block_tables, lens = case

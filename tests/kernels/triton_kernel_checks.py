@@ -62,7 +62,8 @@ def assert_attention_close(out, q, k_cache, v_cache, block_tables, lens, scale, 
 
 def check_paged_attention(device, dtype, seq_lens, num_heads, num_kv_heads, head_dim,
                           block_size, seed, configs=()):  # fmt: skip
-    """The public launcher (default and tight max_seq_len), then each (splits, chunk, tile)."""
+    """The public launcher (default and tight max_seq_len), then each configuration
+    (splits, chunk, tile, fused merge) through `paged_attention.launch`."""
     from llm_inference.kernels import paged_attention
 
     gen = torch.Generator().manual_seed(seed)
@@ -78,12 +79,14 @@ def check_paged_attention(device, dtype, seq_lens, num_heads, num_kv_heads, head
         )
         assert res is out
         assert_attention_close(out, *case, scale, f"max_seq_len={max_len}")
-    for splits, chunk, block_n in configs:
+    for splits, chunk, block_n, fused in configs:
         out = torch.full_like(q, float("nan"))
         paged_attention.launch(
-            q, k_cache, v_cache, block_tables, lens, scale, out, splits, chunk, block_n
-        )
-        assert_attention_close(out, *case, scale, f"splits={splits} chunk={chunk} n={block_n}")
+            q, k_cache, v_cache, block_tables, lens, scale, out, splits, chunk, block_n,
+            fused_merge=fused,
+        )  # fmt: skip
+        what = f"splits={splits} chunk={chunk} n={block_n} fused={fused}"
+        assert_attention_close(out, *case, scale, what)
 
 
 def check_rms_norm(device, dtype, num_tokens, hidden, seed):
@@ -189,7 +192,7 @@ def run_interpreter(kernel: str) -> None:
             lens = [1, 15, 16, 17, 70, 131]
             shapes = (((4, 2, 16), 16), ((6, 2, 32), 32), ((8, 1, 16), 16))
             for shape, bs in shapes if dtype == torch.float32 else shapes[1:2]:
-                cfgs = [(1, 192, 16), (3, 64, 32), (9, 16, 16)]
+                cfgs = [(1, 192, 16, False), (3, 64, 32, False), (9, 16, 16, True)]
                 check_paged_attention("cpu", dtype, lens, *shape, bs, seed=i, configs=cfgs)
         elif kernel == "rms_norm":
             check_rms_norm("cpu", dtype, 5, 48, seed=i)

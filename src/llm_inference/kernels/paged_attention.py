@@ -32,42 +32,41 @@ _LOG2E = 1.4426950408889634
 WAVES = 4  # aim for this many programs per SM before splitting stops paying
 MIN_CHUNK = 256  # fewest tokens worth a split of their own
 MAX_SPLITS = 128
+FUSED_MERGE = False  # merge in the last split's program instead of a second kernel
 
 
 @triton.jit
-def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
-    scale_log2,
-    stride_qb, stride_qh,
-    stride_kn, stride_kt, stride_kh,
-    stride_vn, stride_vt, stride_vh,
-    stride_btb,
-    stride_ob, stride_oh,
-    chunk,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-):  # fmt: skip
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(lens_ptr + b).to(tl.int32)
-    start = split * chunk
-    end = tl.minimum(start + chunk, seq_len)
+def _merge_row(part_ptr, lse_ptr, row, num_splits, o_ptrs,
+               BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
+    """o = sum_s w_s * part[row, s] / sum_s w_s with w_s = 2^(lse_s - max lse).
 
-    offs_g = tl.arange(0, BLOCK_G)
+    Splits with lse -inf saw no token and are skipped (split 0 always sees one). Loads bypass
+    L1 (.cg): in the fused merge the partials were written by other programs of this launch.
+    """
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    lse_ptrs = lse_ptr + row * num_splits + offs_s
+    lse = tl.load(lse_ptrs, mask=offs_s < num_splits, other=float("-inf"), cache_modifier=".cg")
+    live = lse > float("-inf")
+    w = tl.where(live, tl.exp2(lse - tl.max(lse, 0)), 0.0)
+    p_ptrs = part_ptr + (row * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :]
+    part = tl.load(p_ptrs, mask=live[:, None], other=0.0, cache_modifier=".cg")
+    result = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(o_ptrs + offs_d, result.to(o_ptrs.dtype.element_ty))
+
+
+@triton.jit
+def _attend(q, k_head, v_head, bt_row, start, end, scale_log2,
+            stride_kn, stride_kt, stride_vn, stride_vt,
+            BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Online softmax of q [BLOCK_G, D] over tokens [start, end): (max, sum, unnormalized acc),
+    all float32 and log2-scaled. Token t lives in cache block bt_row[t // BLOCK_SIZE]."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
-    heads = kvh * GROUP + offs_g
-    g_mask = offs_g < GROUP
-    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)
-
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    bt_row = bt_ptr + b * stride_btb
-    k_head = k_ptr + kvh * stride_kh
-    v_head = v_ptr + kvh * stride_vh
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + offs_n
         valid = tok < end
@@ -85,41 +84,80 @@ def _paged_decode_kernel(
         v = tl.load(v_head + v_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-
-    nonempty = l_i > 0.0
-    result = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
-        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
-    else:
-        # Scratch layout: part [B, Hq, NUM_SPLITS, D] and lse [B, Hq, NUM_SPLITS], fp32.
-        rows = (b * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
-        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + rows, lse, mask=g_mask)
-        p_ptrs = part_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :]
-        tl.store(p_ptrs, result, mask=g_mask[:, None])
+    return m_i, l_i, acc
 
 
 @triton.jit
-def _merge_kernel(
-    part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr, count_ptr,
+    scale_log2,
+    stride_qb, stride_qh,
+    stride_kn, stride_kt, stride_kh,
+    stride_vn, stride_vt, stride_vh,
+    stride_btb,
+    stride_ob, stride_oh,
+    chunk, num_splits,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
-    """out[b, h] = sum_s w_s * part[b, h, s] / sum_s w_s with w_s = 2^(lse_s - max lse)."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b).to(tl.int32)
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)
+
+    m_i, l_i, acc = _attend(
+        q, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, bt_ptr + b * stride_btb,
+        start, end, scale_log2, stride_kn, stride_kt, stride_vn, stride_vt,
+        BLOCK_G, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+    )  # fmt: skip
+    nonempty = l_i > 0.0
+    result = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    if not SPLIT:
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        # Scratch layout: part [B, Hq, num_splits, D] and lse [B, Hq, num_splits], fp32.
+        num_heads = tl.num_programs(1) * GROUP
+        rows = (b * num_heads + heads) * num_splits + split
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + rows, lse, mask=g_mask)
+        tl.store(
+            part_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], result, mask=g_mask[:, None]
+        )
+        if FUSED_MERGE:
+            # The last split to finish for this (sequence, KV head) merges. The barrier orders
+            # every thread's stores before the release; the acquire orders the merge's loads.
+            tl.debug_barrier()
+            counter = count_ptr + b * tl.num_programs(1) + kvh
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if done == num_splits - 1:
+                tl.debug_barrier()
+                for g in tl.static_range(GROUP):
+                    h = kvh * GROUP + g
+                    o_ptrs = out_ptr + b * stride_ob + h * stride_oh
+                    _merge_row(part_ptr, lse_ptr, b * num_heads + h, num_splits, o_ptrs,
+                               BLOCK_S, HEAD_DIM)  # fmt: skip
+                tl.store(counter, 0)  # ready for the next launch (and graph replay)
+
+
+@triton.jit
+def _merge_kernel(part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
+                  BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
-    row = b * tl.num_programs(1) + h
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
-    s_mask = offs_s < NUM_SPLITS
-    lse = tl.load(lse_ptr + row * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))
-    live = lse > float("-inf")  # splits that saw at least one token; split 0 always does
-    w = tl.where(live, tl.exp2(lse - tl.max(lse, 0)), 0.0)
-    p_ptrs = part_ptr + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :]
-    part = tl.load(p_ptrs, mask=live[:, None], other=0.0)
-    result = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
-    o_ptrs = out_ptr + b * stride_ob + h * stride_oh + offs_d
-    tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty))
+    o_ptrs = out_ptr + b * stride_ob + h * stride_oh
+    _merge_row(part_ptr, lse_ptr, b * tl.num_programs(1) + h, num_splits, o_ptrs,
+               BLOCK_S, HEAD_DIM)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=8)
@@ -135,7 +173,7 @@ def default_block_n(head_dim: int, block_size: int) -> int:
 
 
 def choose_splits(
-    batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int
+    batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int, waves: int = 0
 ) -> tuple[int, int]:
     """(num_splits, chunk tokens) from sizes only: enough programs to fill every SM.
 
@@ -144,7 +182,7 @@ def choose_splits(
     are dropped.
     """
     tiles = triton.cdiv(max(max_seq_len, 1), block_n)
-    want = triton.cdiv(WAVES * num_sms, batch * num_kv_heads)
+    want = triton.cdiv((waves or WAVES) * num_sms, batch * num_kv_heads)
     by_chunk = triton.cdiv(tiles * block_n, MIN_CHUNK)
     splits = max(1, min(want, by_chunk, MAX_SPLITS, tiles))
     tiles_per_split = triton.cdiv(tiles, splits)
@@ -218,7 +256,7 @@ def paged_attention_decode(
 
 def launch(
     q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, chunk, block_n,
-    num_warps: int = 4, num_stages: int = 3,
+    num_warps: int = 4, num_stages: int = 3, fused_merge: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Run with an explicit split and tile configuration (tests and the benchmark sweep it).
 
@@ -229,32 +267,53 @@ def launch(
     group = num_heads // num_kv_heads
     if chunk < 1 or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"need chunk >= 1 and a power-of-two tile >= 16: {chunk}, {block_n}")
+    fused_merge = FUSED_MERGE if fused_merge is None else fused_merge
     if out is None:
         out = torch.empty_like(q)
+    part = lse = counts = out  # placeholders when unused
     if num_splits > 1:
         part = torch.empty(
             (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
         )
         lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        part = lse = out  # unused
+        if fused_merge:
+            counts = _counters(q.device, num_seqs * num_kv_heads)
+    block_s = triton.next_power_of_2(num_splits)
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part, lse,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part, lse, counts,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        chunk,
+        chunk, num_splits,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        SPLIT=num_splits > 1, FUSED_MERGE=fused_merge, BLOCK_S=block_s,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    if num_splits > 1:
+    if num_splits > 1 and not fused_merge:
         _merge_kernel[(num_seqs, num_heads)](
-            part, lse, out, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-            num_warps=4 if head_dim >= 128 else 2,
+            part, lse, out, out.stride(0), out.stride(1), num_splits,
+            BLOCK_S=block_s, HEAD_DIM=head_dim, num_warps=4 if head_dim >= 128 else 2,
         )  # fmt: skip
     return out
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 split counters for the fused merge, one per (sequence, KV head).
+
+    Each launch leaves them zero again. One buffer per device: launches on concurrent streams
+    of one device must not use the fused merge. Allocated (and grown) outside graph capture.
+    """
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("run paged_attention_decode once before capturing a CUDA graph")
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
