@@ -283,7 +283,7 @@ class Sampler(torch.nn.Module):
         """One device->host copy of the sampled tokens' and top-k logprobs of asking rows."""
         tokens = token_ids.index_select(0, md.logprobs_rows)
         chosen = raw.gather(1, tokens[:, None])[:, 0].tolist()
-        top_vals, top_ids = raw.topk(md.max_num_logprobs, dim=-1)
+        top_vals, top_ids = raw.topk(min(md.max_num_logprobs, raw.shape[1]), dim=-1)
         top_vals, top_ids, tokens = top_vals.tolist(), top_ids.tolist(), tokens.tolist()
         out: list[Logprobs | None] = [None] * len(md.logprobs_k)
         for i, b in enumerate(md.logprobs_rows.tolist()):
