@@ -1,8 +1,31 @@
-"""llm_inference: a small, readable inference engine for Llama-family models."""
+"""llm_inference: a small, readable inference engine for Llama-family models.
 
-from llm_inference.entrypoints.llm import LLM
-from llm_inference.outputs import CompletionOutput, RequestOutput
-from llm_inference.sampling_params import SamplingParams
+The public names load on first use, so that `import llm_inference.core` (pure Python) and the
+command line's start-up do not pay for torch and transformers before they need them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llm_inference.entrypoints.llm import LLM
+    from llm_inference.outputs import CompletionOutput, RequestOutput
+    from llm_inference.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
+
+_WHERE = {
+    "LLM": "llm_inference.entrypoints.llm",
+    "SamplingParams": "llm_inference.sampling_params",
+    "RequestOutput": "llm_inference.outputs",
+    "CompletionOutput": "llm_inference.outputs",
+}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'llm_inference' has no attribute {name!r}")
