@@ -60,10 +60,11 @@ def is_gguf_file(path: str | os.PathLike) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=1)
 def _read(path: str, size: int, mtime_ns: int):
-    # Parsing the header (tens of thousands of vocabulary strings) takes seconds: the config,
-    # weights and tokenizer steps of one load share it. Keyed by size and mtime.
+    # Parsing the header (tens of thousands of vocabulary strings) takes seconds and ~150 MB of
+    # Python objects: the config and weights steps of one load share one parse, which
+    # iter_gguf_weights drops when it is done. Keyed by size and mtime.
     from gguf import GGUFReader
 
     return GGUFReader(path)
@@ -114,8 +115,10 @@ def _f32(value: float) -> float:
 
 def load_gguf_config(path: str | os.PathLike) -> ModelConfig:
     """ModelConfig from the `llama.*` and `tokenizer.ggml.*` metadata of a GGUF file."""
-    reader = _open(path)
+    return _config(_open(path), str(path))
 
+
+def _config(reader, path: str) -> ModelConfig:
     def llama(key: str, default=_MISSING):
         return _value(reader, "llama." + key, default)
 
@@ -175,7 +178,7 @@ def _llama3_from_divisors(d: np.ndarray, theta, head_dim, orig, source) -> RopeS
     """Recover Llama 3 scaling from llama.cpp's divisors, assuming low_freq_factor = 1 (as in
     every Llama 3.x release) and solving the smooth region for high_freq_factor and the
     original context; the result must reproduce the divisors, else the file is refused."""
-    factor = float(d.max())
+    factor = round(float(d.max()), 4)  # divisors are float32
     freqs = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     mid = (d > 1 + 1e-6) & (d < factor * (1 - 1e-6))
     smooth = (1 / d[mid] - 1 / factor) / (1 - 1 / factor)
@@ -247,9 +250,10 @@ def iter_gguf_weights(
     """Yield (Hugging Face name, tensor) for each parameter in the file, dequantized to `dtype`
     on CPU, one at a time (the file is memory-mapped). `lm_head.weight` only if the file has
     `output.weight` (otherwise the embedding is tied)."""
-    config = load_gguf_config(path)
+    reader = _open(path)
+    config = _config(reader, str(path))
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
-    for t in _open(path).tensors:
+    for t in reader.tensors:
         name = hf_tensor_name(t.name)
         if name is None:
             continue
@@ -258,6 +262,7 @@ def iter_gguf_weights(
         if proj in heads:
             w = _unpermute(w, heads[proj])
         yield name, w
+    _read.cache_clear()
 
 
 def load_gguf_tokenizer(path: str | os.PathLike):
