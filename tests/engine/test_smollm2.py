@@ -62,9 +62,9 @@ def hf_tokens(model_dir, prompts):
 @pytest.mark.parametrize(
     "engine_kw",
     [
-        dict(kv_cache_memory_bytes=200 * BLOCK_BYTES_F32),
+        dict(kv_cache_memory_bytes=200 * BLOCK_BYTES_F32, max_model_len=256),
         dict(kv_cache_memory_bytes=12 * BLOCK_BYTES_F32, max_model_len=192),
-        dict(kv_cache_memory_bytes=200 * BLOCK_BYTES_F32, max_num_seqs=2),
+        dict(kv_cache_memory_bytes=200 * BLOCK_BYTES_F32, max_model_len=256, max_num_seqs=2),
     ],
     ids=["plain", "preempting", "max_num_seqs_2"],
 )
