@@ -133,7 +133,9 @@ def bench_engine(folder: Path, kernel_backend: str) -> dict:
     ) as llm:
         for bs, n in WORKLOADS:
             sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-            res[(bs, n)] = timed(lambda: llm.generate([PROMPT] * bs, sp, use_tqdm=False))
+            res[(bs, n)] = timed(
+                lambda bs=bs, sp=sp: llm.generate([PROMPT] * bs, sp, use_tqdm=False)
+            )
         ids = [list(range(1000, 1128))]
 
         def gen(k):
@@ -153,7 +155,7 @@ def bench_hf(folder: Path) -> dict:
     res = {}
     for bs, n in WORKLOADS:
 
-        def run():
+        def run(bs=bs, n=n, model=model):
             enc = tok([PROMPT] * bs, return_tensors="pt").to("cuda")
             out = model.generate(
                 **enc, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
