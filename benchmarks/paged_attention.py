@@ -6,7 +6,11 @@ sequence of a row at the same context length, prints one markdown table row per
 (batch, context): PyTorch ms, Triton ms, speedup, achieved K/V bandwidth (K and V bytes read
 over the Triton time) and its fraction of the device-to-device copy bandwidth measured here
 (bytes read + written). Times are medians of triton.testing.do_bench, which flushes L2 before
-each call. `--sweep` adds tile/split variants and fixed-cost probes at the bandwidth rows.
+each call. "Triton ms" is GPU time, the call replayed from a CUDA graph (as a decode step runs
+once graphs are captured); "Triton eager ms" times plain calls, where the host cost of the
+Python launcher shows whenever it exceeds the GPU time. The reference cannot be captured
+(it syncs on seq_lens.max()), so it is timed eagerly. `--sweep` adds split-count and merge
+variants, with fixed-cost probes, at SWEEP_ROWS.
 
     PYTHONPATH=src python benchmarks/paged_attention.py [--sweep] [--json PATH]
 """
@@ -18,7 +22,6 @@ import datetime
 import functools
 import json
 import math
-import time
 
 import torch
 import triton
@@ -33,7 +36,6 @@ BANDWIDTH_ROWS = [(64, 4096), (1, 32768)]
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
-EAGER_CALLS = 200
 
 
 def median_ms(fn, rep: int = 100) -> float:
@@ -70,6 +72,16 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return err.max().item()
 
 
+def graph_ms(fn) -> float:
+    """Median GPU time of `fn` replayed from a CUDA graph (no host launch cost in it)."""
+    fn()  # compile and allocate outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_ms(graph.replay)
+
+
 def bench_row(batch, seq, shape, gen, copy_bw) -> dict:
     q, k_cache, v_cache, tables, lens = make_case(batch, seq, shape, gen)
     scale = shape[2] ** -0.5
@@ -79,55 +91,50 @@ def bench_row(batch, seq, shape, gen, copy_bw) -> dict:
     torch_fn = lambda: reference.paged_attention_decode(*args)
     triton_fn()
     err = rel_error(out, torch_fn())
-    t_triton = median_ms(triton_fn)
     t_torch = median_ms(torch_fn, rep=100 if batch * seq <= 65536 else 40)
-    # Host cost of one eager call (launcher + launches), back to back, no sync in between.
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(EAGER_CALLS):
-        triton_fn()
-    torch.cuda.synchronize()
-    host_us = (time.perf_counter() - start) / EAGER_CALLS * 1e6
-    bw = kv_bytes(batch, seq, shape) / (t_triton * 1e-3)
-    splits, chunk = pa.choose_splits(
+    t_eager = median_ms(triton_fn)
+    t_graph = graph_ms(triton_fn)
+    bw = kv_bytes(batch, seq, shape) / (t_graph * 1e-3)
+    splits, _ = pa.choose_splits(
         batch, shape[1], seq, pa.default_block_n(shape[2], BLOCK_SIZE), pa._num_sms(q.device)
     )
-    return dict(batch=batch, seq=seq, torch_ms=t_torch, triton_ms=t_triton,
-                speedup=t_torch / t_triton, bw_gbs=bw / 1e9, bw_frac=bw / copy_bw,
-                floor_ms=kv_bytes(batch, seq, shape) / copy_bw * 1e3, err=err,
-                splits=splits, chunk=chunk, eager_us=host_us)  # fmt: skip
+    return dict(batch=batch, seq=seq, torch_ms=t_torch, triton_ms=t_graph, eager_ms=t_eager,
+                speedup=t_torch / t_graph, eager_speedup=t_torch / t_eager, bw_gbs=bw / 1e9,
+                bw_frac=bw / copy_bw, floor_ms=kv_bytes(batch, seq, shape) / copy_bw * 1e3,
+                err=err, splits=splits)  # fmt: skip
+
+
+SWEEP_ROWS = [(4, 512), (16, 2048), (64, 4096), (1, 32768)]
+SWEEP = [  # (waves, min_chunk, fused, num_stages)
+    (4, 256, True, 3), (4, 256, False, 3), (1, 256, True, 3), (2, 256, True, 3),
+    (8, 256, True, 3), (4, 512, True, 3), (4, 1024, True, 3), (4, 256, True, 4),
+]  # fmt: skip
 
 
 def sweep_row(batch, seq, shape, gen, copy_bw) -> list[dict]:
-    """Tile / warps / stages / split variants, plus a fixed-cost probe: the same grid with
-    every sequence 1 token long (launch, first loads, merge; no streaming)."""
+    """Split-count and merge variants, graph-timed, each with a fixed-cost probe: the same
+    grid with every sequence 1 token long (launch, first loads, merge; no streaming)."""
     q, k_cache, v_cache, tables, lens = make_case(batch, seq, shape, gen)
     scale, head_dim = shape[2] ** -0.5, shape[2]
     out = torch.empty_like(q)
     ref = reference.paged_attention_decode(q, k_cache, v_cache, tables, lens, scale)
-    bn0 = pa.default_block_n(head_dim, BLOCK_SIZE)
+    block_n = pa.default_block_n(head_dim, BLOCK_SIZE)
     sms = pa._num_sms(q.device)
-    variants = [  # (block_n, warps, stages, waves, fused)
-        (bn0, 4, 3, 4, False), (bn0, 4, 3, 4, True), (bn0, 4, 2, 4, False),
-        (bn0, 4, 4, 4, False), (bn0, 8, 3, 4, False), (bn0 // 2, 4, 3, 4, False),
-        (bn0 * 2, 8, 3, 4, False), (bn0, 4, 3, 2, False), (bn0, 4, 3, 8, False),
-        (bn0, 4, 3, 16, False),
-    ]  # fmt: skip
     results = []
-    for block_n, warps, stages, waves, fused in variants:
-        splits, chunk = pa.choose_splits(batch, shape[1], seq, block_n, sms, waves)
+    for waves, min_chunk, fused, stages in SWEEP:
+        splits, chunk = pa.choose_splits(batch, shape[1], seq, block_n, sms, waves, min_chunk)
         fn = functools.partial(pa.launch, q, k_cache, v_cache, tables, lens, scale, out, splits,
-                               chunk, block_n, warps, stages, fused)  # fmt: skip
+                               chunk, block_n, 4, stages, fused)  # fmt: skip
         fn()
         err = rel_error(out, ref)
-        ms = median_ms(fn)
+        ms = graph_ms(fn)
         lens.fill_(1)
-        fixed_ms = median_ms(fn)
+        fixed_ms = graph_ms(fn)
         lens.fill_(seq)
         bw = kv_bytes(batch, seq, shape) / (ms * 1e-3)
-        results.append(dict(batch=batch, seq=seq, block_n=block_n, warps=warps, stages=stages,
-                            waves=waves, fused=fused, splits=splits, ms=ms, fixed_ms=fixed_ms,
-                            bw_frac=bw / copy_bw, err=err))  # fmt: skip
+        results.append(dict(batch=batch, seq=seq, waves=waves, min_chunk=min_chunk,
+                            fused=fused, stages=stages, splits=splits, ms=ms,
+                            fixed_ms=fixed_ms, bw_frac=bw / copy_bw, err=err))  # fmt: skip
     return results
 
 
@@ -147,30 +154,30 @@ def main() -> None:
     for name, shape in SHAPES.items():
         print(f"### {name}: {shape[0]} q heads, {shape[1]} KV heads, head_dim {shape[2]}\n")
         print("| batch | context | PyTorch ms | Triton ms | speedup | K/V GB/s | of copy BW "
-              "| floor ms | splits | eager us/call | rel err |")  # fmt: skip
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "| floor ms | splits | Triton eager ms | eager speedup | rel err |")  # fmt: skip
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         rows = report["rows"][name] = []
         for batch, seq in ROWS:
             r = bench_row(batch, seq, shape, gen, copy_bw)
             rows.append(r)
             print(f"| {batch} | {seq} | {r['torch_ms']:.3f} | {r['triton_ms']:.4f} "
                   f"| {r['speedup']:.1f}x | {r['bw_gbs']:.0f} | {r['bw_frac']:.0%} "
-                  f"| {r['floor_ms']:.4f} | {r['splits']} | {r['eager_us']:.0f} "
-                  f"| {r['err']:.1e} |", flush=True)  # fmt: skip
+                  f"| {r['floor_ms']:.4f} | {r['splits']} | {r['eager_ms']:.4f} "
+                  f"| {r['eager_speedup']:.1f}x | {r['err']:.1e} |", flush=True)  # fmt: skip
             torch.cuda.empty_cache()
         print()
     if args.sweep:
         for name, shape in SHAPES.items():
             print(f"### sweep {name}\n")
-            print("| batch | context | tile | warps | stages | waves | fused | splits | ms "
+            print("| batch | context | waves | min chunk | fused | stages | splits | ms "
                   "| fixed ms | of copy BW | rel err |")  # fmt: skip
-            print("|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+            print("|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
             out = report["sweep"][name] = []
-            for batch, seq in BANDWIDTH_ROWS:
+            for batch, seq in SWEEP_ROWS:
                 for r in sweep_row(batch, seq, shape, gen, copy_bw):
                     out.append(r)
-                    print(f"| {batch} | {seq} | {r['block_n']} | {r['warps']} | {r['stages']} "
-                          f"| {r['waves']} | {r['fused']} | {r['splits']} | {r['ms']:.4f} "
+                    print(f"| {batch} | {seq} | {r['waves']} | {r['min_chunk']} | {r['fused']} "
+                          f"| {r['stages']} | {r['splits']} | {r['ms']:.4f} "
                           f"| {r['fixed_ms']:.4f} | {r['bw_frac']:.0%} | {r['err']:.1e} |",
                           flush=True)  # fmt: skip
                 torch.cuda.empty_cache()

@@ -12,8 +12,10 @@ Work split: one program per (sequence, KV head, context split).
   are one small matrix product.
 - Split-K: a sequence's context is cut into `num_splits` chunks of `chunk` tokens (a multiple of
   the tile). Each program writes its normalized partial output and its log-sum-exp (base 2) to
-  fp32 scratch; `_merge_kernel` combines them. With one split the first kernel writes the output
-  itself and no merge runs.
+  fp32 scratch, and the splits are merged with log-sum-exp weights: by default (FUSED_MERGE) in
+  the same launch, by the last split of each (sequence, KV head) to finish, which it learns
+  from an atomic counter; otherwise by the small `_merge_kernel`. With one split the program
+  writes the output itself.
 - `num_splits` depends only on the batch size, the largest possible context (`max_seq_len`, a
   Python int that defaults to the block-table capacity), the number of SMs and the head shape,
   never on the values in `seq_lens`: no host synchronization, and a fixed grid for CUDA graphs.
@@ -32,7 +34,7 @@ _LOG2E = 1.4426950408889634
 WAVES = 4  # aim for this many programs per SM before splitting stops paying
 MIN_CHUNK = 256  # fewest tokens worth a split of their own
 MAX_SPLITS = 128
-FUSED_MERGE = False  # merge in the last split's program instead of a second kernel
+FUSED_MERGE = True  # merge in the last split's program instead of a second kernel
 
 
 @triton.jit
@@ -40,24 +42,28 @@ def _merge_row(part_ptr, lse_ptr, row, num_splits, o_ptrs,
                BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
     """o = sum_s w_s * part[row, s] / sum_s w_s with w_s = 2^(lse_s - max lse).
 
-    Splits with lse -inf saw no token and are skipped (split 0 always sees one). Loads bypass
-    L1 (.cg): in the fused merge the partials were written by other programs of this launch.
+    Splits with lse -inf saw no token and never wrote their partial (split 0 always sees one):
+    both loads are issued at once and such rows are dropped with a select, not a mask, so no
+    load waits for another. Loads bypass L1 (.cg): in the fused merge other programs of this
+    launch wrote the partials.
     """
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
-    lse_ptrs = lse_ptr + row * num_splits + offs_s
-    lse = tl.load(lse_ptrs, mask=offs_s < num_splits, other=float("-inf"), cache_modifier=".cg")
+    s_mask = offs_s < num_splits
+    lse = tl.load(lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"),
+                  cache_modifier=".cg")  # fmt: skip
+    p_ptrs = part_ptr + (row * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :]
+    part = tl.load(p_ptrs, mask=s_mask[:, None], other=0.0, cache_modifier=".cg")
     live = lse > float("-inf")
     w = tl.where(live, tl.exp2(lse - tl.max(lse, 0)), 0.0)
-    p_ptrs = part_ptr + (row * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :]
-    part = tl.load(p_ptrs, mask=live[:, None], other=0.0, cache_modifier=".cg")
+    part = tl.where(live[:, None], part, 0.0)
     result = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
     tl.store(o_ptrs + offs_d, result.to(o_ptrs.dtype.element_ty))
 
 
 @triton.jit
 def _attend(q, k_head, v_head, bt_row, start, end, scale_log2,
-            stride_kn, stride_kt, stride_vn, stride_vt,
+            stride_n, stride_t,
             BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """Online softmax of q [BLOCK_G, D] over tokens [start, end): (max, sum, unnormalized acc),
@@ -72,16 +78,15 @@ def _attend(q, k_head, v_head, bt_row, start, end, scale_log2,
         valid = tok < end
         blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         within = tok % BLOCK_SIZE
-        k_rows = blk * stride_kn + within * stride_kt
-        k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        rows = blk * stride_n + within * stride_t  # the same offsets in K and V
+        k = tl.load(k_head + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_rows = blk * stride_vn + within * stride_vt
-        v = tl.load(v_head + v_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_head + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     return m_i, l_i, acc
@@ -89,11 +94,10 @@ def _attend(q, k_head, v_head, bt_row, start, end, scale_log2,
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr, count_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, count_ptr,
     scale_log2,
     stride_qb, stride_qh,
-    stride_kn, stride_kt, stride_kh,
-    stride_vn, stride_vt, stride_vh,
+    stride_kn, stride_kt, stride_kh,  # also V's: the launcher checks they are equal
     stride_btb,
     stride_ob, stride_oh,
     chunk, num_splits,
@@ -116,8 +120,8 @@ def _paged_decode_kernel(
     q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)
 
     m_i, l_i, acc = _attend(
-        q, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, bt_ptr + b * stride_btb,
-        start, end, scale_log2, stride_kn, stride_kt, stride_vn, stride_vt,
+        q, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_kh, bt_ptr + b * stride_btb,
+        start, end, scale_log2, stride_kn, stride_kt,
         BLOCK_G, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
     )  # fmt: skip
     nonempty = l_i > 0.0
@@ -126,9 +130,10 @@ def _paged_decode_kernel(
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
-        # Scratch layout: part [B, Hq, num_splits, D] and lse [B, Hq, num_splits], fp32.
+        # fp32 scratch: part [B, Hq, num_splits, D], then lse [B, Hq, num_splits].
         num_heads = tl.num_programs(1) * GROUP
         rows = (b * num_heads + heads) * num_splits + split
+        lse_ptr = part_ptr + tl.num_programs(0) * num_heads * num_splits * HEAD_DIM
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + rows, lse, mask=g_mask)
         tl.store(
@@ -151,10 +156,11 @@ def _paged_decode_kernel(
 
 
 @triton.jit
-def _merge_kernel(part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
+def _merge_kernel(part_ptr, out_ptr, stride_ob, stride_oh, num_splits,
                   BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
+    lse_ptr = part_ptr + tl.num_programs(0) * tl.num_programs(1) * num_splits * HEAD_DIM
     o_ptrs = out_ptr + b * stride_ob + h * stride_oh
     _merge_row(part_ptr, lse_ptr, b * tl.num_programs(1) + h, num_splits, o_ptrs,
                BLOCK_S, HEAD_DIM)  # fmt: skip
@@ -172,21 +178,27 @@ def default_block_n(head_dim: int, block_size: int) -> int:
     return max(8192 // head_dim, block_size, 16)
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=1024)
 def choose_splits(
-    batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int, waves: int = 0
-) -> tuple[int, int]:
+    batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int,
+    waves: int = 0, min_chunk: int = 0,
+) -> tuple[int, int]:  # fmt: skip
     """(num_splits, chunk tokens) from sizes only: enough programs to fill every SM.
 
-    Splits stop at WAVES programs per SM, at MIN_CHUNK tokens per split and at MAX_SPLITS;
-    the chunk is a whole number of tiles and splits that would be empty for `max_seq_len`
-    are dropped.
+    Splits stop at `waves` (default WAVES) programs per SM, at `min_chunk` (default
+    MIN_CHUNK) tokens per split and at MAX_SPLITS; the chunk is a whole number of tiles, and
+    splits that would be empty for `max_seq_len` are dropped.
     """
-    tiles = triton.cdiv(max(max_seq_len, 1), block_n)
-    want = triton.cdiv((waves or WAVES) * num_sms, batch * num_kv_heads)
-    by_chunk = triton.cdiv(tiles * block_n, MIN_CHUNK)
+    tiles = _cdiv(max(max_seq_len, 1), block_n)
+    want = _cdiv((waves or WAVES) * num_sms, batch * num_kv_heads)
+    by_chunk = _cdiv(tiles * block_n, min_chunk or MIN_CHUNK)
     splits = max(1, min(want, by_chunk, MAX_SPLITS, tiles))
-    tiles_per_split = triton.cdiv(tiles, splits)
-    return triton.cdiv(tiles, tiles_per_split), tiles_per_split * block_n
+    tiles_per_split = _cdiv(tiles, splits)
+    return _cdiv(tiles, tiles_per_split), tiles_per_split * block_n
 
 
 def _check(q, k_cache, v_cache, block_tables, seq_lens, out) -> None:
@@ -197,6 +209,8 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, out) -> None:
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
     if v_cache.shape != k_cache.shape or cache_dim != head_dim:
         raise ValueError(f"cache shapes {k_cache.shape}/{v_cache.shape} do not fit q {q.shape}")
+    if v_cache.stride() != k_cache.stride():
+        raise ValueError(f"k/v cache strides differ: {k_cache.stride()}, {v_cache.stride()}")
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
@@ -250,7 +264,7 @@ def paged_attention_decode(
     block_n = default_block_n(q.shape[2], block_size)
     splits, chunk = choose_splits(
         q.shape[0], k_cache.shape[2], max_seq_len, block_n, _num_sms(q.device)
-    )
+    )  # cached: the host cost of a call matters when decode runs eagerly
     return launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, splits, chunk, block_n)
 
 
@@ -270,32 +284,30 @@ def launch(
     fused_merge = FUSED_MERGE if fused_merge is None else fused_merge
     if out is None:
         out = torch.empty_like(q)
-    part = lse = counts = out  # placeholders when unused
+    part = counts = out  # placeholders when unused
     if num_splits > 1:
-        part = torch.empty(
-            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
-        )
-        lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        # One fp32 scratch: partial outputs [B, Hq, S, D], then log-sum-exps [B, Hq, S].
+        rows = num_seqs * num_heads * num_splits
+        part = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=q.device)
         if fused_merge:
             counts = _counters(q.device, num_seqs * num_kv_heads)
-    block_s = triton.next_power_of_2(num_splits)
+    block_s = 1 << (num_splits - 1).bit_length()
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part, lse, counts,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part, counts,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         chunk, num_splits,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_G=max(16, 1 << (group - 1).bit_length()), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SPLIT=num_splits > 1, FUSED_MERGE=fused_merge, BLOCK_S=block_s,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1 and not fused_merge:
         _merge_kernel[(num_seqs, num_heads)](
-            part, lse, out, out.stride(0), out.stride(1), num_splits,
+            part, out, out.stride(0), out.stride(1), num_splits,
             BLOCK_S=block_s, HEAD_DIM=head_dim, num_warps=4 if head_dim >= 128 else 2,
         )  # fmt: skip
     return out
@@ -308,7 +320,8 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 split counters for the fused merge, one per (sequence, KV head).
 
     Each launch leaves them zero again. One buffer per device: launches on concurrent streams
-    of one device must not use the fused merge. Allocated (and grown) outside graph capture.
+    of one device must not use the fused merge. It is allocated (and grown) by an eager call:
+    a graph capture must follow a warm-up call of the largest batch.
     """
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < n:
