@@ -5,14 +5,16 @@ head_dim 128) head shapes, bfloat16, block size 16, random non-contiguous block 
 sequence of a row at the same context length, prints one markdown table row per
 (batch, context): PyTorch ms, Triton ms, speedup, achieved K/V bandwidth (K and V bytes read
 over the Triton time) and its fraction of the device-to-device copy bandwidth measured here
-(bytes read + written). Times are medians of triton.testing.do_bench, which flushes L2 before
-each call. "Triton ms" is GPU time, the call replayed from a CUDA graph (as a decode step runs
-once graphs are captured); "Triton eager ms" times plain calls, where the host cost of the
-Python launcher shows whenever it exceeds the GPU time. The reference cannot be captured
-(it syncs on seq_lens.max()), so it is timed eagerly. `--sweep` adds split-count and merge
-variants, with fixed-cost probes, at SWEEP_ROWS.
+(bytes read + written), the floor (K/V bytes over that bandwidth) and the split count.
 
-    PYTHONPATH=src python benchmarks/paged_attention.py [--sweep] [--json PATH]
+Timing: medians over CUDA events, the L2 flushed before each call by reading 256 MB (see
+flush_l2_by_reading). "Triton ms" is GPU time, the call replayed from a CUDA graph, as a decode
+step runs once graphs are captured. "eager us/call" is wall time per plain call, back to back:
+the Python launcher's host cost wherever it exceeds the GPU time. The reference cannot be
+captured (it syncs on seq_lens.max()), so it is timed eagerly. `--diagnose` adds, at the
+bandwidth rows, split and merge variants, do_bench's zero-write flush, and a fixed-cost probe.
+
+    PYTHONPATH=src python benchmarks/paged_attention.py [--diagnose] [--json PATH]
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import datetime
 import functools
 import json
 import math
+import statistics
+import time
 
 import torch
 import triton
@@ -38,8 +42,44 @@ DTYPE = torch.bfloat16
 DEVICE = "cuda"
 
 
-def median_ms(fn, rep: int = 100) -> float:
-    return do_bench(fn, warmup=25, rep=rep, return_mode="median")
+FLUSH_ELEMS = 64 << 20  # 256 MB of float32, four times the L2
+
+
+@functools.lru_cache(maxsize=1)
+def _flush_buffer() -> torch.Tensor:
+    return torch.rand(FLUSH_ELEMS, device=DEVICE)
+
+
+def flush_l2_by_reading() -> None:
+    """Evict the L2 by reading 256 MB: the lines left behind are clean. (do_bench's flush
+    writes zeros; the ~50 MB of dirty lines it leaves are written back during the next
+    kernel, and charged to it.)"""
+    _flush_buffer().amax()
+
+
+def median_ms(fn, rep: int = 100, flush: str = "read") -> float:
+    """Median time of `fn` between CUDA events, the L2 flushed before each call."""
+    if flush == "zero":
+        return do_bench(fn, warmup=25, rep=rep, return_mode="median")
+    fn()
+    torch.cuda.synchronize()
+    first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    first.record()
+    for _ in range(5):
+        flush_l2_by_reading()
+        fn()
+    last.record()
+    torch.cuda.synchronize()
+    n = max(5, min(2000, int(rep / (first.elapsed_time(last) / 5))))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(n)]  # fmt: skip
+    for start, end in events:
+        flush_l2_by_reading()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 def copy_bandwidth() -> float:
@@ -72,14 +112,24 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return err.max().item()
 
 
-def graph_ms(fn) -> float:
-    """Median GPU time of `fn` replayed from a CUDA graph (no host launch cost in it)."""
+def capture(fn) -> torch.cuda.CUDAGraph:
     fn()  # compile and allocate outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return median_ms(graph.replay)
+    return graph
+
+
+def eager_us_per_call(fn, calls: int = 300) -> float:
+    """Back-to-back plain calls, no flush: host launch cost or GPU time, whichever is larger."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
 
 
 def bench_row(batch, seq, shape, gen, copy_bw) -> dict:
@@ -92,28 +142,30 @@ def bench_row(batch, seq, shape, gen, copy_bw) -> dict:
     triton_fn()
     err = rel_error(out, torch_fn())
     t_torch = median_ms(torch_fn, rep=100 if batch * seq <= 65536 else 40)
-    t_eager = median_ms(triton_fn)
-    t_graph = graph_ms(triton_fn)
+    t_graph = median_ms(capture(triton_fn).replay)
+    eager_us = eager_us_per_call(triton_fn)
     bw = kv_bytes(batch, seq, shape) / (t_graph * 1e-3)
     splits, _ = pa.choose_splits(
         batch, shape[1], seq, pa.default_block_n(shape[2], BLOCK_SIZE), pa._num_sms(q.device)
     )
-    return dict(batch=batch, seq=seq, torch_ms=t_torch, triton_ms=t_graph, eager_ms=t_eager,
-                speedup=t_torch / t_graph, eager_speedup=t_torch / t_eager, bw_gbs=bw / 1e9,
-                bw_frac=bw / copy_bw, floor_ms=kv_bytes(batch, seq, shape) / copy_bw * 1e3,
-                err=err, splits=splits)  # fmt: skip
+    return dict(batch=batch, seq=seq, torch_ms=t_torch, triton_ms=t_graph, eager_us=eager_us,
+                speedup=t_torch / t_graph, eager_speedup=t_torch * 1e3 / eager_us,
+                bw_gbs=bw / 1e9, bw_frac=bw / copy_bw,
+                floor_ms=kv_bytes(batch, seq, shape) / copy_bw * 1e3, err=err,
+                splits=splits)  # fmt: skip
 
 
-SWEEP_ROWS = [(4, 512), (16, 2048), (64, 4096), (1, 32768)]
-SWEEP = [  # (waves, min_chunk, fused, num_stages)
-    (4, 256, True, 3), (4, 256, False, 3), (1, 256, True, 3), (2, 256, True, 3),
-    (8, 256, True, 3), (4, 512, True, 3), (4, 1024, True, 3), (4, 256, True, 4),
-]  # fmt: skip
+DIAGNOSE = {  # row -> variants (name, waves, min_chunk, fused)
+    (64, 4096): [("default", 0, 0, False), ("2 splits", 8, 0, False)],
+    (1, 32768): [("default", 0, 0, False), ("waves 2", 2, 0, False),
+                 ("waves 8", 8, 0, False), ("fused merge", 0, 0, True)],
+}  # fmt: skip
 
 
-def sweep_row(batch, seq, shape, gen, copy_bw) -> list[dict]:
-    """Split-count and merge variants, graph-timed, each with a fixed-cost probe: the same
-    grid with every sequence 1 token long (launch, first loads, merge; no streaming)."""
+def diagnose_row(batch, seq, shape, gen, copy_bw) -> list[dict]:
+    """At a bandwidth row: split variants, each graph-timed with both L2 flushes, and a
+    fixed-cost probe: the same graph with every sequence 1 token long (launch, dependent
+    first loads, merge; no streaming)."""
     q, k_cache, v_cache, tables, lens = make_case(batch, seq, shape, gen)
     scale, head_dim = shape[2] ** -0.5, shape[2]
     out = torch.empty_like(q)
@@ -121,26 +173,28 @@ def sweep_row(batch, seq, shape, gen, copy_bw) -> list[dict]:
     block_n = pa.default_block_n(head_dim, BLOCK_SIZE)
     sms = pa._num_sms(q.device)
     results = []
-    for waves, min_chunk, fused, stages in SWEEP:
+    for name, waves, min_chunk, fused in DIAGNOSE[(batch, seq)]:
         splits, chunk = pa.choose_splits(batch, shape[1], seq, block_n, sms, waves, min_chunk)
         fn = functools.partial(pa.launch, q, k_cache, v_cache, tables, lens, scale, out, splits,
-                               chunk, block_n, 4, stages, fused)  # fmt: skip
-        fn()
+                               chunk, block_n, fused_merge=fused)  # fmt: skip
+        graph = capture(fn)
+        graph.replay()
         err = rel_error(out, ref)
-        ms = graph_ms(fn)
+        ms = median_ms(graph.replay)
+        zero_ms = median_ms(graph.replay, flush="zero")
         lens.fill_(1)
-        fixed_ms = graph_ms(fn)
+        fixed_ms = median_ms(graph.replay)
         lens.fill_(seq)
         bw = kv_bytes(batch, seq, shape) / (ms * 1e-3)
-        results.append(dict(batch=batch, seq=seq, waves=waves, min_chunk=min_chunk,
-                            fused=fused, stages=stages, splits=splits, ms=ms,
-                            fixed_ms=fixed_ms, bw_frac=bw / copy_bw, err=err))  # fmt: skip
+        results.append(dict(batch=batch, seq=seq, variant=name, splits=splits, ms=ms,
+                            zero_flush_ms=zero_ms, fixed_ms=fixed_ms, bw_frac=bw / copy_bw,
+                            err=err))  # fmt: skip
     return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--diagnose", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -150,11 +204,11 @@ def main() -> None:
           f"{props.multi_processor_count} SMs, torch {torch.__version__}, "
           f"triton {triton.__version__}")  # fmt: skip
     print(f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s\n")
-    report = dict(gpu=props.name, copy_gbs=copy_bw / 1e9, rows={}, sweep={})
+    report = dict(gpu=props.name, copy_gbs=copy_bw / 1e9, rows={}, diagnosis={})
     for name, shape in SHAPES.items():
         print(f"### {name}: {shape[0]} q heads, {shape[1]} KV heads, head_dim {shape[2]}\n")
         print("| batch | context | PyTorch ms | Triton ms | speedup | K/V GB/s | of copy BW "
-              "| floor ms | splits | Triton eager ms | eager speedup | rel err |")  # fmt: skip
+              "| floor ms | splits | eager us/call | eager speedup | rel err |")  # fmt: skip
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         rows = report["rows"][name] = []
         for batch, seq in ROWS:
@@ -162,24 +216,23 @@ def main() -> None:
             rows.append(r)
             print(f"| {batch} | {seq} | {r['torch_ms']:.3f} | {r['triton_ms']:.4f} "
                   f"| {r['speedup']:.1f}x | {r['bw_gbs']:.0f} | {r['bw_frac']:.0%} "
-                  f"| {r['floor_ms']:.4f} | {r['splits']} | {r['eager_ms']:.4f} "
+                  f"| {r['floor_ms']:.4f} | {r['splits']} | {r['eager_us']:.0f} "
                   f"| {r['eager_speedup']:.1f}x | {r['err']:.1e} |", flush=True)  # fmt: skip
             torch.cuda.empty_cache()
         print()
-    if args.sweep:
+    if args.diagnose:
         for name, shape in SHAPES.items():
-            print(f"### sweep {name}\n")
-            print("| batch | context | waves | min chunk | fused | stages | splits | ms "
-                  "| fixed ms | of copy BW | rel err |")  # fmt: skip
-            print("|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
-            out = report["sweep"][name] = []
-            for batch, seq in SWEEP_ROWS:
-                for r in sweep_row(batch, seq, shape, gen, copy_bw):
+            print(f"### diagnosis {name}\n")
+            print("| batch | context | variant | splits | ms | ms, zero-write flush | fixed ms "
+                  "| of copy BW | rel err |")  # fmt: skip
+            print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+            out = report["diagnosis"][name] = []
+            for batch, seq in DIAGNOSE:
+                for r in diagnose_row(batch, seq, shape, gen, copy_bw):
                     out.append(r)
-                    print(f"| {batch} | {seq} | {r['waves']} | {r['min_chunk']} | {r['fused']} "
-                          f"| {r['stages']} | {r['splits']} | {r['ms']:.4f} "
-                          f"| {r['fixed_ms']:.4f} | {r['bw_frac']:.0%} | {r['err']:.1e} |",
-                          flush=True)  # fmt: skip
+                    print(f"| {batch} | {seq} | {r['variant']} | {r['splits']} | {r['ms']:.4f} "
+                          f"| {r['zero_flush_ms']:.4f} | {r['fixed_ms']:.4f} "
+                          f"| {r['bw_frac']:.0%} | {r['err']:.1e} |", flush=True)  # fmt: skip
                 torch.cuda.empty_cache()
             print()
     if args.json:

@@ -12,10 +12,11 @@ Work split: one program per (sequence, KV head, context split).
   are one small matrix product.
 - Split-K: a sequence's context is cut into `num_splits` chunks of `chunk` tokens (a multiple of
   the tile). Each program writes its normalized partial output and its log-sum-exp (base 2) to
-  fp32 scratch, and the splits are merged with log-sum-exp weights: by default (FUSED_MERGE) in
-  the same launch, by the last split of each (sequence, KV head) to finish, which it learns
-  from an atomic counter; otherwise by the small `_merge_kernel`. With one split the program
-  writes the output itself.
+  fp32 scratch, and the small `_merge_kernel` combines them with log-sum-exp weights. With
+  FUSED_MERGE the last split of each (sequence, KV head) to finish, which it learns from an
+  atomic counter, merges in the same launch instead: one launch less on the host, but slower
+  on the GPU at many splits (benchmarks/NOTES.md), so off by default. With one split the
+  program writes the output itself.
 - `num_splits` depends only on the batch size, the largest possible context (`max_seq_len`, a
   Python int that defaults to the block-table capacity), the number of SMs and the head shape,
   never on the values in `seq_lens`: no host synchronization, and a fixed grid for CUDA graphs.
@@ -31,10 +32,10 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
-WAVES = 4  # aim for this many programs per SM before splitting stops paying
+WAVES = 4  # split until about this many programs per SM (4 fit at once: registers)
 MIN_CHUNK = 256  # fewest tokens worth a split of their own
 MAX_SPLITS = 128
-FUSED_MERGE = True  # merge in the last split's program instead of a second kernel
+FUSED_MERGE = False  # True: merge in the last split's program instead of a second kernel
 
 
 @triton.jit
@@ -189,12 +190,12 @@ def choose_splits(
 ) -> tuple[int, int]:  # fmt: skip
     """(num_splits, chunk tokens) from sizes only: enough programs to fill every SM.
 
-    Splits stop at `waves` (default WAVES) programs per SM, at `min_chunk` (default
+    Splits stop below `waves` (default WAVES) programs per SM, at `min_chunk` (default
     MIN_CHUNK) tokens per split and at MAX_SPLITS; the chunk is a whole number of tiles, and
     splits that would be empty for `max_seq_len` are dropped.
     """
     tiles = _cdiv(max(max_seq_len, 1), block_n)
-    want = _cdiv((waves or WAVES) * num_sms, batch * num_kv_heads)
+    want = (waves or WAVES) * num_sms // (batch * num_kv_heads)  # 0 or 1: no split
     by_chunk = _cdiv(tiles * block_n, min_chunk or MIN_CHUNK)
     splits = max(1, min(want, by_chunk, MAX_SPLITS, tiles))
     tiles_per_split = _cdiv(tiles, splits)
