@@ -75,7 +75,7 @@ def test_smollm2_greedy_matches_transformers(model_dir, prompts, hf_tokens, engi
         stats = llm.stats()
     for i, (o, want) in enumerate(zip(outs, hf_tokens)):
         assert o.token_ids == want, f"prompt {i}"
-    if "max_model_len" in engine_kw:
+    if engine_kw["kv_cache_memory_bytes"] < 20 * BLOCK_BYTES_F32:
         assert stats["num_preemptions"] > 0
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
     assert "Paris" in outs[0].text
