@@ -206,6 +206,11 @@ def test_llama3_rope_scaling_recovered_from_rope_freqs(tmp_path):
         got = ours.compute_logits(ours(ids, positions, [9]))
         want = hf_model(folder)(ids[None], position_ids=positions[None]).logits[0]
     assert (got - want).abs().max() < 1e-4
+    from transformers import AutoConfig
+
+    out = convert_gguf_to_hf(path, tmp_path / "out", dtype="float32")
+    theirs = AutoConfig.from_pretrained(out).rope_parameters
+    assert theirs == AutoConfig.from_pretrained(folder).rope_parameters
     bad = write_llama_gguf(
         tmp_path / "bad.gguf", folder, extra_tensors={"rope_freqs.weight": divisors[::-1].copy()}
     )

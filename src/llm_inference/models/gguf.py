@@ -17,6 +17,7 @@ Shapes: GGUF lists dimensions fastest-first (`[in, out]`); tensors here are `[ou
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -174,23 +175,21 @@ def _llama3_divisors(s: RopeScaling, theta: float, head_dim: int) -> np.ndarray:
     return 1 / ((1 - smooth) / s.factor + smooth)
 
 
-def _llama3_from_divisors(d: np.ndarray, theta, head_dim, orig, source) -> RopeScaling:
+def _llama3_from_divisors(d: np.ndarray, theta, head_dim, orig, source) -> RopeScaling | None:
     """Recover Llama 3 scaling from llama.cpp's divisors, assuming low_freq_factor = 1 (as in
     every Llama 3.x release) and solving the smooth region for high_freq_factor and the
     original context; the result must reproduce the divisors, else the file is refused."""
     factor = round(float(d.max()), 4)  # divisors are float32
+    if factor == 1.0:
+        return None
     freqs = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     mid = (d > 1 + 1e-6) & (d < factor * (1 - 1e-6))
     smooth = (1 / d[mid] - 1 / factor) / (1 - 1 / factor)
-    if mid.sum() >= 2 or (orig and mid.sum() >= 1):
-        # smooth * (high - 1) + 1 = orig * freq / (2 pi): linear in (high, orig)
+    if mid.sum() >= 2:  # smooth * (high - 1) + 1 = orig * freq / (2 pi): linear in (high, orig)
         a = np.stack([smooth, -freqs[mid] / (2 * np.pi)], axis=1)
-        if orig:
-            high = float(np.mean((orig * freqs[mid] / (2 * np.pi) - 1) / smooth + 1))
-        else:
-            high, orig = np.linalg.lstsq(a, smooth - 1, rcond=None)[0]
+        high, orig = np.linalg.lstsq(a, smooth - 1, rcond=None)[0]
         candidate = RopeScaling(factor, 1.0, round(float(high), 4), round(float(orig)))
-    else:  # no smooth region to solve: try Llama 3's own values
+    else:  # too little smooth region to solve: Llama 3's own values
         candidate = RopeScaling(factor, 1.0, 4.0, int(orig or 8192))
     if not np.allclose(_llama3_divisors(candidate, theta, head_dim), d, rtol=1e-4):
         raise CheckpointError(f"{source}: rope_freqs does not match Llama 3 RoPE scaling")
@@ -275,37 +274,26 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
 
 
+_COPIED_KEYS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "rope_theta",
+    "max_position_embeddings", "tie_word_embeddings", "bos_token_id",
+)  # fmt: skip
+
+
 def hf_config_dict(config: ModelConfig, dtype: str) -> dict:
-    """A transformers `config.json` for `config` (LlamaForCausalLM)."""
-    s = config.rope_scaling
+    """A transformers `config.json` for `config` (LlamaForCausalLM, bias-free, SiLU)."""
     eos = list(config.eos_token_ids)
+    scaling = config.rope_scaling
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "vocab_size": config.vocab_size,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": None
-        if s is None
-        else {
-            "rope_type": "llama3",
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_position_embeddings,
-        },
-        "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "bos_token_id": config.bos_token_id,
+        **{key: getattr(config, key) for key in _COPIED_KEYS},
+        # rope_theta + rope_scaling: read by transformers 4.x and 5.x (and by ModelConfig)
+        "rope_scaling": None if scaling is None else dataclasses.asdict(scaling),
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
         "torch_dtype": dtype,
     }
