@@ -229,18 +229,12 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, out) -> None:
     for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
         if t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
-    if block_tables.stride(1) != 1 or seq_lens.stride(0) != 1:
-        raise ValueError("block_tables rows and seq_lens must be contiguous")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {out.shape} {out.dtype}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
-        if t is not None and t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dim")
-        if t is not None and t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    named = dict(k_cache=k_cache, v_cache=v_cache, out=out, tables=block_tables, lens=seq_lens)
+    for name, t in (("q", q), *named.items()):
+        if t is not None and (t.stride(-1) != 1 or t.device != q.device):
+            raise ValueError(f"{name} must be on {q.device} and contiguous in its last dim")
 
 
 def paged_attention_decode(
