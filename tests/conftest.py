@@ -1,7 +1,11 @@
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Everything the tests load is local; without this transformers probes the hub (slow offline).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 from helpers import make_checkpoint  # noqa: E402

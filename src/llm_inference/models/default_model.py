@@ -21,6 +21,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 from importlib import metadata
@@ -102,6 +103,7 @@ def ensure_default_model() -> Path:
 
     target.parent.mkdir(parents=True, exist_ok=True)
     logger.info("converting %s once into %s", gguf_path, target)
+    print(f"llm_inference: converting the default model once into {target} ...", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         convert_gguf_to_hf(gguf_path, tmp, dtype=CACHE_DTYPE)

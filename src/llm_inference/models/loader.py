@@ -25,7 +25,13 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
 def is_gguf(path: str | Path) -> bool:
-    return Path(path).suffix == ".gguf"
+    """A .gguf file, or any file that starts with the GGUF magic bytes."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        return True
+    from llm_inference.models.gguf import is_gguf_file
+
+    return path.is_file() and is_gguf_file(path)
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
