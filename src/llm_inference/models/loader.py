@@ -29,9 +29,11 @@ def is_gguf(path: str | Path) -> bool:
     path = Path(path)
     if path.suffix == ".gguf":
         return True
+    if not path.is_file():
+        return False
     from llm_inference.models.gguf import is_gguf_file
 
-    return path.is_file() and is_gguf_file(path)
+    return is_gguf_file(path)
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
