@@ -22,8 +22,12 @@ def paged_attention_decode(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence attending to all `seq_lens[i]` cached tokens."""
+    """One query token per sequence attending to all `seq_lens[i]` cached tokens.
+
+    `max_seq_len` is a hint (an upper bound of `seq_lens`) that the Triton kernel uses to size
+    its split-K grid without a host sync; the reference ignores it."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads

@@ -86,6 +86,7 @@ class Attention(nn.Module):
             md.decode_block_tables,
             md.decode_seq_lens,
             self.scale,
+            max_seq_len=md.decode_max_seq_len or None,
         )
 
     def _prefill(
