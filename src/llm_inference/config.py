@@ -180,4 +180,6 @@ class EngineConfig:
     dtype: str = "float32"
     # "auto": Triton kernels on CUDA, PyTorch references on CPU; "reference" forces references.
     kernel_backend: str = "auto"
+    # CUDA graphs for decode steps on CUDA unless True (as vLLM's enforce_eager).
+    enforce_eager: bool = False
     seed: int = 0

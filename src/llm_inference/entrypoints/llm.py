@@ -54,6 +54,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         seed: int = 0,
         kernel_backend: str = "auto",
+        enforce_eager: bool = False,
     ) -> None:
         from llm_inference.models.default_model import resolve_model
 
@@ -81,6 +82,7 @@ class LLM:
             device=str(dev),
             dtype=resolve_dtype(dtype, model_config, dev),
             kernel_backend=kernel_backend,
+            enforce_eager=enforce_eager,
             seed=seed,
         )
         self.tokenizer = load_tokenizer(model_path)

@@ -9,6 +9,7 @@ from llm_inference.config import EngineConfig
 from llm_inference.core.kv_cache_manager import slot_mapping
 from llm_inference.core.outputs import ModelRunnerOutput, SchedulerOutput
 from llm_inference.distributed.parallel_state import get_tp_rank
+from llm_inference.executor.cuda_graph import DecodeGraphs
 from llm_inference.kernels import get_ops
 from llm_inference.layers.attention import AttentionMetadata, PrefillSeq
 from llm_inference.layers.sampler import Sampler, SamplingMetadata
@@ -23,12 +24,15 @@ class ModelRunner:
         self.device = device
         self.dtype = getattr(torch, config.dtype)
         use_triton = device.type == "cuda" and config.kernel_backend != "reference"
+        # The reference kernels sync with the host, which a graph capture forbids.
+        self.use_cuda_graphs = use_triton and not config.enforce_eager
         self.model = load_model(
             config.model_path, device, self.dtype, get_ops(use_triton), config.model
         )
         self.sampler = Sampler()
         self.block_size = config.cache.block_size
         self.num_blocks = 0
+        self.graphs: DecodeGraphs | None = None
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -77,15 +81,23 @@ class ModelRunner:
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.use_cuda_graphs:
+            sched = self.config.scheduler
+            self.graphs = DecodeGraphs(
+                self.model, sched.max_num_seqs, sched.max_model_len, self.block_size, self.device
+            )
+            self.graphs.capture()
 
     def release(self) -> None:
+        self.graphs = None
         for attn in self.model.attention_layers():
             attn.k_cache = attn.v_cache = None
         del self.model
 
     # ---- one step ---------------------------------------------------------------------------
 
-    def _prepare(self, so: SchedulerOutput):
+    def _forward(self, so: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        """Run the model on the step's tokens; hidden states and the rows to sample from."""
         ids, positions, slots, logits_idx = [], [], [], []
         prefills: list[PrefillSeq] = []
         dec_idx, dec_tables, dec_lens = [], [], []
@@ -104,6 +116,8 @@ class ModelRunner:
                 prefills.append(PrefillSeq(t0, n, start, table))
             if r.needs_sample:
                 logits_idx.append(len(ids) - 1)
+        if not prefills and self.graphs is not None and self.graphs.can_run(len(dec_idx)):
+            return self.graphs.run(ids, positions, slots, dec_tables, dec_lens), logits_idx
         dev = self.device
         md = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), prefills=prefills
@@ -118,17 +132,16 @@ class ModelRunner:
             md.all_decode = not prefills
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        return input_ids, pos, md, logits_idx
+        return self.model(input_ids, pos, md), logits_idx
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
-        input_ids, positions, md, logits_idx = self._prepare(so)
-        hidden = self.model(input_ids, positions, md)
+        hidden, logits_idx = self._forward(so)
         req_ids = [r.request_id for r in so.scheduled]
         sampled: list[list[int]] = [[] for _ in so.scheduled]
         if not logits_idx:
             return ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids))
-        logits = self.model.compute_logits(hidden[logits_idx]).float()
+        logits = self.model.compute_logits(hidden[logits_idx])
         if get_tp_rank() != 0:
             return None  # sampling happens on rank 0 only
         rows = [r for r in so.scheduled if r.needs_sample]
