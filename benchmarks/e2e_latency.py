@@ -196,8 +196,8 @@ def main() -> None:
         f"torch {torch.__version__}; measured copy bandwidth {bw / 1e12:.2f} TB/s (read+write).",
         "Random weights, bf16, greedy, ignore_eos. Whole-batch latency in ms (median of 10 after"
         " 3 warm-ups; the PyTorch reference path: median of 3 after 1), tokenization and"
-        " detokenization included. Engine (Triton) runs decode steps as CUDA graphs. Floor: weight and KV bytes per"
-        " step over the copy bandwidth (decode steps only).",
+        " detokenization included. Engine (Triton) runs decode steps as CUDA graphs."
+        " Floor: weight and KV bytes per step over the copy bandwidth (decode steps only).",
         "",
         "| shape | batch | new tokens | engine (Triton) ms | engine (PyTorch ref) ms |"
         " HF generate ms | floor ms | engine tok/s | vs HF |",
