@@ -154,7 +154,6 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = False
 
 
 @dataclass(frozen=True)

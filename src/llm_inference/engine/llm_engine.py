@@ -88,11 +88,14 @@ class LLMEngine:
             new = request.output_token_ids[state.num_detokenized :]
             state.num_detokenized = len(request.output_token_ids)
             stop = state.detokenizer.add_tokens(new)
-            if stop is not None and not request.is_finished:
-                self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_STOPPED)
             if stop is not None:
-                request.stop_reason = stop
+                # A stop string ends the request even if a length limit ended it too.
+                if not request.is_finished:
+                    self.scheduler.finish_requests(
+                        request.request_id, RequestStatus.FINISHED_STOPPED
+                    )
                 request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = stop
             if request.is_finished:
                 finished.append(self.states.pop(request.request_id))
         return finished

@@ -193,6 +193,7 @@ class LLM:
     def _run(self, texts, token_ids, params, use_tqdm: bool) -> list[RequestOutput]:
         prefix = f"{next(self._ids)}-"
         ids_by_prompt: list[list[str]] = []
+        prompt_of: dict[str, int] = {}
         for i, (ids, p) in enumerate(zip(token_ids, params)):
             children = []
             for j in range(p.n):
@@ -200,6 +201,7 @@ class LLM:
                 child = p if p.n == 1 else replace(p, n=1, seed=_child_seed(p.seed, j))
                 self.engine.add_request(rid, ids, child)
                 children.append(rid)
+                prompt_of[rid] = i
             ids_by_prompt.append(children)
         done: dict[str, RequestState] = {}
         bar = tqdm(total=len(token_ids), desc="Generating", disable=not use_tqdm)
@@ -207,9 +209,8 @@ class LLM:
             while self.engine.has_unfinished_requests():
                 for state in self.engine.step():
                     done[state.request.request_id] = state
-                    rid = state.request.request_id
-                    i = int(rid.split("-")[1])
-                    if all(c in done for c in ids_by_prompt[i]):
+                    siblings = ids_by_prompt[prompt_of[state.request.request_id]]
+                    if all(c in done for c in siblings):
                         bar.update(1)
         except BaseException:
             # Leave the engine usable: drop whatever this call still had in flight.
