@@ -78,12 +78,3 @@ def hf_model(folder: Path, dtype=torch.float32):
     from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-
-
-def _needs_cuda():
-    import pytest
-
-    return pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-needs_cuda = _needs_cuda()

@@ -201,7 +201,3 @@ def load_tokenizer(path: str | Path):
 
         return load_gguf_tokenizer(path)
     return AutoTokenizer.from_pretrained(path)
-
-
-def module_param_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
