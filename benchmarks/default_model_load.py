@@ -31,6 +31,7 @@ def child(source: str) -> None:
     t0 = time.perf_counter()
     import torch
 
+    from llm_inference.kernels import reference
     from llm_inference.models.default_model import default_gguf_path, resolve_model
     from llm_inference.models.loader import load_model, load_tokenizer
 
@@ -39,7 +40,7 @@ def child(source: str) -> None:
     path = resolve_model(None) if source == "default" else str(default_gguf_path())
     times["resolve"] = time.perf_counter() - t
     t = time.perf_counter()
-    model = load_model(path, device="cpu", dtype=torch.float32)
+    model = load_model(path, reference, device="cpu", dtype=torch.float32)
     times["model"] = time.perf_counter() - t
     t = time.perf_counter()
     tokenizer = load_tokenizer(path)

@@ -14,6 +14,7 @@ from gguf_testfiles import write_llama_gguf  # noqa: E402
 
 from llm_inference import LLM  # noqa: E402
 from llm_inference.entrypoints.cli import main  # noqa: E402
+from llm_inference.kernels import reference
 from llm_inference.models.loader import load_model  # noqa: E402
 
 
@@ -43,7 +44,7 @@ def test_convert_then_load(tiny_ckpt, tmp_path, capsys):
     assert main(["convert", str(gguf), str(out), "--dtype", "float32"]) == 0
     assert str(out) in capsys.readouterr().out
     ids = torch.arange(3, 12)
-    a, b = load_model(out), load_model(tiny_ckpt)
+    a, b = load_model(out, reference), load_model(tiny_ckpt, reference)
     with torch.no_grad():
         la = a.compute_logits(a(ids, torch.arange(9), [9]))
         lb = b.compute_logits(b(ids, torch.arange(9), [9]))

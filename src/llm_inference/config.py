@@ -15,6 +15,11 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative integers."""
+    return -(-a // b)
+
+
 class CheckpointError(ValueError):
     """A checkpoint folder or file that cannot be loaded: the message names the problem."""
 
@@ -161,6 +166,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 2048
+    # True when max_model_len came from the model, not the user: the engine may then lower it
+    # to what the KV cache holds.
+    max_model_len_is_default: bool = False
 
 
 @dataclass(frozen=True)
@@ -177,8 +185,114 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "cpu"
     dtype: str = "float32"
-    # "auto": Triton kernels on CUDA, PyTorch references on CPU; "reference" forces references.
-    kernel_backend: str = "auto"
+    # Resolved kernel backend: "triton" (CUDA) or "reference" (PyTorch, any device).
+    kernel_backend: str = "reference"
     # CUDA graphs for decode steps on CUDA unless True (as vLLM's enforce_eager).
     enforce_eager: bool = False
     seed: int = 0
+
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _positive_int(name: str, value: object, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def resolve_device(device: str | None) -> str:
+    """None -> 'cuda' when available else 'cpu'; 'cuda' / 'cuda:N' must exist."""
+    import torch
+
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not supported: use 'cpu', 'cuda' or 'cuda:N'")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for, but CUDA is not available here")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} GPUs here")
+    return str(dev)
+
+
+def resolve_dtype(dtype: object, checkpoint_dtype: str, device_type: str) -> str:
+    """'auto': the checkpoint's half-precision type on CUDA (bfloat16 for float32 checkpoints),
+    float32 on CPU. Only float32, float16 and bfloat16 are accepted."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    if name != "auto":
+        return name
+    if device_type != "cuda":
+        return "float32"
+    return "float16" if checkpoint_dtype == "float16" else "bfloat16"
+
+
+def create_engine_config(
+    model: str | os.PathLike | None = None,
+    *,
+    device: str | None = None,
+    dtype: object = "auto",
+    kv_cache_memory_bytes: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int | None = None,
+    block_size: int = 16,
+    tensor_parallel_size: int = 1,
+    seed: int = 0,
+    kernel_backend: str = "auto",
+    enforce_eager: bool = False,
+) -> EngineConfig:
+    """Every engine argument checked and resolved in one place (LLM, the CLI and the server
+    call this): the model path (None: the default model), device, dtype, kernel backend and
+    the scheduler's defaults. Raises ValueError (CheckpointError for the checkpoint) naming
+    the argument."""
+    from llm_inference.kernels import resolve_backend
+    from llm_inference.models.default_model import resolve_model
+    from llm_inference.models.loader import load_model_config
+
+    _positive_int("max_num_seqs", max_num_seqs)
+    _positive_int("max_num_batched_tokens", max_num_batched_tokens, allow_none=True)
+    _positive_int("max_model_len", max_model_len, allow_none=True)
+    _positive_int("block_size", block_size)
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    _positive_int("tensor_parallel_size", tensor_parallel_size)
+    _positive_int("kv_cache_memory_bytes", kv_cache_memory_bytes, allow_none=True)
+    if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    dev = resolve_device(device)
+    backend = resolve_backend(kernel_backend, dev.split(":")[0])
+    model_path = str(resolve_model(model))
+    model_config = load_model_config(model_path)
+    limit = model_config.max_position_embeddings
+    if max_model_len is not None and max_model_len > limit:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's {limit} positions")
+    max_len = max_model_len or limit
+    return EngineConfig(
+        model_path=model_path,
+        model=model_config,
+        cache=CacheConfig(block_size, kv_cache_memory_bytes, gpu_memory_utilization),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens or max(8192, max_num_seqs),
+            max_model_len=max_len,
+            max_model_len_is_default=max_model_len is None,
+        ),
+        parallel=ParallelConfig(tensor_parallel_size),
+        device=dev,
+        dtype=resolve_dtype(dtype, model_config.torch_dtype, dev.split(":")[0]),
+        kernel_backend=backend,
+        enforce_eager=bool(enforce_eager),
+        seed=seed,
+    )

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from batch_replay import ReplayScheduler as Scheduler
+
 from llm_inference.config import SchedulerConfig
-from llm_inference.core.outputs import ModelRunnerOutput, SchedulerOutput
+from llm_inference.core.outputs import ModelRunnerOutput
 from llm_inference.core.request import Request, RequestStatus
-from llm_inference.core.scheduler import Scheduler
 from llm_inference.sampling_params import SamplingParams
 
 
@@ -27,7 +28,7 @@ def add(sched, rid, num_prompt, max_tokens=100, first_token=1000):
     return req
 
 
-def fake_output(out: SchedulerOutput, token=7) -> ModelRunnerOutput:
+def fake_output(out, token=7) -> ModelRunnerOutput:
     return ModelRunnerOutput(
         request_ids=[s.request_id for s in out.scheduled],
         sampled_token_ids=[[token] if s.needs_sample else [] for s in out.scheduled],
@@ -40,7 +41,7 @@ def step(sched, token=7):
     return out
 
 
-def plan(out: SchedulerOutput) -> list[tuple[str, int, int]]:
+def plan(out) -> list[tuple[str, int, int]]:
     return [(s.request_id, s.start_position, len(s.token_ids)) for s in out.scheduled]
 
 
@@ -175,7 +176,7 @@ def test_scheduled_request_carries_block_table_and_sampling_inputs():
     (item,) = out.scheduled
     assert item.block_ids == req.block_ids and len(item.block_ids) == 2
     assert item.prompt_token_ids == list(range(1000, 1006))
-    assert item.sampling_params is req.sampling_params
+    assert item.sampling_params == req.sampling_params
     assert not out.is_empty
     sched.update_from_output(out, fake_output(out))
     sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)

@@ -9,14 +9,14 @@ sequence, so preemption and recomputation must not change any request's output.
 
 from __future__ import annotations
 
+from batch_replay import ReplayScheduler as Scheduler
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from llm_inference.config import SchedulerConfig
 from llm_inference.core.kv_cache_manager import slot_for_position, slot_mapping
-from llm_inference.core.outputs import ModelRunnerOutput, SchedulerOutput
+from llm_inference.core.outputs import ModelRunnerOutput
 from llm_inference.core.request import Request, RequestStatus
-from llm_inference.core.scheduler import Scheduler
 from llm_inference.sampling_params import SamplingParams
 
 EOS = 0
@@ -31,7 +31,7 @@ class FakePagedModel:
         self.block_size, self.salt, self.vocab = block_size, salt, vocab
         self.cache: dict[int, int] = {}
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, out) -> ModelRunnerOutput:
         bs = self.block_size
         written: set[int] = set()
         sampled = []

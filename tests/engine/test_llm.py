@@ -108,11 +108,12 @@ def test_chat_applies_template(tiny_ckpt):
 
 
 BAD_INPUTS = [
-    ([[5, 6], []], {}, r"prompt 1 is empty"),
-    ([[5] * 600], {}, r"prompt 0 has 600 tokens.*max_model_len=512"),
+    ([[5, 6], []], {}, r"prompt 1: the prompt is empty"),
+    ([[5] * 600], {}, r"prompt 0: the prompt has 600 tokens.*max_model_len=512"),
     ([[5, 6]], {"max_new_tokens": 0}, r"max_new_tokens must be at least 1, got 0"),
     ([[5] * 500], {"max_new_tokens": 20}, r"prompt 0: 500 prompt tokens \+ max_tokens=20 = 520"),
-    ([[5, 999]], {}, r"prompt 0 has token ids outside \[0, 320\)"),
+    ([[5, 999]], {}, r"prompt 0: token ids must be integers in \[0, 320\); got \[999\]"),
+    ([[5, 6.5]], {}, r"prompt 0: token ids must be integers in \[0, 320\); got \[6.5\]"),
 ]
 
 
@@ -130,7 +131,17 @@ def test_bad_input_then_still_usable(tiny_ckpt, prompts, kw, match):
 
 def test_kv_cache_too_small_fails_at_start(tiny_ckpt):
     with pytest.raises(ValueError, match=r"KV cache too small.*max_model_len=512.*needs 32 blocks"):
-        LLM(str(tiny_ckpt), device="cpu", kv_cache_memory_bytes=10 * 8192)
+        LLM(str(tiny_ckpt), device="cpu", kv_cache_memory_bytes=10 * 8192, max_model_len=512)
+
+
+def test_default_max_model_len_is_capped_to_the_cache(tiny_ckpt, capsys):
+    """Without max_model_len, a small cache lowers the model's 512 positions (and says so)."""
+    with LLM(str(tiny_ckpt), device="cpu", kv_cache_memory_bytes=10 * 8192) as llm:
+        assert llm.config.scheduler.max_model_len == 10 * 16
+        assert "max_model_len lowered from 512 to 160" in capsys.readouterr().out
+        with pytest.raises(ValueError, match="max_model_len=160"):
+            llm.generate([[5] * 150], max_new_tokens=20, use_tqdm=False)
+        assert len(llm.generate([[5] * 150], max_new_tokens=10, use_tqdm=False)[0].token_ids) == 10
 
 
 def test_interrupted_generate_leaves_no_blocks(tiny_ckpt, monkeypatch):

@@ -8,7 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from llm_inference.kernels import reference
-from llm_inference.layers.attention import Attention, AttentionMetadata, PrefillSeq
+from llm_inference.layers.attention import (
+    Attention,
+    AttentionBackend,
+    AttentionMetadata,
+    StepBuffers,
+)
 
 
 def dense_causal(q, k, v, scale):
@@ -76,7 +81,7 @@ def test_layer_prefill_chunk_and_decode_equal_dense():
     """A mixed step: one sequence prefills a chunk on top of cached tokens, two decode."""
     g = torch.Generator().manual_seed(7)
     hq, hkv, d, bs, num_blocks = 4, 2, 16, 16, 32
-    attn = Attention(hq, hkv, d, d**-0.5, reference)
+    attn = Attention(hq, hkv, d, d**-0.5, AttentionBackend(reference))
     attn.k_cache = torch.zeros(num_blocks, bs, hkv, d)
     attn.v_cache = torch.zeros(num_blocks, bs, hkv, d)
     lens = [37, 20, 9]  # total tokens of each sequence after this step
@@ -101,13 +106,14 @@ def test_layer_prefill_chunk_and_decode_equal_dense():
     for table, n, m in zip(tables, lens, new):
         pos = torch.arange(n - m, n)
         slots.append(table[pos // bs].long() * bs + pos % bs)
-    md = AttentionMetadata(
-        slot_mapping=torch.cat(slots),
-        prefills=[PrefillSeq(0, 13, 24, tables[0])],
-        decode_indices=torch.tensor([13, 14]),
-        decode_block_tables=tables[1:],
-        decode_seq_lens=torch.tensor(lens[1:], dtype=torch.int32),
+    buffers = StepBuffers(
+        slot_mapping=torch.cat(slots).int(),
+        query_start_loc=torch.tensor([0, 13, 14, 15], dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_table=tables,
     )
+    md = attn.backend.metadata(buffers, 15, [0, 13, 14, 15], lens, tables.shape[1])
+    assert (md.max_query_len, md.max_seq_len) == (13, 37)
     out = attn(q, k, v, md)
     want = torch.cat(
         [dense_causal(qs[i], ks[i], vs[i], d**-0.5)[-new[i] :] for i in range(3)]
@@ -117,7 +123,7 @@ def test_layer_prefill_chunk_and_decode_equal_dense():
 
 def test_dense_metadata_matches_sdpa():
     g = torch.Generator().manual_seed(3)
-    attn = Attention(4, 2, 8, 8**-0.5, reference)
+    attn = Attention(4, 2, 8, 8**-0.5, AttentionBackend(reference))
     q, k = torch.randn(10, 4, 8, generator=g), torch.randn(10, 2, 8, generator=g)
     v = torch.randn(10, 2, 8, generator=g)
     out = attn(q, k, v, AttentionMetadata.dense([6, 4]))

@@ -22,6 +22,7 @@ from gguf_testfiles import constant_k_blocks, read_checkpoint, write_llama_gguf
 from helpers import hf_model, make_checkpoint
 
 from llm_inference.config import CheckpointError, ModelConfig, RopeScaling
+from llm_inference.kernels import reference
 from llm_inference.models import default_model as dm
 from llm_inference.models import gguf as gguf_mod
 from llm_inference.models.gguf import (
@@ -80,7 +81,8 @@ def test_tied_embeddings_have_no_lm_head(tmp_path):
     assert cfg.tie_word_embeddings and cfg.num_key_value_heads == 1
     assert "lm_head.weight" not in dict(iter_gguf_weights(path, torch.float32))
     ids = torch.randint(0, 320, (19,), generator=torch.Generator().manual_seed(0))
-    err = (_logits(load_model(path), ids) - _hf_logits(hf_model(folder), ids)).abs().max()
+    ours = _logits(load_model(path, reference), ids)
+    err = (ours - _hf_logits(hf_model(folder), ids)).abs().max()
     assert err < 1e-4
 
 
@@ -132,7 +134,7 @@ def test_our_model_from_quantized_gguf_matches_transformers_on_same_weights(tmp_
     ref = hf_model(ckpt)
     ref.load_state_dict(dict(iter_gguf_weights(path, torch.float32)))
     ids = torch.randint(0, 320, (21,), generator=torch.Generator().manual_seed(1))
-    assert (_logits(load_model(path), ids) - _hf_logits(ref, ids)).abs().max() < 1e-4
+    assert (_logits(load_model(path, reference), ids) - _hf_logits(ref, ids)).abs().max() < 1e-4
     # ...and the quantized weights do change the logits of the original model.
     assert (_hf_logits(hf_model(ckpt), ids) - _hf_logits(ref, ids)).abs().max() > 1e-4
 
@@ -167,7 +169,7 @@ def test_convert_writes_a_folder_transformers_and_we_load(tmp_path, tiny_ckpt, t
     want = _hf_logits(hf_model(tiny_ckpt), ids)
     tol = 1e-4 if dtype == "float32" else 0.1
     assert (_hf_logits(theirs, ids) - want).abs().max() < tol
-    assert (_logits(load_model(out), ids) - _hf_logits(theirs, ids)).abs().max() < 1e-4
+    assert (_logits(load_model(out, reference), ids) - _hf_logits(theirs, ids)).abs().max() < 1e-4
     chat = [{"role": "user", "content": "Hi"}]
     tok, orig = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(tiny_ckpt)
     assert tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == (
@@ -200,7 +202,7 @@ def test_llama3_rope_scaling_recovered_from_rope_freqs(tmp_path):
     )
     assert load_gguf_config(path).rope_scaling == RopeScaling(8.0, 1.0, 8.0, 1024)
     ids = torch.randint(0, 320, (9,), generator=torch.Generator().manual_seed(3))
-    ours = load_model(path)
+    ours = load_model(path, reference)
     positions = torch.arange(3000, 3009)
     with torch.no_grad():
         got = ours.compute_logits(ours(ids, positions, [9]))
@@ -408,7 +410,7 @@ def transformers_gguf_logits(prompt_ids):
 
 @pytest.mark.slow
 def test_real_gguf_logits_equal_transformers_gguf_loading(prompt_ids, transformers_gguf_logits):
-    ours = load_model(dm.default_gguf_path(), dtype=torch.float32)
+    ours = load_model(dm.default_gguf_path(), reference, dtype=torch.float32)
     assert (_logits(ours, prompt_ids) - transformers_gguf_logits).abs().max() < 1e-4
 
 
@@ -417,7 +419,7 @@ def folder_models(default_folder):
     from transformers import AutoModelForCausalLM
 
     theirs = AutoModelForCausalLM.from_pretrained(default_folder, dtype=torch.float32).eval()
-    return theirs, load_model(default_folder, dtype=torch.float32)
+    return theirs, load_model(default_folder, reference, dtype=torch.float32)
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import hf_model, make_checkpoint
 
+from llm_inference.kernels import reference
 from llm_inference.models.loader import load_model
 
 LLAMA3_SCALING = {
@@ -29,7 +30,7 @@ CASES = {
 
 def _compare(folder, input_ids, positions, atol=1e-4):
     ref = hf_model(folder)
-    ours = load_model(folder)
+    ours = load_model(folder, reference)
     with torch.no_grad():
         want = ref(input_ids[None], position_ids=positions[None]).logits[0]
         got = ours.compute_logits(ours(input_ids, positions, [len(input_ids)]))
@@ -55,7 +56,7 @@ def test_llama3_scaling_beyond_8192(tmp_path):
     plain = make_checkpoint(
         tmp_path / "plain", rope_parameters={"rope_theta": 500000.0}, max_position_embeddings=16384
     )
-    ours = load_model(plain)
+    ours = load_model(plain, reference)
     with torch.no_grad():
         other = ours.compute_logits(ours(ids, positions, [17]))
     assert (want - other).abs().max() > 1e-3
@@ -70,7 +71,7 @@ def test_sharded_checkpoint(tmp_path):
 
 
 def test_flat_batch_equals_unbatched(tiny_ckpt):
-    ours = load_model(tiny_ckpt)
+    ours = load_model(tiny_ckpt, reference)
     g = torch.Generator().manual_seed(4)
     seqs = [torch.randint(0, 320, (n,), generator=g) for n in (5, 13, 1)]
     ids = torch.cat(seqs)
@@ -87,8 +88,8 @@ def test_flat_batch_equals_unbatched(tiny_ckpt):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_close(tiny_ckpt, dtype):
-    ref = load_model(tiny_ckpt)
-    ours = load_model(tiny_ckpt, dtype=dtype)
+    ref = load_model(tiny_ckpt, reference)
+    ours = load_model(tiny_ckpt, reference, dtype=dtype)
     assert ours.embed_tokens.weight.dtype == dtype
     ids = torch.randint(0, 320, (9,), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():

@@ -10,6 +10,7 @@ from helpers import make_checkpoint
 from safetensors.torch import load_file, save_file
 
 from llm_inference.config import CheckpointError, ModelConfig
+from llm_inference.kernels import reference
 from llm_inference.models.loader import load_model
 
 
@@ -30,14 +31,14 @@ def test_missing_tensor(tmp_path):
     folder = make_checkpoint(tmp_path)
     _rewrite_weights(folder, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(CheckpointError, match=r"missing tensors: model\.layers\.1\.mlp\.up_proj"):
-        load_model(folder)
+        load_model(folder, reference)
 
 
 def test_unexpected_tensor(tmp_path):
     folder = make_checkpoint(tmp_path)
     _rewrite_weights(folder, lambda t: t.update({"model.extra.weight": torch.zeros(2)}))
     with pytest.raises(CheckpointError, match=r"unexpected tensors: model\.extra\.weight"):
-        load_model(folder)
+        load_model(folder, reference)
 
 
 def test_wrong_shape(tmp_path):
@@ -45,21 +46,21 @@ def test_wrong_shape(tmp_path):
     name = "model.layers.0.self_attn.k_proj.weight"
     _rewrite_weights(folder, lambda t: t.update({name: torch.zeros(7, 64)}))
     with pytest.raises(CheckpointError, match=r"k_proj\.weight: checkpoint \(7, 64\), expected"):
-        load_model(folder)
+        load_model(folder, reference)
 
 
 def test_missing_config_key(tmp_path):
     folder = make_checkpoint(tmp_path)
     _edit_config(folder, lambda c: c.pop("num_hidden_layers"))
     with pytest.raises(CheckpointError, match="missing required config key 'num_hidden_layers'"):
-        load_model(folder)
+        load_model(folder, reference)
 
 
 def test_unsupported_model_type(tmp_path):
     folder = make_checkpoint(tmp_path)
     _edit_config(folder, lambda c: c.update(model_type="mistral"))
     with pytest.raises(CheckpointError, match="unsupported model_type 'mistral'"):
-        load_model(folder)
+        load_model(folder, reference)
 
 
 @pytest.mark.parametrize("key", ["attention_bias", "mlp_bias"])
@@ -67,14 +68,14 @@ def test_bias_refused(tmp_path, key):
     folder = make_checkpoint(tmp_path)
     _edit_config(folder, lambda c: c.update({key: True}))
     with pytest.raises(CheckpointError, match=f"{key}=true is not supported"):
-        load_model(folder)
+        load_model(folder, reference)
 
 
 def test_unknown_rope_scaling(tmp_path):
     folder = make_checkpoint(tmp_path)
     _edit_config(folder, lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
     with pytest.raises(CheckpointError, match="unsupported rope scaling type 'yarn'"):
-        load_model(folder)
+        load_model(folder, reference)
 
 
 def test_bin_only_folder_refused(tmp_path):
@@ -82,12 +83,12 @@ def test_bin_only_folder_refused(tmp_path):
     (folder / "model.safetensors").unlink()
     (folder / "pytorch_model.bin").write_bytes(b"not unpickled")
     with pytest.raises(CheckpointError, match="pytorch_model.bin.*convert the checkpoint to safet"):
-        load_model(folder)
+        load_model(folder, reference)
 
 
 def test_folder_does_not_exist(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
-        load_model(tmp_path / "nope")
+        load_model(tmp_path / "nope", reference)
 
 
 def test_config_reads_rope_scaling_and_eos_list():

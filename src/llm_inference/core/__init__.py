@@ -2,19 +2,27 @@
 
 from llm_inference.core.block_pool import BlockPool, KVCacheBlock, NoFreeBlocksError
 from llm_inference.core.kv_cache_manager import KVCacheManager, slot_for_position, slot_mapping
-from llm_inference.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from llm_inference.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from llm_inference.core.request import Request, RequestStatus
 from llm_inference.core.scheduler import Scheduler
 
 __all__ = [
     "BlockPool",
+    "CachedRequestData",
+    "EngineCoreOutput",
     "KVCacheBlock",
     "KVCacheManager",
     "ModelRunnerOutput",
+    "NewRequestData",
     "NoFreeBlocksError",
     "Request",
     "RequestStatus",
-    "ScheduledRequest",
     "Scheduler",
     "SchedulerOutput",
     "slot_for_position",

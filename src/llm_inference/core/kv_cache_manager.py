@@ -15,12 +15,9 @@ slots:
 
 from __future__ import annotations
 
+from llm_inference.config import cdiv
 from llm_inference.core.block_pool import BlockPool
 from llm_inference.core.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def slot_for_position(block_ids: list[int], position: int, block_size: int) -> int:

@@ -1,60 +1,95 @@
-"""What the scheduler asks the model runner to compute, and what comes back (dataclasses only)."""
+"""What the scheduler sends to the workers, what comes back, and what the core reports.
+
+`SchedulerOutput` is a diff against the workers' own per-request state (their persistent
+input batch), never a view of the scheduler's: every list in it is a fresh copy, so it can be
+pickled to another process or kept while the scheduler moves on.
+
+- A request is sent whole once, as `NewRequestData`, when it is admitted (or readmitted after
+  preemption, which discarded the workers' copy): prompt, tokens sampled so far, sampling
+  parameters, block ids and how many tokens are already computed.
+- Afterwards, each step that schedules it sends a `CachedRequestData`: the tokens appended
+  since it was last sent, the blocks added since, and its `num_computed_tokens`.
+- `preempted_request_ids` and `finished_request_ids` tell the workers which states to drop.
+  A worker applies a step in this order: drop finished, drop preempted, add new, update cached.
+
+The batch order of a step is the key order of `num_scheduled_tokens`. Request `r` computes
+positions `[num_computed_tokens, num_computed_tokens + num_scheduled_tokens[r])`; it needs a
+sample when that range reaches the end of its known tokens.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llm_inference.sampling_params import SamplingParams
 
 
 @dataclass
-class ScheduledRequest:
-    """One request's work in a step.
-
-    `token_ids == all_token_ids[start_position : start_position + len(token_ids)]`; their K/V
-    go to the slots `slot_mapping(block_ids, start_position, len(token_ids), block_size)`.
-    `needs_sample` is True iff the chunk reaches the end of the known tokens, so the logits of
-    its last token give the request's next token.
-
-    `prompt_token_ids` and `output_token_ids` are the request's own lists (not copies): read
-    them before `Scheduler.update_from_output`, never mutate them. `block_ids` is a copy.
-    """
-
+class NewRequestData:
     request_id: str
-    token_ids: list[int]
-    start_position: int
-    block_ids: list[int]
-    needs_sample: bool
-    sampling_params: SamplingParams
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty only for a request readmitted after preemption
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
+
+@dataclass
+class CachedRequestData:
+    request_id: str
+    new_token_ids: list[int]  # tokens appended since the request was last sent
+    new_block_ids: list[int]  # blocks appended to its block table since then
+    num_computed_tokens: int
 
 
 @dataclass
 class SchedulerOutput:
-    """The batch of one step, in batch order (running requests first, then admitted ones)."""
-
-    scheduled: list[ScheduledRequest]
-    num_batched_tokens: int
-    preempted_request_ids: list[str]
+    step_id: int
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # request id -> tokens to compute, in batch order
+    total_num_scheduled_tokens: int
+    preempted_request_ids: list[str] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.num_scheduled_tokens
+
+    @property
+    def request_ids(self) -> list[str]:
+        """The scheduled requests in batch order."""
+        return list(self.num_scheduled_tokens)
 
 
 @dataclass
 class ModelRunnerOutput:
-    """Sampled tokens per request, in the order of `SchedulerOutput.scheduled`.
+    """Sampled tokens per request, in the batch order of the step.
 
     `sampled_token_ids[i]` is `[]` for a request whose chunk did not need a sample.
-    `logprobs` is opaque to the scheduler and passed through to the engine.
+    `logprobs` is opaque to the scheduler and passed through in the core's outputs.
     """
 
     request_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[object | None] | None = None
+
+
+@dataclass
+class EngineCoreOutput:
+    """What the core reports for one request that advanced in a step: plain values only.
+
+    `new_token_ids` are the tokens appended in this step (a request that finishes on a stop
+    token includes it). `finish_reason` is "stop", "length" or None while it runs;
+    `stop_reason` is the stop token id when a stop token ended it.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[object] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

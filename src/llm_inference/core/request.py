@@ -6,7 +6,8 @@ Invariants (kept by the scheduler and the KV cache manager):
   them have their K/V written in the paged cache, in `block_ids` (logical block i -> physical
   block `block_ids[i]`), so `len(block_ids) * block_size >= num_computed_tokens`.
 - A WAITING or PREEMPTED request owns no blocks and has `num_computed_tokens == 0`; preemption
-  discards the cache, so a readmitted request recomputes prompt + outputs.
+  discards the cache, so a readmitted request recomputes prompt + outputs. It also discards
+  the workers' copy (`num_sent_tokens is None`): it is sent whole again when readmitted.
 - A finished request owns no blocks.
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import enum
 import sys
-import time
 
 from llm_inference.sampling_params import SamplingParams
 
@@ -54,7 +54,6 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
         max_tokens: int | None = None,
-        arrival_time: float | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt has no tokens")
@@ -66,11 +65,15 @@ class Request:
         if max_tokens is None:
             max_tokens = sampling_params.max_tokens
         self.max_tokens: int = sys.maxsize if max_tokens is None else int(max_tokens)
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
         self.stop_reason: int | str | None = None
+        # What the workers hold of this request (their copy is dropped on preemption): the
+        # first `num_sent_tokens` token ids and `num_sent_blocks` block ids. `None` until the
+        # request is first sent whole as NewRequestData.
+        self.num_sent_tokens: int | None = None
+        self.num_sent_blocks = 0
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -23,7 +23,13 @@ from collections.abc import Iterable
 
 from llm_inference.config import SchedulerConfig
 from llm_inference.core.kv_cache_manager import KVCacheManager
-from llm_inference.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from llm_inference.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from llm_inference.core.request import Request, RequestStatus
 
 
@@ -36,17 +42,36 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_steps = 0
+        self._step_id = 0
+        # Requests of each step not yet passed to update_from_output (by step id).
+        self._in_flight: dict[int, list[Request]] = {}
+        # Ids the workers hold state for that finished since the last SchedulerOutput.
+        self._finished_ids: list[str] = []
+
+    def check_request_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """The one prompt-length check: raise ValueError unless the prompt is non-empty, shorter
+        than max_model_len (room for one output token), and prompt + max_tokens fits."""
+        max_len = self.config.max_model_len
+        if num_prompt_tokens < 1:
+            raise ValueError("the prompt is empty")
+        if num_prompt_tokens >= max_len:
+            raise ValueError(
+                f"the prompt has {num_prompt_tokens} tokens, which leaves no room to generate "
+                f"within max_model_len={max_len}"
+            )
+        if max_tokens is not None and num_prompt_tokens + max_tokens > max_len:
+            raise ValueError(
+                f"{num_prompt_tokens} prompt tokens + max_tokens={max_tokens} = "
+                f"{num_prompt_tokens + max_tokens} exceeds max_model_len={max_len}"
+            )
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request; its prompt must be shorter than max_model_len (so that
+        """Queue a new request. Its prompt must leave room for output within max_model_len (so
         `num_tokens <= max_model_len` always holds) and fit in the whole KV cache."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
         if request.num_tokens >= self.config.max_model_len:
-            raise ValueError(
-                f"request {request.request_id!r} has {request.num_tokens} tokens, which leaves "
-                f"no room for output within max_model_len={self.config.max_model_len}"
-            )
+            self.check_request_length(request.num_tokens, None)
         self._check_fits(request, request.num_tokens)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
@@ -88,11 +113,7 @@ class Scheduler:
 
         if scheduled:
             self.num_steps += 1
-        return SchedulerOutput(
-            scheduled=[self._make_scheduled(req, n) for req, n in scheduled],
-            num_batched_tokens=self.config.max_num_batched_tokens - budget,
-            preempted_request_ids=preempted,
-        )
+        return self._make_output(scheduled, preempted)
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
         """Move waiting requests to running in FIFO order; returns the budget left."""
@@ -109,22 +130,55 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        start = request.num_computed_tokens
-        return ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=request.get_token_ids(start, start + num_new),
-            start_position=start,
-            block_ids=list(request.block_ids),
-            needs_sample=start + num_new == request.num_tokens,
-            sampling_params=request.sampling_params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
+    def _make_output(
+        self, scheduled: list[tuple[Request, int]], preempted: list[str]
+    ) -> SchedulerOutput:
+        """The step as a diff against what the workers hold (see core/outputs.py)."""
+        new: list[NewRequestData] = []
+        cached: list[CachedRequestData] = []
+        for request, _ in scheduled:
+            if request.num_sent_tokens is None:
+                new.append(
+                    NewRequestData(
+                        request_id=request.request_id,
+                        prompt_token_ids=list(request.prompt_token_ids),
+                        output_token_ids=list(request.output_token_ids),
+                        sampling_params=request.sampling_params,
+                        block_ids=list(request.block_ids),
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+            else:
+                cached.append(
+                    CachedRequestData(
+                        request_id=request.request_id,
+                        new_token_ids=request.get_token_ids(
+                            request.num_sent_tokens, request.num_tokens
+                        ),
+                        new_block_ids=request.block_ids[request.num_sent_blocks :],
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+            request.num_sent_tokens = request.num_tokens
+            request.num_sent_blocks = len(request.block_ids)
+        self._step_id += 1
+        self._in_flight[self._step_id] = [request for request, _ in scheduled]
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            step_id=self._step_id,
+            new_requests=new,
+            cached_requests=cached,
+            num_scheduled_tokens={r.request_id: n for r, n in scheduled},
+            total_num_scheduled_tokens=sum(n for _, n in scheduled),
+            preempted_request_ids=preempted,
+            finished_request_ids=finished,
         )
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
+        request.num_sent_tokens = None  # the workers drop their copy
+        request.num_sent_blocks = 0
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
         self.num_preemptions += 1
@@ -142,35 +196,50 @@ class Scheduler:
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> list[Request]:
+    ) -> list[EngineCoreOutput]:
         """Advance progress, append sampled tokens, finish and free stopped requests.
 
-        Returns the requests that received a new token this step, finished ones included.
-        Requests finished (aborted) between `schedule` and this call are skipped.
+        Returns one plain record per request that received tokens this step, finished ones
+        included. Requests finished (aborted) since `schedule`, or whose id now names another
+        request, are skipped.
         """
         out = model_runner_output
+        scheduled = self._in_flight.pop(scheduler_output.step_id, [])
+        lp_by_id = dict(zip(out.request_ids, out.logprobs or [None] * len(out.request_ids)))
         sampled = dict(zip(out.request_ids, out.sampled_token_ids, strict=True))
-        updated: list[Request] = []
-        for item in scheduler_output.scheduled:
-            request = self.requests.get(item.request_id)
-            if request is None or request.num_computed_tokens != item.start_position:
+        results: list[EngineCoreOutput] = []
+        for request in scheduled:
+            rid = request.request_id
+            if self.requests.get(rid) is not request:
                 continue  # finished (aborted) since schedule(), or an id reused since
-            request.num_computed_tokens += len(item.token_ids)
-            new_tokens = sampled.get(item.request_id) or []
-            if item.needs_sample and not new_tokens:
-                raise ValueError(f"request {item.request_id!r} needed a sample but got none")
+            num_new = scheduler_output.num_scheduled_tokens[rid]
+            request.num_computed_tokens += num_new
+            new_tokens = sampled.get(rid) or []
+            if request.num_computed_tokens == request.num_tokens and not new_tokens:
+                raise ValueError(f"request {rid!r} needed a sample but got none")
             if not new_tokens:
                 continue
+            appended: list[int] = []
             for token_id in new_tokens:
                 request.append_output_token(token_id)
+                appended.append(token_id)
                 status = self._check_stop(request, token_id)
                 if status is not None:
                     self._finish(request, status)
                     break
-            updated.append(request)
-        if any(r.is_finished for r in updated):
+            lp = lp_by_id.get(rid)
+            results.append(
+                EngineCoreOutput(
+                    request_id=rid,
+                    new_token_ids=appended,
+                    finish_reason=request.finish_reason,
+                    stop_reason=request.stop_reason,
+                    new_logprobs=None if lp is None else [lp],
+                )
+            )
+        if any(r.finished for r in results):
             self.running = [r for r in self.running if not r.is_finished]
-        return updated
+        return results
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         """Stop tokens win over length limits when both hold on the same token."""
@@ -191,13 +260,15 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = status
         del self.requests[request.request_id]
+        if request.num_sent_tokens is not None:
+            self._finished_ids.append(request.request_id)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish requests from outside (abort, stop string); unknown ids are ignored."""
         if not RequestStatus.is_finished(status):
             raise ValueError(f"{status} is not a finished status")
-        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
-        found = [self.requests[i] for i in ids if i in self.requests]
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        found = [self.requests[i] for i in dict.fromkeys(ids) if i in self.requests]
         if not found:
             return
         for request in found:

@@ -1,15 +1,23 @@
-"""LLMEngine: add_request / step / abort. One step is schedule -> execute -> update."""
+"""LLMEngine: add_request / step / abort_request.
+
+One step is schedule -> execute -> update (the core, which knows nothing of text) -> process
+outputs (the front end: text, stop strings, n fan-in). `step()` returns a `RequestOutput` for
+every user request that advanced, so callers can stream; a request's last one has
+`finished=True`.
+"""
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable
+from dataclasses import replace
 
-from llm_inference.config import EngineConfig
+from llm_inference.config import EngineConfig, cdiv
 from llm_inference.core.request import Request, RequestStatus
 from llm_inference.core.scheduler import Scheduler
-from llm_inference.engine.detokenizer import IncrementalDetokenizer
+from llm_inference.engine.output_processor import OutputProcessor
 from llm_inference.executor.executor import Executor
+from llm_inference.outputs import RequestOutput
 from llm_inference.sampling_params import SamplingParams
 
 
@@ -17,93 +25,109 @@ class KVCacheTooSmallError(ValueError):
     pass
 
 
-@dataclass
-class RequestState:
-    """Engine-side state of one request: the scheduler's Request plus text and logprobs."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    logprobs: list = field(default_factory=list)
-    num_detokenized: int = 0
+def child_seed(seed: int, index: int) -> int:
+    """The seed of completion `index` of a request with n > 1 (completion 0 keeps it)."""
+    return seed if index == 0 else (seed * 1_000_003 + index) % (1 << 63)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer) -> None:
-        self.config = config
         self.tokenizer = tokenizer
         self.executor = Executor(config)
         num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
-        self._check_cache_fits(num_blocks)
+        self.config = self._fit_max_model_len(config, num_blocks)
         self.executor.collective_rpc("allocate_kv_cache", num_blocks)
-        self.scheduler = Scheduler(config.scheduler, num_blocks, config.cache.block_size)
-        self.states: dict[str, RequestState] = {}
+        self.scheduler = Scheduler(self.config.scheduler, num_blocks, config.cache.block_size)
+        self.output_processor = OutputProcessor(tokenizer)
         self.rng = random.Random(config.seed)
 
-    def _check_cache_fits(self, num_blocks: int) -> None:
-        block_size = self.config.cache.block_size
-        max_len = self.config.scheduler.max_model_len
-        need = -(-max_len // block_size)
-        if num_blocks < need:
-            per_block = self.executor.collective_rpc("kv_bytes_per_block")[0]
-            raise KVCacheTooSmallError(
-                f"KV cache too small for one request of max_model_len={max_len} tokens: it "
-                f"needs {need} blocks of {block_size} tokens ({need * per_block:,} bytes) but "
-                f"only {num_blocks} blocks ({num_blocks * per_block:,} bytes) fit; raise "
-                "kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len"
+    def _fit_max_model_len(self, config: EngineConfig, num_blocks: int) -> EngineConfig:
+        """The one KV-fits check: a request of max_model_len tokens must fit in the cache. When
+        the user did not set max_model_len, it is capped to what the cache holds instead."""
+        block_size, max_len = config.cache.block_size, config.scheduler.max_model_len
+        if num_blocks * block_size >= max_len:
+            return config
+        if config.scheduler.max_model_len_is_default and num_blocks >= 1:
+            fit = num_blocks * block_size
+            print(
+                f"llm_inference: max_model_len lowered from {max_len} to {fit} tokens, all "
+                f"that the KV cache ({num_blocks} blocks) holds"
             )
+            return replace(config, scheduler=replace(config.scheduler, max_model_len=fit))
+        per_block = self.executor.collective_rpc("kv_bytes_per_block")[0]
+        need = cdiv(max_len, block_size)
+        raise KVCacheTooSmallError(
+            f"KV cache too small for one request of max_model_len={max_len} tokens: it "
+            f"needs {need} blocks of {block_size} tokens ({need * per_block:,} bytes) but "
+            f"only {num_blocks} blocks ({num_blocks * per_block:,} bytes) fit; raise "
+            "kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len"
+        )
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a prompt this engine cannot run (before anything is added)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, not {type(params).__name__}")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in prompt_token_ids if not (type(t) is int and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        self.scheduler.check_request_length(len(prompt_token_ids), params.max_tokens)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
     ) -> None:
-        if params.seed is None:
-            # Every request gets a seed: its random stream never depends on its batch companions.
-            params = replace(params, seed=self.rng.getrandbits(63))
+        """Queue a request (n > 1 becomes n core requests, one per completion)."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, not {type(request_id).__name__}")
+        if request_id in self.output_processor:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self.validate_request(prompt_token_ids, params)
+        # Every request gets a seed: its random stream never depends on its batch companions.
+        seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
+        children = [replace(params, n=1, seed=child_seed(seed, j)) for j in range(params.n)]
+        ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids, children)
         max_len = self.config.scheduler.max_model_len
-        max_tokens = params.max_tokens or max_len - len(prompt_token_ids)
-        request = Request(
-            request_id,
-            list(prompt_token_ids),
-            params,
-            eos_token_ids=self.config.model.eos_token_ids,
-            max_tokens=max_tokens,
-        )
-        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
-        self.states[request_id] = RequestState(request, detok)
-        self.scheduler.add_request(request)
+        for cid, child in zip(ids, children):
+            request = Request(
+                cid,
+                list(prompt_token_ids),
+                child,
+                eos_token_ids=self.config.model.eos_token_ids,
+                max_tokens=child.max_tokens or max_len - len(prompt_token_ids),
+            )
+            self.scheduler.add_request(request)
 
-    def step(self) -> list[RequestState]:
-        """Run one step; return the states of requests that finished in it."""
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """Abort user requests (unknown ids are ignored); returns their final outputs."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        outputs = []
+        for rid in ids:
+            core_ids = self.output_processor.core_ids(rid)
+            self.scheduler.finish_requests(core_ids, RequestStatus.FINISHED_ABORTED)
+            out = self.output_processor.abort(rid)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    # ---- stepping --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the outputs of every user request that advanced in it."""
         so = self.scheduler.schedule()
-        if so.is_empty:
+        if so.is_empty and not (so.finished_request_ids or so.preempted_request_ids):
             return []
-        out = self.executor.execute_model(so)
-        updated = self.scheduler.update_from_output(so, out)
-        if out.logprobs is not None:
-            for rid, lp in zip(out.request_ids, out.logprobs):
-                if lp is not None:
-                    self.states[rid].logprobs.append(lp)
-        finished = []
-        for request in updated:
-            state = self.states[request.request_id]
-            new = request.output_token_ids[state.num_detokenized :]
-            state.num_detokenized = len(request.output_token_ids)
-            stop = state.detokenizer.add_tokens(new)
-            if stop is not None:
-                # A stop string ends the request even if a length limit ended it too.
-                if not request.is_finished:
-                    self.scheduler.finish_requests(
-                        request.request_id, RequestStatus.FINISHED_STOPPED
-                    )
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = stop
-            if request.is_finished:
-                finished.append(self.states.pop(request.request_id))
-        return finished
-
-    def abort_request(self, request_ids: list[str]) -> None:
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        for rid in request_ids:
-            self.states.pop(rid, None)
+        runner_output = self.executor.execute_model(so)
+        core_outputs = self.scheduler.update_from_output(so, runner_output)
+        outputs, stopped = self.output_processor.process_outputs(core_outputs)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -1,17 +1,17 @@
-"""ModelRunner: turns a SchedulerOutput into input tensors and AttentionMetadata, runs the
-model, and samples. It owns the model and the paged KV cache of its rank."""
+"""ModelRunner: applies each SchedulerOutput diff to its input batch, builds the step's inputs
+and attention metadata, runs the model, and samples. It owns the model and the paged KV cache
+of its rank."""
 
 from __future__ import annotations
 
 import torch
 
-from llm_inference.config import EngineConfig
-from llm_inference.core.kv_cache_manager import slot_mapping
+from llm_inference.config import EngineConfig, cdiv
 from llm_inference.core.outputs import ModelRunnerOutput, SchedulerOutput
 from llm_inference.distributed.parallel_state import get_tp_rank
 from llm_inference.executor.cuda_graph import DecodeGraphs
+from llm_inference.executor.input_batch import InputBatch, InputBuffers, StepInputs
 from llm_inference.kernels import get_ops
-from llm_inference.layers.attention import AttentionMetadata, PrefillSeq
 from llm_inference.layers.sampler import Sampler, SamplingMetadata
 from llm_inference.models.loader import load_model
 
@@ -23,14 +23,20 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.dtype = getattr(torch, config.dtype)
-        use_triton = device.type == "cuda" and config.kernel_backend != "reference"
+        ops = get_ops(config.kernel_backend, device)
         # The reference kernels sync with the host, which a graph capture forbids.
-        self.use_cuda_graphs = use_triton and not config.enforce_eager
-        self.model = load_model(
-            config.model_path, device, self.dtype, get_ops(use_triton), config.model
-        )
+        self.use_cuda_graphs = config.kernel_backend == "triton" and not config.enforce_eager
+        self.model = load_model(config.model_path, ops, device, self.dtype, config.model)
         self.sampler = Sampler()
         self.block_size = config.cache.block_size
+        sched = config.scheduler
+        self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.block_size)
+        self.buffers = InputBuffers(
+            max(sched.max_num_batched_tokens, sched.max_num_seqs),
+            sched.max_num_seqs,
+            cdiv(sched.max_model_len, self.block_size),
+            device,
+        )
         self.num_blocks = 0
         self.graphs: DecodeGraphs | None = None
 
@@ -84,7 +90,7 @@ class ModelRunner:
         if self.use_cuda_graphs:
             sched = self.config.scheduler
             self.graphs = DecodeGraphs(
-                self.model, sched.max_num_seqs, sched.max_model_len, self.block_size, self.device
+                self.model, self.buffers, sched.max_num_seqs, sched.max_model_len
             )
             self.graphs.capture()
 
@@ -96,60 +102,47 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------
 
-    def _forward(self, so: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
-        """Run the model on the step's tokens; hidden states and the rows to sample from."""
-        ids, positions, slots, logits_idx = [], [], [], []
-        prefills: list[PrefillSeq] = []
-        dec_idx, dec_tables, dec_lens = [], [], []
-        for r in so.scheduled:
-            start, n = r.start_position, len(r.token_ids)
-            t0 = len(ids)
-            ids += r.token_ids
-            positions += range(start, start + n)
-            slots += slot_mapping(r.block_ids, start, n, self.block_size)
-            if n == 1:
-                dec_idx.append(t0)
-                dec_tables.append(r.block_ids)
-                dec_lens.append(start + 1)
-            else:
-                table = torch.tensor(r.block_ids, dtype=torch.int32, device=self.device)
-                prefills.append(PrefillSeq(t0, n, start, table))
-            if r.needs_sample:
-                logits_idx.append(len(ids) - 1)
-        if not prefills and self.graphs is not None and self.graphs.can_run(len(dec_idx)):
-            return self.graphs.run(ids, positions, slots, dec_tables, dec_lens), logits_idx
-        dev = self.device
-        md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), prefills=prefills
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        """Run the model on the step's tokens (inputs already in the host buffers)."""
+        num_seqs, width = len(step.seq_lens), step.block_width
+        bucket = None
+        if self.graphs is not None and step.num_tokens == num_seqs:  # one token per sequence
+            bucket = self.graphs.bucket(num_seqs)
+        if bucket is not None:
+            self.buffers.pad_decode(num_seqs, bucket)
+            self.buffers.to_device(num_seqs, width)
+            return self.graphs.replay(num_seqs, bucket)
+        self.buffers.to_device(num_seqs, width)
+        md = self.model.attn_backend.metadata(
+            self.buffers.attention, step.num_tokens, step.query_start_loc, step.seq_lens, width
         )
-        if dec_idx:
-            width = max(len(t) for t in dec_tables)
-            tables = [t + [0] * (width - len(t)) for t in dec_tables]
-            md.decode_indices = torch.tensor(dec_idx, dtype=torch.long, device=dev)
-            md.decode_block_tables = torch.tensor(tables, dtype=torch.int32, device=dev)
-            md.decode_seq_lens = torch.tensor(dec_lens, dtype=torch.int32, device=dev)
-            md.decode_max_seq_len = max(dec_lens)
-            md.all_decode = not prefills
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        return self.model(input_ids, pos, md), logits_idx
+        views = self.buffers.views
+        n = step.num_tokens
+        return self.model(views["input_ids"][:n], views["positions"][:n], md)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
-        hidden, logits_idx = self._forward(so)
-        req_ids = [r.request_id for r in so.scheduled]
-        sampled: list[list[int]] = [[] for _ in so.scheduled]
-        if not logits_idx:
+        self.input_batch.apply(so)
+        req_ids = so.request_ids
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        if so.is_empty:
+            return ModelRunnerOutput(req_ids, sampled)
+        step = self.input_batch.prepare(so, self.buffers)
+        hidden = self._forward(step)
+        if not step.sample_rows:
             return ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids))
-        logits = self.model.compute_logits(hidden[logits_idx])
+        rows_idx = self.buffers.views["logits_indices"][: len(step.sample_rows)]
+        logits = self.model.compute_logits(hidden.index_select(0, rows_idx))
         if get_tp_rank() != 0:
             return None  # sampling happens on rank 0 only
-        rows = [r for r in so.scheduled if r.needs_sample]
+        batch = self.input_batch
+        rows = [batch.rows[req_ids[i]] for i in step.sample_rows]
+        params = [batch.params[r] for r in rows]
         smd = SamplingMetadata.build(
-            [r.sampling_params for r in rows],
-            [r.prompt_token_ids for r in rows],
-            [r.output_token_ids for r in rows],
-            [r.sampling_params.seed for r in rows],
+            params,
+            [batch.prompt_ids[r] for r in rows],
+            [batch.output_ids[r] for r in rows],
+            [p.seed for p in params],
             self.config.model.eos_token_ids,
             self.config.model.vocab_size,
             self.device,
@@ -157,11 +150,8 @@ class ModelRunner:
         out = self.sampler(logits, smd)
         tokens = out.token_ids.tolist()
         logprobs: list[object | None] = [None] * len(req_ids)
-        k = 0
-        for i, r in enumerate(so.scheduled):
-            if r.needs_sample:
-                sampled[i] = [tokens[k]]
-                if out.logprobs is not None:
-                    logprobs[i] = out.logprobs[k]
-                k += 1
+        for k, i in enumerate(step.sample_rows):
+            sampled[i] = [tokens[k]]
+            if out.logprobs is not None:
+                logprobs[i] = out.logprobs[k]
         return ModelRunnerOutput(req_ids, sampled, logprobs)

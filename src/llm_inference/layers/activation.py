@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 from torch import nn
 
@@ -9,7 +7,7 @@ from torch import nn
 class SiluAndMul(nn.Module):
     """[T, 2*I] (gate then up) -> silu(gate) * up, [T, I]."""
 
-    def __init__(self, ops: ModuleType) -> None:
+    def __init__(self, ops) -> None:
         super().__init__()
         self.ops = ops
 

@@ -1,122 +1,196 @@
 """Attention over a flat batch of tokens from several sequences, with a paged KV cache.
 
-`AttentionMetadata` describes one step and is built once by the model runner (or by
-`AttentionMetadata.dense` when there is no cache yet). Tokens of a sequence are contiguous in
-the flat batch. A sequence is either
-  - a decode: one new token at position `seq_len - 1`, attending to all `seq_len` cached
-    tokens through paged decode attention; or
-  - a prefill chunk: `query_len` new tokens at positions `[start, start + query_len)`,
-    attending causally to every earlier token (the cached `start` tokens and each other)
-    with SDPA.
-Each layer first writes the new tokens' K/V into its cache at `slot_mapping`, then attends.
+One `AttentionBackend` object (built from the kernel ops, shared by every layer) owns both
+halves of attention: turning a step's host-side inputs into an `AttentionMetadata` over
+persistent device buffers (the same buffers CUDA graphs replay), and running attention.
+
+A step's tokens are grouped by sequence, back to back: sequence s owns query rows
+`query_start_loc[s]:query_start_loc[s + 1]` (L_s rows) and has `seq_lens[s]` tokens in the
+cache once this step's K/V are written, so its row i sits at position `seq_lens[s] - L_s + i`
+and attends causally to cache positions `[0, seq_lens[s] - L_s + i]`. A decode is simply
+L_s = 1, a prompt chunk L_s > 1: there is no separate prefill and decode metadata.
+Each layer first writes the new tokens' K/V at `slot_mapping`, then attends.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from types import ModuleType
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass
-class PrefillSeq:
-    token_start: int  # index of the first token of this sequence in the flat batch
-    query_len: int
-    start_position: int  # tokens already in the cache before this chunk
-    block_table: torch.Tensor | None  # [num_blocks] int32; None when there is no cache
+from llm_inference.config import cdiv
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor | None  # [T] int64, -1 for padding; None: no cache
-    prefills: list[PrefillSeq] = field(default_factory=list)
-    # Decode sequences: their token indices in the flat batch, block tables, lengths.
-    decode_indices: torch.Tensor | None = None  # [Bd] int64; None when no decodes
-    decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks] int32
-    decode_seq_lens: torch.Tensor | None = None  # [Bd] int32
-    decode_max_seq_len: int = 0
-    all_decode: bool = False  # every token is a decode, in order: no gather/scatter needed
+    """One step's attention inputs; built once per step by `AttentionBackend`.
+
+    `slot_mapping is None` means no KV cache (a dense forward: each sequence is a whole
+    prompt attending causally to itself; used for profiling and model tests).
+    """
+
+    slot_mapping: torch.Tensor | None  # [T] int32, -1: do not write (padding)
+    query_start_loc: torch.Tensor | None  # [S + 1] int32
+    seq_lens: torch.Tensor | None  # [S] int32
+    block_table: torch.Tensor | None  # [S, W] int32 (row stride may exceed W)
+    max_query_len: int  # upper bounds, Python ints: kernel grids need no host sync
+    max_seq_len: int
+    query_start_loc_cpu: tuple[int, ...]  # host copies, for paths that loop on the host
+    seq_lens_cpu: tuple[int, ...]
 
     @classmethod
     def dense(cls, seq_lens: list[int]) -> AttentionMetadata:
-        """No KV cache: each sequence is a whole prompt attending causally to itself."""
-        prefills, start = [], 0
+        starts = [0]
         for n in seq_lens:
-            prefills.append(PrefillSeq(start, n, 0, None))
-            start += n
-        return cls(slot_mapping=None, prefills=prefills)
+            starts.append(starts[-1] + n)
+        return cls(None, None, None, None, max(seq_lens), max(seq_lens), tuple(starts),
+                   tuple(seq_lens))  # fmt: skip
+
+
+@dataclass
+class StepBuffers:
+    """Persistent device buffers the backend builds metadata in (and graphs replay from)."""
+
+    slot_mapping: torch.Tensor  # [max_tokens] int32
+    query_start_loc: torch.Tensor  # [max_seqs + 1] int32
+    seq_lens: torch.Tensor  # [max_seqs] int32
+    block_table: torch.Tensor  # [max_seqs, max_blocks_per_seq] int32
+
+
+class AttentionBackend:
+    """Builds step metadata and runs prefill chunks and decodes through the kernel ops."""
+
+    def __init__(self, ops) -> None:
+        self.ops = ops
+
+    # ---- metadata ------------------------------------------------------------------------
+
+    def metadata(
+        self,
+        buffers: StepBuffers,
+        num_tokens: int,
+        query_start_loc: list[int] | tuple[int, ...],
+        seq_lens: list[int] | tuple[int, ...],
+        block_width: int,
+    ) -> AttentionMetadata:
+        """Views of `buffers` for a step whose host inputs were already copied into them."""
+        num_seqs = len(seq_lens)
+        max_query = max(b - a for a, b in zip(query_start_loc[:-1], query_start_loc[1:]))
+        return AttentionMetadata(
+            slot_mapping=buffers.slot_mapping[:num_tokens],
+            query_start_loc=buffers.query_start_loc[: num_seqs + 1],
+            seq_lens=buffers.seq_lens[:num_seqs],
+            block_table=buffers.block_table[:num_seqs, :block_width],
+            max_query_len=max_query,
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=tuple(query_start_loc),
+            seq_lens_cpu=tuple(seq_lens),
+        )
+
+    def graph_metadata(
+        self, buffers: StepBuffers, num_seqs: int, max_model_len: int
+    ) -> AttentionMetadata:
+        """Static metadata for a captured decode step of `num_seqs` rows (one token each).
+
+        The grid depends only on `num_seqs` and `max_model_len`; the values in the buffers
+        change from replay to replay. The host copies are unknown at capture time: they
+        describe the bound, and only host-looping paths (never captured) read them."""
+        width = buffers.block_table.shape[1]
+        return AttentionMetadata(
+            slot_mapping=buffers.slot_mapping[:num_seqs],
+            query_start_loc=buffers.query_start_loc[: num_seqs + 1],
+            seq_lens=buffers.seq_lens[:num_seqs],
+            block_table=buffers.block_table[:num_seqs, :width],
+            max_query_len=1,
+            max_seq_len=max_model_len,
+            query_start_loc_cpu=tuple(range(num_seqs + 1)),
+            seq_lens_cpu=(max_model_len,) * num_seqs,
+        )
+
+    # ---- attention -----------------------------------------------------------------------
+
+    def forward(self, layer: Attention, q, k, v, md: AttentionMetadata) -> torch.Tensor:
+        if md.slot_mapping is None:
+            return self._dense(layer, q, k, v, md)
+        self.ops.store_kv_cache(k, v, layer.k_cache, layer.v_cache, md.slot_mapping)
+        if md.max_query_len == 1:
+            return self.ops.paged_attention_decode(
+                q, layer.k_cache, layer.v_cache, md.block_table, md.seq_lens, layer.scale,
+                max_seq_len=md.max_seq_len,
+            )  # fmt: skip
+        return self._mixed(layer, q, md)
+
+    def _mixed(self, layer: Attention, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """Prompt chunks and decodes in one batch: each sequence attends over the K/V it
+        reads back from the cache (its earlier tokens and this step's)."""
+        out = torch.empty_like(q)
+        starts = md.query_start_loc_cpu
+        for s, total in enumerate(md.seq_lens_cpu):
+            a, b = starts[s], starts[s + 1]
+            if a == b:
+                continue
+            k, v = _gather_cache(layer, md.block_table[s], total)
+            out[a:b] = _causal(q[a:b], k, v, total - (b - a), layer)
+        return out
+
+    def _dense(self, layer: Attention, q, k, v, md: AttentionMetadata) -> torch.Tensor:
+        out = torch.empty_like(q)
+        starts = md.query_start_loc_cpu
+        for s in range(len(md.seq_lens_cpu)):
+            a, b = starts[s], starts[s + 1]
+            out[a:b] = _causal(q[a:b], k[a:b], v[a:b], 0, layer)
+        return out
+
+
+def _gather_cache(layer: Attention, block_row: torch.Tensor, total: int):
+    """K and V of positions [0, total) of one sequence: [total, Hkv, D] each."""
+    block_size = layer.k_cache.shape[1]
+    blocks = block_row[: cdiv(total, block_size)].long()
+    return (
+        layer.k_cache[blocks].flatten(0, 1)[:total],
+        layer.v_cache[blocks].flatten(0, 1)[:total],
+    )
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, layer: Attention):
+    """q [L, Hq, D] at positions offset..offset+L-1 over k/v [offset + L, Hkv, D]."""
+    mask = None
+    if offset > 0:
+        total = k.shape[0]
+        qpos = torch.arange(offset, total, device=q.device)
+        mask = qpos[:, None] >= torch.arange(total, device=q.device)[None, :]
+    group = layer.num_heads // layer.num_kv_heads
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        attn_mask=mask, is_causal=mask is None, scale=layer.scale,
+    )  # fmt: skip
+    return out.transpose(0, 1)
 
 
 class Attention(nn.Module):
     """Grouped-query attention core: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, ops: ModuleType
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        backend: AttentionBackend,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
-        self.ops = ops
+        self.backend = backend
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D], set by runner
         self.v_cache: torch.Tensor | None = None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
     ) -> torch.Tensor:
-        if md.slot_mapping is not None:
-            self.ops.store_kv_cache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
-        if md.all_decode:
-            return self._decode(q, md)
-        out = torch.empty_like(q)
-        for p in md.prefills:
-            sl = slice(p.token_start, p.token_start + p.query_len)
-            out[sl] = self._prefill(q[sl], k[sl], v[sl], p)
-        if md.decode_indices is not None:
-            out[md.decode_indices] = self._decode(q[md.decode_indices], md)
-        return out
-
-    def _decode(self, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        return self.ops.paged_attention_decode(
-            q,
-            self.k_cache,
-            self.v_cache,
-            md.decode_block_tables,
-            md.decode_seq_lens,
-            self.scale,
-            max_seq_len=md.decode_max_seq_len or None,
-        )
-
-    def _prefill(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: PrefillSeq
-    ) -> torch.Tensor:
-        mask = None
-        if p.start_position > 0:
-            # Earlier tokens come from the cache: read positions [0, start + query_len).
-            total = p.start_position + p.query_len
-            k, v = self._gather_cache(p.block_table, total)
-            qpos = torch.arange(p.start_position, total, device=q.device)
-            mask = qpos[:, None] >= torch.arange(total, device=q.device)[None, :]
-        group = self.num_heads // self.num_kv_heads
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        # SDPA wants [heads, tokens, head_dim].
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=self.scale,
-        )
-        return out.transpose(0, 1)
-
-    def _gather_cache(self, block_table: torch.Tensor, total: int):
-        block_size = self.k_cache.shape[1]
-        blocks = block_table[: -(-total // block_size)].long()
-        k = self.k_cache[blocks].flatten(0, 1)[:total]
-        v = self.v_cache[blocks].flatten(0, 1)[:total]
-        return k, v
+        return self.backend.forward(self, q, k, v, md)

@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 from torch import nn
 
@@ -9,7 +7,7 @@ from torch import nn
 class RMSNorm(nn.Module):
     """RMSNorm; with `residual`, the fused residual-add form returning (normed, residual)."""
 
-    def __init__(self, hidden_size: int, eps: float, ops: ModuleType) -> None:
+    def __init__(self, hidden_size: int, eps: float, ops) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps

@@ -6,7 +6,6 @@ The cos/sin table is computed once, in float32, exactly as transformers does
 from __future__ import annotations
 
 import math
-from types import ModuleType
 
 import torch
 from torch import nn
@@ -46,7 +45,7 @@ class RotaryEmbedding(nn.Module):
         max_positions: int,
         theta: float,
         scaling: RopeScaling | None,
-        ops: ModuleType,
+        ops,
     ) -> None:
         super().__init__()
         self.ops = ops

@@ -8,15 +8,13 @@ It returns hidden states [T, hidden]; `compute_logits` maps selected rows to the
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 from torch import nn
 
 from llm_inference.config import ModelConfig
-from llm_inference.kernels import reference
+from llm_inference.kernels import KernelOps
 from llm_inference.layers.activation import SiluAndMul
-from llm_inference.layers.attention import Attention, AttentionMetadata
+from llm_inference.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from llm_inference.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from llm_inference.layers.linear import (
     MergedColumnParallelLinear,
@@ -28,7 +26,9 @@ from llm_inference.layers.rotary import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, ops: ModuleType) -> None:
+    def __init__(
+        self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend
+    ) -> None:
         super().__init__()
         c = config
         self.qkv_proj = QKVParallelLinear(
@@ -39,7 +39,9 @@ class LlamaAttention(nn.Module):
         self.head_dim = c.head_dim
         self.o_proj = RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size)
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, c.head_dim, c.head_dim**-0.5, ops)
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, c.head_dim, c.head_dim**-0.5, backend
+        )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata):
         qkv = self.qkv_proj(x)
@@ -54,7 +56,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: ModuleType) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
         super().__init__()
         i = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [i, i])
@@ -66,9 +68,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, ops: ModuleType) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        ops: KernelOps,
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, ops)
+        self.self_attn = LlamaAttention(config, rotary, backend)
         self.mlp = LlamaMLP(config, ops)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -94,9 +102,10 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig, ops: ModuleType = reference) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
         super().__init__()
         self.config = config
+        self.attn_backend = AttentionBackend(ops)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(
             config.head_dim,
@@ -106,7 +115,8 @@ class LlamaForCausalLM(nn.Module):
             ops,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, ops) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, rotary, self.attn_backend, ops)
+            for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)

@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from torch import nn
 
 from llm_inference.config import CheckpointError, ModelConfig
-from llm_inference.kernels import reference
+from llm_inference.kernels import KernelOps
 from llm_inference.models.llama import LlamaForCausalLM
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -163,12 +162,13 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
 
 def load_model(
     path: str | Path,
+    ops: KernelOps,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-    ops: ModuleType = reference,
     config: ModelConfig | None = None,
 ) -> LlamaForCausalLM:
-    """Build our model for the checkpoint at `path` (a folder or a .gguf file) and load it."""
+    """Build our model for the checkpoint at `path` (a folder or a .gguf file) and load it,
+    running its kernels through `ops` (see kernels.get_ops)."""
     path = Path(path)
     config = config or load_model_config(path)
     if is_gguf(path):
