@@ -267,8 +267,9 @@ def create_engine_config(
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     _positive_int("tensor_parallel_size", tensor_parallel_size)
     _positive_int("kv_cache_memory_bytes", kv_cache_memory_bytes, allow_none=True)
-    if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+    util = gpu_memory_utilization
+    if not isinstance(util, (int, float)) or isinstance(util, bool) or not 0 < util <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"seed must be an integer, got {seed!r}")
     dev = resolve_device(device)

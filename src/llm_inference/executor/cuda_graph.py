@@ -33,9 +33,7 @@ class DecodeGraphs:
 
     def _args(self, bs: int):
         views = self.buffers.views
-        md = self.model.attn_backend.graph_metadata(
-            self.buffers.attention, bs, self.max_model_len
-        )
+        md = self.model.attn_backend.graph_metadata(self.buffers.attention, bs, self.max_model_len)
         return views["input_ids"][:bs], views["positions"][:bs], md
 
     @torch.inference_mode()
