@@ -1,12 +1,10 @@
 """Tensor-parallel process group state: rank, world size and collectives.
 
-Until `init_distributed` is called everything behaves as a single rank (world size 1), so the
-layers work unchanged in one process. NCCL on CUDA, gloo on CPU.
+A single rank (world size 1) until process groups exist: the layers are shard-shaped and call
+these helpers, which are then no-ops.
 """
 
 from __future__ import annotations
-
-import socket
 
 import torch
 import torch.distributed as dist
@@ -21,28 +19,6 @@ def get_tp_rank() -> int:
 
 def get_tp_size() -> int:
     return _TP_SIZE
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_distributed(rank: int, world_size: int, port: int, device: torch.device) -> None:
-    global _TP_RANK, _TP_SIZE
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
-    _TP_RANK, _TP_SIZE = rank, world_size
-
-
-def destroy_distributed() -> None:
-    global _TP_RANK, _TP_SIZE
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    _TP_RANK, _TP_SIZE = 0, 1
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llm_inference.config import cdiv
 from llm_inference.distributed.parallel_state import (
     all_gather_last_dim,
     all_reduce,
@@ -20,7 +21,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.vocab_size = vocab_size
-        self.shard_size = -(-vocab_size // self.tp_size)  # ceil; the last shard is padded
+        self.shard_size = cdiv(vocab_size, self.tp_size)  # the last shard is padded
         self.vocab_start = self.tp_rank * self.shard_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader

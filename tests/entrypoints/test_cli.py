@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent / "models"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 
 from gguf_testfiles import write_llama_gguf  # noqa: E402
 

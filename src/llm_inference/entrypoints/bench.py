@@ -1,0 +1,214 @@
+"""`llm-inference bench latency|throughput`: the offline workloads engines are compared on.
+
+- `latency`: decode milliseconds per step at batch 1, 8, 64 and 256 from 128-token prompts,
+  taken as the difference of a 136-token and an 8-token greedy generation over 128 steps
+  (the method of vLLM's comparison script), beside the floor: the bytes of weights and KV
+  one step reads, over a device-copy bandwidth measured in the same run.
+- `throughput`: N requests (default 256) with prompt and output lengths uniform in
+  [100, 1024], random token ids, temperature 0.6, `ignore_eos`: requests/s, output and total
+  tokens/s.
+
+`--model` takes a checkpoint folder or a named shape (`llama-3.2-1b`, `llama-3.2-3b`,
+`llama-3.1-8b`) written once with random weights (bf16) into a temporary folder. Only the
+public API (`LLM`, `SamplingParams`) is used, so the file also runs as a script against
+another checkout of the package (`PYTHONPATH=other/src python3 .../bench.py ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+SHAPES = {
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         tie_word_embeddings=True, rope_factor=32.0),
+    "llama-3.2-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+                         tie_word_embeddings=True, rope_factor=32.0),
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         tie_word_embeddings=False, rope_factor=8.0),
+}  # fmt: skip
+VOCAB = 128256
+BATCHES = (1, 8, 64, 256)
+
+
+def random_checkpoint(shape: str, root: Path | None = None) -> Path:
+    """A Llama checkpoint of a named shape with random bf16 weights and a word-level tokenizer
+    over the whole vocabulary (`w0` .. `w128255`); written once, then reused."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    folder = (root or Path(tempfile.gettempdir()) / "llm_inference_bench") / shape
+    if (folder / "config.json").is_file():
+        return folder
+    s = dict(SHAPES[shape])
+    factor = s.pop("rope_factor")
+    config = LlamaConfig(
+        **s, vocab_size=VOCAB, rms_norm_eps=1e-5, max_position_embeddings=131072,
+        rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001,
+        rope_scaling={"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder, safe_serialization=True)
+    del model
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(folder)
+    return folder
+
+
+def copy_bandwidth(device: str = "cuda") -> float:
+    """Device-to-device copy of 1 GiB of random bytes: bytes read + written per second."""
+    import torch
+
+    n = 1 << 30
+    a = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del a, b
+    return 2 * n / statistics.median(times)
+
+
+def step_bytes(config: dict, batch: int, context: int) -> int:
+    """Bytes one decode step must read: every bf16 weight once (a tied head once) and each
+    sequence's K and V of `context` tokens."""
+    h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    hd = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
+    heads = 1 if config.get("tie_word_embeddings") else 2
+    weights = 2 * (layers * per_layer + heads * config["vocab_size"] * h)
+    return weights + batch * context * 2 * layers * kv * 2
+
+
+def _timed_generate(llm, prompts, params) -> float:
+    import torch
+
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    t = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    return time.perf_counter() - t
+
+
+def decode_latency(llm, batches=BATCHES, prompt_len: int = 128, seed: int = 0) -> dict:
+    """ms per decode step at each batch size (median of 3 differences of 136 and 8 tokens)."""
+    from tqdm.auto import tqdm
+
+    from llm_inference import SamplingParams
+
+    rng = random.Random(seed)
+    out = {}
+    for bs in tqdm(batches, desc="latency"):
+        prompts = [[rng.randrange(VOCAB - 256) for _ in range(prompt_len)] for _ in range(bs)]
+
+        def params(n):
+            return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+        for _ in range(2):
+            _timed_generate(llm, prompts, params(8))
+        short = statistics.median(_timed_generate(llm, prompts, params(8)) for _ in range(3))
+        long = statistics.median(_timed_generate(llm, prompts, params(136)) for _ in range(3))
+        out[bs] = (long - short) / 128 * 1e3
+    return out
+
+
+def throughput(llm, num_prompts: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0):
+    from llm_inference import SamplingParams
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10000) for _ in range(rng.randint(lo, hi))] for _ in range(num_prompts)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(lo, hi), seed=i)
+        for i in range(num_prompts)
+    ]
+    _timed_generate(llm, prompts[:8], params[:8])  # warm-up
+    dt = _timed_generate(llm, prompts, params)
+    n_out = sum(p.max_tokens for p in params)
+    n_in = sum(map(len, prompts))
+    return {
+        "seconds": dt,
+        "requests_per_s": num_prompts / dt,
+        "output_tok_per_s": n_out / dt,
+        "total_tok_per_s": (n_in + n_out) / dt,
+        "output_tokens": n_out,
+    }
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("kind", choices=["latency", "throughput"])
+    p.add_argument("--model", default="llama-3.2-1b",
+                   help=f"checkpoint folder or a named shape: {', '.join(SHAPES)}")  # fmt: skip
+    p.add_argument("--num-prompts", type=int, default=256, help="throughput requests")
+    p.add_argument("--batches", default="1,8,64,256", help="latency batch sizes")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--kernel-backend", default="auto", help="auto, triton or reference")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--json", default=None, help="also write the results to this file")
+
+
+def run_bench(args) -> dict:
+    from llm_inference import LLM
+
+    folder = random_checkpoint(args.model) if args.model in SHAPES else Path(args.model)
+    config = json.loads((Path(folder) / "config.json").read_text())
+    res: dict = {"model": args.model, "kind": args.kind}
+    kw = dict(dtype="bfloat16", max_model_len=args.max_model_len,
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              kernel_backend=args.kernel_backend, enforce_eager=args.enforce_eager)  # fmt: skip
+    with LLM(str(folder), **kw) as llm:
+        if args.kind == "throughput":
+            res.update(throughput(llm, args.num_prompts))
+        else:
+            bw = copy_bandwidth()
+            res["copy_bandwidth_TBps"] = bw / 1e12
+            batches = [int(b) for b in args.batches.split(",")]
+            for bs, ms in decode_latency(llm, batches).items():
+                floor = step_bytes(config, bs, 128 + 72) / bw * 1e3  # the mean context
+                res[f"bs{bs}"] = {"ms_per_step": ms, "floor_ms": floor}
+    print(format_result(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+    return res
+
+
+def format_result(res: dict) -> str:
+    if res["kind"] == "throughput":
+        return (
+            f"{res['model']}: {res['requests_per_s']:.2f} requests/s, "
+            f"{res['output_tok_per_s']:,.0f} output tok/s, {res['total_tok_per_s']:,.0f} "
+            f"total tok/s ({res['output_tokens']} output tokens in {res['seconds']:.2f} s)"
+        )
+    lines = [f"{res['model']}: decode ms per step (copy {res['copy_bandwidth_TBps']:.2f} TB/s)",
+             "| batch | ms/step | floor ms |", "|---|---|---|"]  # fmt: skip
+    for key, v in res.items():
+        if key.startswith("bs"):
+            lines.append(f"| {key[2:]} | {v['ms_per_step']:.3f} | {v['floor_ms']:.3f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_bench_args(parser)
+    run_bench(parser.parse_args())

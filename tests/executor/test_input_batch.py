@@ -1,0 +1,148 @@
+"""The worker's input batch: a run's SchedulerOutputs, pickled as a worker process would get
+them and replayed into a fresh InputBatch, give the same step inputs as the in-process runner
+built; and both agree with the pure-Python replay oracle (tests/batch_replay.py)."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from batch_replay import BatchReplay
+
+from llm_inference import LLM, SamplingParams
+from llm_inference.core.kv_cache_manager import slot_mapping
+from llm_inference.executor.input_batch import InputBatch, InputBuffers
+
+INPUTS = ("input_ids", "positions", "slot_mapping")
+
+
+def snapshot(step, buffers: InputBuffers) -> dict:
+    """The step's inputs as plain lists (the buffers are overwritten by the next step)."""
+    n, s = step.num_tokens, len(step.seq_lens)
+    snap = {name: buffers.np[name][:n].tolist() for name in INPUTS}
+    snap["query_start_loc"] = buffers.np["query_start_loc"][: s + 1].tolist()
+    snap["seq_lens"] = buffers.np["seq_lens"][:s].tolist()
+    snap["logits_indices"] = buffers.np["logits_indices"][: len(step.sample_rows)].tolist()
+    snap["block_table"] = [
+        row[: -(-length // 4)].tolist() for row, length in zip(buffers.np_table[:s], step.seq_lens)
+    ]
+    snap["request_ids"] = step.request_ids
+    return snap
+
+
+def run_recording(tiny_ckpt):
+    """A run with preemptions (tiny cache), chunked prefill, aborts and n=2; returns the
+    pickled SchedulerOutputs and the inputs the in-process runner built for each."""
+    wire, built = [], []
+    with LLM(
+        str(tiny_ckpt),
+        device="cpu",
+        block_size=4,
+        kv_cache_memory_bytes=24 * 2048,  # 24 blocks: 4 tokens x 2 layers x K,V x 2 x 16 fp32
+        max_model_len=96,
+        max_num_batched_tokens=24,
+        max_num_seqs=6,
+    ) as llm:
+        runner = llm.engine.executor.workers[0].model_runner
+        prepare = runner.input_batch.prepare
+
+        def recording_prepare(so, buffers):
+            step = prepare(so, buffers)
+            built.append(snapshot(step, buffers))
+            return step
+
+        execute = runner.execute_model
+
+        def recording_execute(so):
+            wire.append(pickle.dumps(so))
+            return execute(so)
+
+        runner.input_batch.prepare = recording_prepare
+        runner.execute_model = recording_execute
+        g = torch.Generator().manual_seed(1)
+        engine = llm.engine
+        for i, n in enumerate([30, 7, 45, 3, 22, 15, 60, 9]):
+            prompt = torch.randint(2, 320, (n,), generator=g).tolist()
+            params = SamplingParams(temperature=0.8, seed=i, max_tokens=12, n=2 if i == 3 else 1)
+            engine.add_request(f"r{i}", prompt, params)
+        for step in range(400):
+            if not engine.has_unfinished_requests():
+                break
+            engine.step()
+            if step == 5:
+                engine.abort_request(["r2", "r5"])
+        engine.step()  # an empty step still tells the workers what finished last
+        assert len(runner.input_batch) == 0
+        assert llm.stats()["num_preemptions"] > 0
+        assert llm.stats()["num_free_kv_blocks"] == llm.stats()["num_kv_blocks"]
+    return wire, built
+
+
+@pytest.fixture(scope="module")
+def recording(tiny_ckpt):
+    return run_recording(tiny_ckpt)
+
+
+def test_replayed_stream_gives_the_runner_inputs(recording):
+    wire, built = recording
+    batch = InputBatch(max_num_reqs=6, max_model_len=96, block_size=4)
+    buffers = InputBuffers(max_tokens=24, max_seqs=6, max_blocks=24, device="cpu")
+    replayed = []
+    for data in wire:
+        so = pickle.loads(data)
+        batch.apply(so)
+        if not so.is_empty:
+            replayed.append(snapshot(batch.prepare(so, buffers), buffers))
+    assert len(replayed) == len(built) > 20
+    assert replayed == built
+    assert len(batch) == 0  # every request finished or aborted: the worker holds none
+
+
+def test_runner_inputs_agree_with_the_python_oracle(recording):
+    wire, built = recording
+    oracle = BatchReplay()
+    steps = iter(built)
+    for data in wire:
+        so = pickle.loads(data)
+        views = oracle.apply(so)
+        if so.is_empty:
+            continue
+        got = next(steps)
+        want_ids = [t for v in views for t in v.token_ids]
+        want_pos = [v.start_position + i for v in views for i in range(len(v.token_ids))]
+        want_slots = [
+            s
+            for v in views
+            for s in slot_mapping(v.block_ids, v.start_position, len(v.token_ids), 4)
+        ]
+        assert got["input_ids"] == want_ids
+        assert got["positions"] == want_pos
+        assert got["slot_mapping"] == want_slots
+        ends = np.cumsum([len(v.token_ids) for v in views])
+        assert got["logits_indices"] == [int(e) - 1 for e, v in zip(ends, views) if v.needs_sample]
+        assert got["seq_lens"] == [v.start_position + len(v.token_ids) for v in views]
+        assert got["request_ids"] == [v.request_id for v in views]
+
+
+def test_pad_decode_fills_padding_rows():
+    buffers = InputBuffers(max_tokens=8, max_seqs=8, max_blocks=4, device="cpu")
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc"):
+        buffers.np[name][:] = 77
+    buffers.pad_decode(3, 8)
+    assert buffers.np["slot_mapping"][3:8].tolist() == [-1] * 5
+    assert buffers.np["seq_lens"][3:8].tolist() == [1] * 5
+    assert buffers.np["query_start_loc"][3:9].tolist() == [3, 4, 5, 6, 7, 8]
+    assert buffers.np["slot_mapping"][:3].tolist() == [77] * 3  # real rows untouched
+
+
+def test_a_request_sent_twice_or_unknown_is_an_error():
+    from llm_inference.core.outputs import NewRequestData, SchedulerOutput
+
+    batch = InputBatch(max_num_reqs=2, max_model_len=16, block_size=4)
+    new = NewRequestData("a", [1, 2, 3], [], SamplingParams(), [0], 0)
+    so = SchedulerOutput(1, [new], [], {"a": 3}, 3)
+    batch.apply(so)
+    with pytest.raises(ValueError, match="sent as new twice"):
+        batch.apply(so)
