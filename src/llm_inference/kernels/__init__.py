@@ -1,7 +1,8 @@
 """Kernels: Triton implementations for CUDA and PyTorch references (reference.py) for any device.
 
-`get_ops(use_triton)` returns a namespace with the same five functions either way:
-paged_attention_decode, store_kv_cache, rms_norm, rotary_embedding, silu_and_mul.
+`get_ops(use_triton)` returns a namespace with the same functions either way:
+paged_attention_decode, unified_attention, store_kv_cache, rms_norm, rotary_embedding,
+silu_and_mul.
 Their signatures and semantics are those of `reference.py`.
 """
 
