@@ -2,11 +2,12 @@
 against dense float64 causal attention; shared by the CPU (interpreter) and GPU tests.
 
 Every case draws fresh random inputs: each sequence's K/V is written at a random, non-contiguous
-set of cache blocks; free blocks, the unused tail of each last block, and the padding rows of q
-past cu_seqlens_q[-1] hold NaN, so a kernel that reads any of them fails. Outputs are NaN-poisoned
-before each run. The CPU tests run `python unified_attention_checks.py` in a child process with
-TRITON_INTERPRET=1 (the interpreter must be on before triton is imported); each case prints
-`RESULT <case> ok|FAIL`.
+set of cache blocks; free blocks and the unused tail of each last block hold NaN, so a kernel
+that reads any of them fails. The padding rows of q past cu_seqlens_q[-1] hold 100 (finite, so
+that a write to the padding rows of `out` shows). Outputs are NaN-poisoned before each run, and
+must stay NaN in the padding rows. The CPU tests run `python unified_attention_checks.py` in a
+child process with TRITON_INTERPRET=1 (the interpreter must be on before triton is imported);
+each case prints `RESULT <case> ok|FAIL`.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def make_case(device, dtype, q_lens, contexts, shape, block_size, gen, pad_rows=
         v_cache.view(-1, num_kv_heads, head_dim)[_slots(blocks, n, block_size)] = v
         dense.append((k, v))
     num_tokens = sum(q_lens) + pad_rows
-    q = torch.full((num_tokens, num_heads, head_dim), float("nan"))
+    q = torch.full((num_tokens, num_heads, head_dim), 100.0)  # finite: a write of it shows
     q[: sum(q_lens)] = 2 * torch.randn(sum(q_lens), num_heads, head_dim, generator=gen)
     cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
     case = (q.to(device, dtype), k_cache.to(device, dtype), v_cache.to(device, dtype),
@@ -71,6 +72,7 @@ def assert_close(out, case, scale, what=""):
                                       lens, scale)  # fmt: skip
     bounds = cu.tolist()
     assert torch.isfinite(out[: bounds[-1]]).all(), f"{what}: unwritten (NaN) or non-finite rows"
+    assert torch.isnan(out[bounds[-1] :]).all(), f"{what}: padding rows were written"
     for s in range(len(bounds) - 1):
         a, b = bounds[s], bounds[s + 1]
         if a == b:
