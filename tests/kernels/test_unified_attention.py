@@ -51,7 +51,7 @@ def test_unified_attention_in_interpreter(interpreter_results, case):
     assert results.get(case) == "ok", log[-8000:]
 
 
-def test_reference_long_sequence_among_short_is_chunked(monkeypatch):
+def test_reference_long_sequence_among_short_is_chunked():
     """One 3,000-token prompt beside decodes: the reference works per sequence, in row chunks
     (no [S, max_len] padding), and still matches dense attention."""
     checks.check_reference_dense([3000, 1, 1], [0, 40, 7], (4, 2, 16), 16, seed=5, budget=1 << 20)
