@@ -137,7 +137,8 @@ def throughput(llm, num_prompts: int = 256, lo: int = 100, hi: int = 1024, seed:
     from llm_inference import SamplingParams
 
     rng = random.Random(seed)
-    prompts = [[rng.randrange(10000) for _ in range(rng.randint(lo, hi))] for _ in range(num_prompts)]  # fmt: skip
+    lengths = [rng.randint(lo, hi) for _ in range(num_prompts)]
+    prompts = [[rng.randrange(10000) for _ in range(n)] for n in lengths]
     params = [
         SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(lo, hi), seed=i)
         for i in range(num_prompts)

@@ -43,6 +43,13 @@ class KernelOps(Protocol):
         out: torch.Tensor | None = None, max_seq_len: int | None = None,
     ) -> torch.Tensor: ...  # fmt: skip
 
+    def unified_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+        scale: float, out: torch.Tensor | None = None, max_query_len: int | None = None,
+        max_seq_len: int | None = None,
+    ) -> torch.Tensor: ...  # fmt: skip
+
 
 def resolve_backend(backend: str, device_type: str) -> str:
     """'auto' -> 'triton' on CUDA, 'reference' elsewhere; unknown names and Triton without

@@ -21,6 +21,9 @@ Work split: one program per (sequence, KV head, context split).
   Python int that defaults to the block-table capacity), the number of SMs and the head shape,
   never on the values in `seq_lens`: no host synchronization, and a fixed grid for CUDA graphs.
   Splits that start past a sequence's length write log-sum-exp -inf and exit.
+- With `cu_seqlens` (HAS_CU; unified_attention's decode path, at most one query row per
+  sequence) sequence b reads q row cu[b] and writes that out row, or does nothing when
+  cu[b + 1] == cu[b]; without it row b, and the compiled kernel is the one above.
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ def _attend(q, k_head, v_head, bt_row, start, end, scale_log2,
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, count_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, count_ptr, cu_ptr,
     scale_log2,
     stride_qb, stride_qh,
     stride_kn, stride_kt, stride_kh,  # also V's: the launcher checks they are equal
@@ -105,11 +108,17 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_CU: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b).to(tl.int32)
+    row = b  # the q/out row of sequence b
+    if HAS_CU:  # unified_attention's decode path: row cu[b], or none when cu[b + 1] == cu[b]
+        row = tl.load(cu_ptr + b).to(tl.int32)
+        if tl.load(cu_ptr + b + 1) == row:
+            return
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -117,7 +126,7 @@ def _paged_decode_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kvh * GROUP + offs_g
     g_mask = offs_g < GROUP
-    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q_ptrs = q_ptr + row.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)
 
     m_i, l_i, acc = _attend(
@@ -128,7 +137,8 @@ def _paged_decode_kernel(
     nonempty = l_i > 0.0
     result = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     if not SPLIT:
-        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        o_ptrs = out_ptr + row.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
+        o_ptrs += offs_d[None, :]
         tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
         # fp32 scratch: part [B, Hq, num_splits, D], then lse [B, Hq, num_splits].
@@ -157,12 +167,18 @@ def _paged_decode_kernel(
 
 
 @triton.jit
-def _merge_kernel(part_ptr, out_ptr, stride_ob, stride_oh, num_splits,
-                  BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
+def _merge_kernel(part_ptr, out_ptr, cu_ptr, stride_ob, stride_oh, num_splits,
+                  BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  HAS_CU: tl.constexpr):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
+    row = b
+    if HAS_CU:
+        row = tl.load(cu_ptr + b).to(tl.int32)
+        if tl.load(cu_ptr + b + 1) == row:
+            return
     lse_ptr = part_ptr + tl.num_programs(0) * tl.num_programs(1) * num_splits * HEAD_DIM
-    o_ptrs = out_ptr + b * stride_ob + h * stride_oh
+    o_ptrs = out_ptr + row.to(tl.int64) * stride_ob + h * stride_oh
     _merge_row(part_ptr, lse_ptr, b * tl.num_programs(1) + h, num_splits, o_ptrs,
                BLOCK_S, HEAD_DIM)  # fmt: skip
 
@@ -266,17 +282,24 @@ def paged_attention_decode(
 def launch(
     q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, chunk, block_n,
     num_warps: int = 4, num_stages: int = 3, fused_merge: bool | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Run with an explicit split and tile configuration (tests and the benchmark sweep it).
 
     Every token of every sequence must fall in some split: num_splits * chunk >= max seq_len.
+    With `cu_seqlens` ([B + 1], unified_attention's decode path) sequence b reads and writes
+    row cu_seqlens[b] of q/out, or nothing when cu_seqlens[b + 1] == cu_seqlens[b]; q/out may
+    then have any number of rows. Not with the fused merge.
     """
-    num_seqs, num_heads, head_dim = q.shape
+    num_seqs = block_tables.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     if chunk < 1 or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"need chunk >= 1 and a power-of-two tile >= 16: {chunk}, {block_n}")
     fused_merge = FUSED_MERGE if fused_merge is None else fused_merge
+    if cu_seqlens is not None and fused_merge:
+        raise ValueError("cu_seqlens does not work with the fused merge")
     if out is None:
         out = torch.empty_like(q)
     part = counts = out  # placeholders when unused
@@ -289,6 +312,7 @@ def launch(
     block_s = 1 << (num_splits - 1).bit_length()
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part, counts,
+        seq_lens if cu_seqlens is None else cu_seqlens,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -298,12 +322,14 @@ def launch(
         GROUP=group, BLOCK_G=max(16, 1 << (group - 1).bit_length()), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SPLIT=num_splits > 1, FUSED_MERGE=fused_merge, BLOCK_S=block_s,
-        num_warps=num_warps, num_stages=num_stages,
+        HAS_CU=cu_seqlens is not None, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1 and not fused_merge:
         _merge_kernel[(num_seqs, num_heads)](
-            part, out, out.stride(0), out.stride(1), num_splits,
-            BLOCK_S=block_s, HEAD_DIM=head_dim, num_warps=4 if head_dim >= 128 else 2,
+            part, out, seq_lens if cu_seqlens is None else cu_seqlens,
+            out.stride(0), out.stride(1), num_splits,
+            BLOCK_S=block_s, HEAD_DIM=head_dim, HAS_CU=cu_seqlens is not None,
+            num_warps=4 if head_dim >= 128 else 2,
         )  # fmt: skip
     return out
 

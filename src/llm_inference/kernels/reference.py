@@ -6,6 +6,7 @@ engine uses on CPU. Shapes:
   k/v cache:    [num_blocks, block_size, num_kv_heads, head_dim]
   block_tables: [num_seqs, max_blocks_per_seq] int32 (entries past a sequence's length unused)
   seq_lens:     [num_seqs] int32, tokens in the cache for each sequence (>= 1)
+unified_attention takes q [num_tokens, num_heads, head_dim] for a mixed batch and cu_seqlens_q.
 """
 
 from __future__ import annotations
@@ -49,6 +50,60 @@ def paged_attention_decode(
         return result
     out.copy_(result)
     return out
+
+
+SCORE_BUDGET = 1 << 24  # float32 scores per chunk of query rows in unified_attention (64 MB)
+
+
+def unified_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention for a flat batch of prefill chunks and decodes over the paged cache.
+
+    q [T, Hq, D] holds the sequences' query rows back to back: sequence s owns rows
+    cu_seqlens_q[s]:cu_seqlens_q[s + 1] (L of them, possibly none) and has seq_lens[s] tokens in
+    the cache, its L new ones included, so row i sits at position c + i with
+    c = seq_lens[s] - L and attends to cache positions [0, c + i]. Rows past cu_seqlens_q[-1]
+    are padding: left as they are in `out` (zeros in a new result). The bounds
+    `max_query_len` and `max_seq_len` are hints for the Triton kernel; ignored here.
+
+    One sequence at a time (no padding to the longest), K/V gathered once through its block
+    table, float32, the G = Hq / Hkv query heads of a KV head as one reshaped group, and query
+    rows in chunks so that a long prompt's scores stay near SCORE_BUDGET floats.
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    result = torch.zeros_like(q) if out is None else out
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for s, n in enumerate(lens):
+        begin, end = cu[s], cu[s + 1]
+        if end == begin:
+            continue
+        blocks = block_table[s, : (n + block_size - 1) // block_size].long()
+        k = k_cache[blocks].flatten(0, 1)[:n].float()  # [n, Hkv, D]
+        v = v_cache[blocks].flatten(0, 1)[:n].float()
+        context = n - (end - begin)
+        step = max(1, SCORE_BUDGET // (num_heads * n))
+        for r0 in range(begin, end, step):
+            r1 = min(r0 + step, end)
+            qs = q[r0:r1].float().view(r1 - r0, num_kv_heads, group, head_dim)
+            scores = torch.einsum("lhgd,nhd->hgln", qs, k) * scale
+            pos = context + torch.arange(r0 - begin, r1 - begin, device=q.device)
+            hidden = torch.arange(n, device=q.device)[None, :] > pos[:, None]
+            probs = scores.masked_fill_(hidden, float("-inf")).softmax(dim=-1)
+            rows = torch.einsum("hgln,nhd->lhgd", probs, v).reshape(r1 - r0, num_heads, head_dim)
+            result[r0:r1] = rows.to(result.dtype)
+    return result
 
 
 def store_kv_cache(

@@ -1,8 +1,9 @@
-"""The five Triton ops, with the signatures and semantics of reference.py (see get_ops).
+"""The Triton ops, with the signatures and semantics of reference.py (see get_ops).
 
 Each launcher checks shapes, dtypes, strides and devices and raises ValueError. Extras beyond
 the reference signatures are optional: `max_seq_len` for paged attention (sets the split count
-without a host sync) and keyword `out=` buffers for rms_norm and silu_and_mul.
+without a host sync) and keyword `out=` buffers for rms_norm and silu_and_mul. unified_attention
+(mixed prefill chunks and decodes in one launch) takes the same bounds as its reference.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from llm_inference.kernels.kv_cache import store_kv_cache
 from llm_inference.kernels.paged_attention import paged_attention_decode
 from llm_inference.kernels.rms_norm import rms_norm
 from llm_inference.kernels.rotary import rotary_embedding
+from llm_inference.kernels.unified_attention import unified_attention
 
 __all__ = [
     "paged_attention_decode",
@@ -19,4 +21,5 @@ __all__ = [
     "rotary_embedding",
     "silu_and_mul",
     "store_kv_cache",
+    "unified_attention",
 ]

@@ -20,8 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llm_inference.config import cdiv
-
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -112,63 +110,35 @@ class AttentionBackend:
     # ---- attention -----------------------------------------------------------------------
 
     def forward(self, layer: Attention, q, k, v, md: AttentionMetadata) -> torch.Tensor:
+        """Write this step's K/V into the cache, then one attention call over the cache for
+        every sequence of the step, prompt chunks and decodes alike."""
         if md.slot_mapping is None:
             return self._dense(layer, q, k, v, md)
         self.ops.store_kv_cache(k, v, layer.k_cache, layer.v_cache, md.slot_mapping)
-        if md.max_query_len == 1:
-            return self.ops.paged_attention_decode(
-                q, layer.k_cache, layer.v_cache, md.block_table, md.seq_lens, layer.scale,
-                max_seq_len=md.max_seq_len,
-            )  # fmt: skip
-        return self._mixed(layer, q, md)
-
-    def _mixed(self, layer: Attention, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        """Prompt chunks and decodes in one batch: each sequence attends over the K/V it
-        reads back from the cache (its earlier tokens and this step's)."""
-        out = torch.empty_like(q)
-        starts = md.query_start_loc_cpu
-        for s, total in enumerate(md.seq_lens_cpu):
-            a, b = starts[s], starts[s + 1]
-            if a == b:
-                continue
-            k, v = _gather_cache(layer, md.block_table[s], total)
-            out[a:b] = _causal(q[a:b], k, v, total - (b - a), layer)
-        return out
+        return self.ops.unified_attention(
+            q, layer.k_cache, layer.v_cache, md.block_table, md.query_start_loc, md.seq_lens,
+            layer.scale, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
+        )  # fmt: skip
 
     def _dense(self, layer: Attention, q, k, v, md: AttentionMetadata) -> torch.Tensor:
+        """No cache (profiling, model tests): each sequence attends causally to itself."""
         out = torch.empty_like(q)
         starts = md.query_start_loc_cpu
         for s in range(len(md.seq_lens_cpu)):
             a, b = starts[s], starts[s + 1]
-            out[a:b] = _causal(q[a:b], k[a:b], v[a:b], 0, layer)
+            out[a:b] = _causal(q[a:b], k[a:b], v[a:b], layer)
         return out
 
 
-def _gather_cache(layer: Attention, block_row: torch.Tensor, total: int):
-    """K and V of positions [0, total) of one sequence: [total, Hkv, D] each."""
-    block_size = layer.k_cache.shape[1]
-    blocks = block_row[: cdiv(total, block_size)].long()
-    return (
-        layer.k_cache[blocks].flatten(0, 1)[:total],
-        layer.v_cache[blocks].flatten(0, 1)[:total],
-    )
-
-
-def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, layer: Attention):
-    """q [L, Hq, D] at positions offset..offset+L-1 over k/v [offset + L, Hkv, D]."""
-    mask = None
-    if offset > 0:
-        total = k.shape[0]
-        qpos = torch.arange(offset, total, device=q.device)
-        mask = qpos[:, None] >= torch.arange(total, device=q.device)[None, :]
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention):
+    """Plain causal attention of one whole sequence: q [L, Hq, D], k/v [L, Hkv, D]."""
     group = layer.num_heads // layer.num_kv_heads
     if group > 1:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-        attn_mask=mask, is_causal=mask is None, scale=layer.scale,
-    )  # fmt: skip
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=layer.scale
+    )
     return out.transpose(0, 1)
 
 

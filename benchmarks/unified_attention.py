@@ -1,0 +1,239 @@
+"""Unified paged attention (mixed prefill/decode, one launch) on the GPU.
+
+Llama-3.2-1B heads (32 q, 8 KV, head_dim 64) and 3B heads (24 q, 8 KV, head_dim 128), bfloat16,
+block size 16, random non-contiguous block tables. Per layer, three tables:
+- Prefill: one 8,000-token prompt and 64 x 512-token prompts (context 0). Triton
+  `unified_attention` (CUDA-graph replay: GPU time), today's engine path (one SDPA call per
+  sequence, default backend, K/V repeated for GQA; eager), SDPA's math backend (eager), the
+  causal FLOP floor at 793 TFLOP/s (4 x L^2/2 x Hq x D flops per sequence) and the Triton
+  kernel's achieved TFLOP/s.
+- Decode: batch 1/64/256 at contexts 128..4,096: unified_attention (max_query_len=1) against
+  paged_attention_decode, both graph-replayed; ratio > 1 means the unified op is slower.
+- Mixed: one 2,048-token chunk beside 255 decodes at context 1,024, and 16 chunks of 256 tokens
+  after 3,840 cached tokens (the unified op only).
+Times: medians over CUDA events after warm-up, L2 flushed before each call by reading 256 MB
+(benchmarks/paged_attention.py). rel err: worst per-sequence relative L2 error against
+reference.unified_attention in float32. `--sweep` adds prefill timings of other tile configs
+(BLOCK_M, BLOCK_N, warps, stages) to tune `default_tiles`; `--quick` runs fewer rows.
+
+    PYTHONPATH=src python benchmarks/unified_attention.py [--quick] [--sweep] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import itertools
+import json
+import math
+
+import paged_attention as decode_bench  # benchmarks/paged_attention.py: timing helpers
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from llm_inference.kernels import paged_attention as pa
+from llm_inference.kernels import reference
+from llm_inference.kernels import unified_attention as ua
+
+SHAPES = {"Llama-3.2-1B": (32, 8, 64), "Llama-3.2-3B": (24, 8, 128)}
+PREFILL_ROWS = [(1, 8000), (64, 512)]  # (sequences, prompt tokens each)
+DECODE_ROWS = [(b, c) for b in (1, 64, 256) for c in (128, 512, 1024, 4096)]
+QUICK_DECODE_ROWS = [(1, 4096), (64, 1024), (256, 128)]
+MIXED_ROWS = {"2048 + 255 decodes": ([2048] + [1] * 255, [0] + [1023] * 255),
+              "16 x 256 after 3840": ([256] * 16, [3840] * 16)}  # fmt: skip
+SWEEP = [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3),
+         (128, 128, 8, 2), (128, 64, 4, 2), (64, 64, 4, 2)]  # fmt: skip
+PEAK_FLOPS = 793e12  # H200 dense bf16
+BLOCK_SIZE = 16
+DTYPE = torch.bfloat16
+DEVICE = "cuda"
+
+
+def make_batch(q_lens, contexts, shape, gen):
+    """(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens) and the new tokens' K/V
+    [T, Hkv, D] (what the engine's SDPA path attends over when contexts are 0)."""
+    num_heads, num_kv, head_dim = shape
+    lens = [c + n for c, n in zip(contexts, q_lens)]
+    need = [math.ceil(n / BLOCK_SIZE) for n in lens]
+    width = max(need)
+    perm = torch.randperm(sum(need), generator=gen)
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(need):
+        tables[s, :n] = perm[used : used + n]
+        used += n
+    cache_shape = (sum(need), BLOCK_SIZE, num_kv, head_dim)
+    k_cache = torch.randn(cache_shape, device=DEVICE, dtype=DTYPE)
+    v_cache = torch.randn(cache_shape, device=DEVICE, dtype=DTYPE)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, device=DEVICE, dtype=DTYPE)
+    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    case = (q, k_cache, v_cache, tables.to(DEVICE), cu, seq_lens)
+    k_new = torch.randn(sum(q_lens), num_kv, head_dim, device=DEVICE, dtype=DTYPE)
+    return case, k_new, torch.randn_like(k_new)
+
+
+def rel_error(out, case, scale) -> float:
+    f = torch.float32
+    q, k_cache, v_cache, table, cu, lens = case
+    ref = reference.unified_attention(q.to(f), k_cache.to(f), v_cache.to(f), table, cu, lens,
+                                      scale)  # fmt: skip
+    bounds, worst = cu.tolist(), 0.0
+    for a, b in zip(bounds, bounds[1:]):
+        if b > a:
+            err = (out[a:b].float() - ref[a:b]).norm() / ref[a:b].norm()
+            worst = max(worst, err.item())
+    return worst
+
+
+def graph_ms(fn) -> float:
+    return decode_bench.median_ms(decode_bench.capture(fn).replay)
+
+
+def sdpa_loop(q, k_new, v_new, q_lens, scale, group, math_backend=False):
+    """Today's engine prefill: per sequence, K/V repeated for GQA, one causal SDPA call."""
+
+    def run():
+        start = 0
+        for n in q_lens:
+            sl = slice(start, start + n)
+            k = k_new[sl].repeat_interleave(group, dim=1).transpose(0, 1)
+            v = v_new[sl].repeat_interleave(group, dim=1).transpose(0, 1)
+            F.scaled_dot_product_attention(q[sl].transpose(0, 1), k, v, is_causal=True,
+                                           scale=scale)  # fmt: skip
+            start += n
+
+    if not math_backend:
+        return run
+    return lambda: _with_math(run)
+
+
+def _with_math(fn):
+    with sdpa_kernel(SDPBackend.MATH):
+        fn()
+
+
+def _try_ms(fn) -> float:
+    try:
+        return decode_bench.median_ms(fn, rep=50)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return float("nan")
+
+
+def prefill_row(num_seqs, length, shape, gen, sweep) -> dict:
+    q_lens = [length] * num_seqs
+    case, k_new, v_new = make_batch(q_lens, [0] * num_seqs, shape, gen)
+    scale, group = shape[2] ** -0.5, shape[0] // shape[1]
+    out = torch.empty_like(case[0])
+    fn = lambda: ua.unified_attention(*case, scale, out, length, length)
+    fn()
+    flops = 4 * length * length / 2 * shape[0] * shape[2] * num_seqs
+    row = dict(seqs=num_seqs, length=length, err=rel_error(out, case, scale), floor_ms=flops
+               / PEAK_FLOPS * 1e3, triton_ms=graph_ms(fn))  # fmt: skip
+    row["tflops"] = flops / row["triton_ms"] / 1e9
+    row["sdpa_ms"] = _try_ms(sdpa_loop(case[0], k_new, v_new, q_lens, scale, group))
+    row["math_ms"] = _try_ms(sdpa_loop(case[0], k_new, v_new, q_lens, scale, group, True))
+    row["sweep"] = {}
+    for cfg in SWEEP if sweep else ():
+        try:
+            ms = graph_ms(functools.partial(ua.launch, *case, scale, out, *cfg))
+            row["sweep"][str(cfg)] = dict(ms=ms, err=rel_error(out, case, scale))
+        except Exception as e:  # e.g. out of shared memory: report and go on
+            row["sweep"][str(cfg)] = dict(error=f"{type(e).__name__}: {str(e)[:80]}")
+    return row
+
+
+def decode_row(batch, context, shape, gen) -> dict:
+    case, _, _ = make_batch([1] * batch, [context - 1] * batch, shape, gen)
+    q, k_cache, v_cache, table, cu, lens = case
+    scale = shape[2] ** -0.5
+    out = torch.empty_like(q)
+    unified = lambda: ua.unified_attention(*case, scale, out, 1, context)
+    unified()
+    err = rel_error(out, case, scale)
+    decode = lambda: pa.paged_attention_decode(q, k_cache, v_cache, table, lens, scale, out,
+                                               max_seq_len=context)  # fmt: skip
+    row = dict(batch=batch, context=context, unified_ms=graph_ms(unified),
+               decode_ms=graph_ms(decode), err=err)  # fmt: skip
+    row["ratio"] = row["unified_ms"] / row["decode_ms"]
+    return row
+
+
+def mixed_row(name, shape, gen) -> dict:
+    q_lens, contexts = MIXED_ROWS[name]
+    case, _, _ = make_batch(q_lens, contexts, shape, gen)
+    scale = shape[2] ** -0.5
+    out = torch.empty_like(case[0])
+    max_len = max(c + n for c, n in zip(contexts, q_lens))
+    fn = lambda: ua.unified_attention(*case, scale, out, max(q_lens), max_len)
+    fn()
+    flops = sum(4 * n * (c + (n + 1) / 2) * shape[0] * shape[2] for c, n in zip(contexts, q_lens))
+    return dict(name=name, err=rel_error(out, case, scale), ms=graph_ms(fn),
+                floor_ms=flops / PEAK_FLOPS * 1e3)  # fmt: skip
+
+
+def print_prefill(rows, sweep) -> None:
+    print("| prompts | Triton ms | TFLOP/s | FLOP floor ms | SDPA (engine) ms | SDPA math ms "
+          "| vs math | rel err |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['seqs']} x {r['length']} | {r['triton_ms']:.3f} | {r['tflops']:.0f} "
+              f"| {r['floor_ms']:.3f} | {r['sdpa_ms']:.3f} | {r['math_ms']:.3f} "
+              f"| {r['math_ms'] / r['triton_ms']:.1f}x | {r['err']:.1e} |")  # fmt: skip
+    if sweep:
+        print("\n| prompts | BLOCK_M, BLOCK_N, warps, stages | ms | rel err |\n|---|---|---:|---:|")
+        for r in rows:
+            for cfg, res in r["sweep"].items():
+                ms = f"{res['ms']:.3f} | {res['err']:.1e}" if "ms" in res else f"{res['error']} |"
+                print(f"| {r['seqs']} x {r['length']} | {cfg} | {ms} |")
+    print()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rows")
+    parser.add_argument("--sweep", action="store_true", help="prefill tile configs")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {props.name}, "
+          f"{props.multi_processor_count} SMs, torch {torch.__version__}, "
+          f"triton {triton.__version__}\n")  # fmt: skip
+    report = {}
+    for name, shape in SHAPES.items():
+        print(f"### {name}: {shape[0]} q heads, {shape[1]} KV heads, head_dim {shape[2]}\n")
+        rep = report[name] = {}
+        tiles = ua.default_tiles(shape[0] // shape[1], shape[2], 8000)
+        print(f"Prefill, one layer (default tiles {tiles}):\n")
+        rows = PREFILL_ROWS[:1] if args.quick else PREFILL_ROWS
+        rep["prefill"] = [prefill_row(n, length, shape, gen, args.sweep) for n, length in rows]
+        print_prefill(rep["prefill"], args.sweep)
+        torch.cuda.empty_cache()
+        print("Decode, one layer (graph replay):\n")
+        print("| batch | context | unified ms | paged_attention_decode ms | ratio | rel err |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        rep["decode"] = []
+        for batch, context in QUICK_DECODE_ROWS if args.quick else DECODE_ROWS:
+            r = decode_row(batch, context, shape, gen)
+            rep["decode"].append(r)
+            print(f"| {batch} | {context} | {r['unified_ms']:.4f} | {r['decode_ms']:.4f} "
+                  f"| {r['ratio']:.2f} | {r['err']:.1e} |", flush=True)  # fmt: skip
+        print("\nMixed steps, one layer (graph replay):\n")
+        print("| step | unified ms | FLOP floor ms | rel err |\n|---|---:|---:|---:|")
+        rep["mixed"] = [mixed_row(m, shape, gen) for m in MIXED_ROWS]
+        for r in rep["mixed"]:
+            print(f"| {r['name']} | {r['ms']:.3f} | {r['floor_ms']:.3f} | {r['err']:.1e} |")
+        print(flush=True)
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

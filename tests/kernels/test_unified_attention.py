@@ -1,0 +1,141 @@
+"""unified_attention (Triton) against reference.unified_attention, and the reference against
+dense float64 attention.
+
+CPU: the cases of unified_attention_checks.py (small sizes, float32 and float16: mixed batches
+of chunks and decodes, empty sequences, padding rows, GQA 1-4, block sizes 16 and 32, head_dim
+32-128, several tile configs, the decode path with and without splits) run once in a child
+process started with TRITON_INTERPRET=1; each case reports its own result.
+GPU (skipped without CUDA): bfloat16 at real sizes: query lengths 1 to 2,048, contexts up to
+32,768, GQA 1-8, head_dim 64 and 128, block sizes 16 and 32, random non-contiguous block
+tables; and CUDA-graph replays with new contents.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import unified_attention_checks as checks  # noqa: E402
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> tuple[dict[str, str], str]:
+    src = str(HERE.parents[1] / "src")
+    path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "unified_attention_checks.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    lines = [line.split() for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    return {case: status for _, case, status in lines}, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("case", checks.INTERPRETER_CASES)
+def test_unified_attention_in_interpreter(interpreter_results, case):
+    results, log = interpreter_results
+    assert results.get(case) == "ok", log[-8000:]
+
+
+def test_reference_long_sequence_among_short_is_chunked():
+    """One 2,000-token prompt beside decodes: the reference works per sequence, in row chunks
+    (no [S, max_len] padding), and still matches dense attention."""
+    checks.check_reference_dense([2000, 1, 1], [0, 40, 7], (4, 2, 16), 16, seed=5, budget=1 << 20)
+
+
+def test_unified_attention_rejects_bad_inputs():
+    from llm_inference.kernels.triton_ops import unified_attention as op
+
+    q, kc = torch.randn(6, 4, 16), torch.randn(5, 16, 2, 16)
+    bt, lens = torch.zeros(2, 3, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    cu = torch.tensor([0, 3, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="multiple"):
+        op(torch.randn(6, 3, 16), kc, kc, bt, cu, lens, 1.0)
+    with pytest.raises(ValueError, match="dtype"):
+        op(q.half(), kc, kc, bt, cu, lens, 1.0)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        op(q, kc, kc, bt, cu.float(), lens, 1.0)
+    with pytest.raises(ValueError, match="cu_seqlens_q must be"):
+        op(q, kc, kc, bt, cu[:2], lens, 1.0)
+    with pytest.raises(ValueError, match="last dim"):
+        op(q.transpose(1, 2).contiguous().transpose(1, 2), kc, kc, bt, cu, lens, 1.0)
+    with pytest.raises(ValueError, match="out must be"):
+        op(q, kc, kc, bt, cu, lens, 1.0, out=torch.empty(5, 4, 16))
+    with pytest.raises(ValueError, match="head_dim"):
+        op(torch.randn(6, 4, 24), *[torch.randn(5, 16, 2, 24)] * 2, bt, cu, lens, 1.0)
+
+
+# GPU: (Hq, Hkv, D) covering GQA 1, 3 (Llama 3B), 4 (Llama 1B) and 8.
+GPU_SHAPES = [(32, 8, 64), (24, 8, 128), (8, 8, 128), (16, 2, 64)]
+# A mixed step: long and short chunks from 0 and from deep contexts, decodes at 1..32,767
+# tokens of context, and empty padding sequences.
+GPU_Q = [2048, 1, 1, 17, 300, 0, 1, 1024, 5, 1, 64, 0]
+GPU_CTX = [0, 32767, 5, 1000, 30000, 7, 4096, 2048, 31, 0, 16, 3]
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_unified_attention_gpu_bf16_mixed(shape, block_size):
+    checks.check_unified("cuda", torch.bfloat16, GPU_Q, GPU_CTX, shape, block_size,
+                         seed=block_size + shape[2], tiles=((64, 32), (128, 64)))  # fmt: skip
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", GPU_SHAPES[:2])
+def test_unified_attention_gpu_bf16_decode(shape):
+    """Decode-only steps (the split-K path): 1 and 40 sequences, contexts up to 32,768."""
+    lens = [32767, 0, 4095, 1, 15, 16, 17, 2000] * 5
+    checks.check_unified("cuda", torch.bfloat16, [1] * 40, lens, shape, 16, seed=1,
+                         decode_splits=(1, 7, 64))  # fmt: skip
+    checks.check_unified("cuda", torch.bfloat16, [1], [32767], shape, 16, seed=2)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("max_query_len", [1, 512])
+def test_unified_attention_replays_in_cuda_graph(max_query_len):
+    """Capture with fixed sizes, then change q, cu_seqlens_q, seq_lens, the tables and the
+    caches in place and replay: each replay must match the reference on its new contents."""
+    from llm_inference.kernels.triton_ops import unified_attention
+
+    num_seqs, num_tokens, max_len, block_size = 8, 8 * max_query_len + 5, 4096, 16
+    width, num_blocks = max_len // block_size, num_seqs * max_len // block_size + 5
+    gen = torch.Generator().manual_seed(max_query_len)
+
+    def draw():
+        q_lens = torch.randint(0, max_query_len + 1, (num_seqs,), generator=gen).tolist()
+        ctx = [int(torch.randint(0, max_len - n + 1, (), generator=gen)) for n in q_lens]
+        pad = num_tokens - sum(q_lens)
+        return checks.make_case("cuda", torch.bfloat16, q_lens, ctx, (32, 8, 64), block_size,
+                                gen, pad, width, num_blocks)[0]  # fmt: skip
+
+    static = draw()
+    out = torch.full_like(static[0], float("nan"))
+    call = lambda: unified_attention(*static, 0.125, out, max_query_len, max_len)
+    call()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for replay in range(3):
+        for dst, src in zip(static, draw()):
+            dst.copy_(src)
+        out.fill_(float("nan"))
+        graph.replay()
+        checks.assert_close(out, static, 0.125, f"replay {replay}")
