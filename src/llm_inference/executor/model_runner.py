@@ -29,7 +29,8 @@ class ModelRunner:
         self.model = load_model(
             config.model_path, device, self.dtype, get_ops(use_triton), config.model
         )
-        self.sampler = Sampler()
+        # kernel_backend='reference' keeps the PyTorch sampler on CUDA too; else auto by device.
+        self.sampler = Sampler(use_triton=False if config.kernel_backend == "reference" else None)
         self.block_size = config.cache.block_size
         self.num_blocks = 0
         self.graphs: DecodeGraphs | None = None
