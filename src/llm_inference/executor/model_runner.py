@@ -27,7 +27,7 @@ class ModelRunner:
         # The reference kernels sync with the host, which a graph capture forbids.
         self.use_cuda_graphs = config.kernel_backend == "triton" and not config.enforce_eager
         self.model = load_model(config.model_path, ops, device, self.dtype, config.model)
-        self.sampler = Sampler()
+        self.sampler = Sampler(use_triton=config.kernel_backend == "triton")
         self.block_size = config.cache.block_size
         sched = config.scheduler
         self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.block_size)

@@ -1,4 +1,4 @@
-"""The sampler: one batch of last-token logits -> one token per request, all on the device.
+"""The sampler: one batch of last-token logits [B, V] -> one token per request, all on the device.
 
 Order, as in vLLM v1:
   1. logprobs from log_softmax of the raw logits (before anything below);
@@ -7,20 +7,32 @@ Order, as in vLLM v1:
   4. greedy rows take the argmax; the others go through temperature, top-k, top-p, min-p
      and are sampled with the exponential race: argmax(probs / E), E ~ Exp(1).
 
-Every request has a seed (the engine draws one when the user gave none). The noise for row b
-is a pure function of (seed_b, step_b, token id), step_b = len(output_token_ids[b]), computed
-by a counter-based hash; a request's tokens therefore do not depend on which requests share
-its batch nor on its row. Per-request Python work happens only in `SamplingMetadata.build`.
+Step 4 has two implementations with the same semantics: `sample_reference` (PyTorch, any
+device; the CPU engine's) and the fused Triton kernel of kernels/sampling.py, which the
+Sampler picks when the logits are on CUDA and triton imports (`Sampler(use_triton=...)` forces
+either). Both draw the same uniforms u[b, v] = uniform_noise(keys)[b, v] bit for bit, a pure
+function of (seed_b, step_b, token v), step_b = len(output_token_ids[b]); a request's tokens
+therefore do not depend on which requests share its batch nor on its row. The Triton path
+races in log space (argmax x - log(-log u)) and finds the top-k/top-p threshold without a sort,
+keeping every token tied at the top-p boundary, so the two agree on the token except where
+float rounding decides a near-tie.
+
+Broken rows (after penalties and min_tokens): a NaN or +inf logit raises ValueError naming the
+rows; a row whose logits are all -inf (e.g. min_tokens masked every token the model allows)
+takes the argmax of the raw logits, with a RuntimeWarning, or raises if those are all -inf too.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import warnings
 from dataclasses import dataclass
 
 import torch
 
+from llm_inference.layers.sampling_metadata import SamplingMetadata, noise_keys
 from llm_inference.outputs import Logprobs
-from llm_inference.sampling_params import GREEDY_EPS, SamplingParams
 
 __all__ = [
     "Logprobs",
@@ -28,26 +40,13 @@ __all__ = [
     "SamplerOutput",
     "SamplingMetadata",
     "noise_keys",
+    "sample_reference",
     "uniform_noise",
 ]
 
 _M32 = 0xFFFFFFFF
-_M64 = 0xFFFFFFFFFFFFFFFF
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
-
-
-def noise_keys(seeds: list[int], steps: list[int]) -> list[int]:
-    """One 32-bit key per row from (seed, step); any Python int is a valid seed."""
-    return [
-        _splitmix64(_splitmix64(s & _M64) ^ (t & _M64)) & _M32
-        for s, t in zip(seeds, steps, strict=True)
-    ]
+STATUS_BAD = -1  # in place of a token: the row holds a NaN or +inf logit (kernels/sampling.py)
+STATUS_EMPTY = -2  # in place of a token: every logit of the row is -inf
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -76,116 +75,6 @@ def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     v = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)
     x = _mix32((_mix32(v)[None, :] + keys[:, None]) & _M32)
     return ((x >> 8).to(torch.float32) + 0.5) * (2.0**-24)
-
-
-def _padded(rows: list[list[int]], vocab_size: int, device) -> torch.Tensor:
-    """[B, max_len] int64; padding and ids outside [0, vocab_size) become vocab_size."""
-    width = max(1, max((len(r) for r in rows), default=0))
-    data = [[t if 0 <= t < vocab_size else vocab_size for t in r] for r in rows]
-    data = [r + [vocab_size] * (width - len(r)) for r in data]
-    return torch.tensor(data, dtype=torch.int64, device=device)
-
-
-def _min_tokens_pairs(
-    params: list[SamplingParams], outputs: list[list[int]], eos: tuple[int, ...], V: int
-) -> tuple[list[int], list[int]]:
-    """(rows, token ids) to mask while len(output) < min_tokens: stop_token_ids, and EOS
-    unless ignore_eos."""
-    rows, cols = [], []
-    for b, (p, out) in enumerate(zip(params, outputs, strict=True)):
-        if len(out) < p.min_tokens:
-            ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
-            ids = sorted(t for t in ids if 0 <= t < V)
-            rows += [b] * len(ids)
-            cols += ids
-    return rows, cols
-
-
-@dataclass
-class SamplingMetadata:
-    """Per-step sampling inputs: tensors on the logits' device, one row per request.
-
-    Optional tensors are None when no row needs that step, so the sampler skips it.
-    """
-
-    vocab_size: int
-    temperature: torch.Tensor  # [B] float32; 1.0 on greedy rows
-    greedy: torch.Tensor  # [B] bool
-    all_greedy: bool
-    all_random: bool
-    noise_keys: torch.Tensor  # [B] int64 in [0, 2**32), from (seed, step)
-    top_k: torch.Tensor | None  # [B] int64; vocab_size where top-k is off
-    max_top_k: int  # largest active k (0 if none)
-    top_p: torch.Tensor | None  # [B] float32; 1.0 where off
-    min_p: torch.Tensor | None  # [B] float32; 0.0 where off
-    no_penalties: bool
-    repetition_penalty: torch.Tensor | None  # [B] float32
-    presence_penalty: torch.Tensor | None  # [B] float32
-    frequency_penalty: torch.Tensor | None  # [B] float32
-    prompt_token_ids: torch.Tensor | None  # [B, Lp] int64 padded with vocab_size
-    output_token_ids: torch.Tensor | None  # [B, Lo] int64 padded with vocab_size
-    min_tokens_rows: torch.Tensor | None  # [M] rows and
-    min_tokens_cols: torch.Tensor | None  # [M] token ids to set to -inf
-    logprobs_k: list[int | None]  # per row: SamplingParams.logprobs
-    logprobs_rows: torch.Tensor | None  # [R] rows that asked for logprobs
-    max_num_logprobs: int | None  # largest k asked (None: no row asked)
-
-    @classmethod
-    def build(
-        cls,
-        params: list[SamplingParams],
-        prompt_token_ids: list[list[int]],
-        output_token_ids: list[list[int]],
-        seeds: list[int],
-        eos_token_ids: tuple[int, ...],
-        vocab_size: int,
-        device,
-    ) -> SamplingMetadata:
-        V = vocab_size
-        greedy = [p.temperature < GREEDY_EPS for p in params]
-        temps, ks, top_ps, min_ps = [], [], [], []
-        for p, g in zip(params, greedy, strict=True):
-            temps.append(1.0 if g else p.temperature)
-            ks.append(V if g or not 0 < p.top_k < V else p.top_k)
-            top_ps.append(1.0 if g else p.top_p)
-            min_ps.append(0.0 if g else p.min_p)
-        use_rep = any(p.repetition_penalty != 1.0 for p in params)
-        no_pen = not use_rep and all(
-            p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 for p in params
-        )
-        rows, cols = _min_tokens_pairs(params, output_token_ids, eos_token_ids, V)
-        lp_rows = [b for b, p in enumerate(params) if p.logprobs is not None]
-        steps = [len(out) for out in output_token_ids]
-
-        def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
-        def ints(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
-        return cls(
-            vocab_size=V,
-            temperature=floats(temps),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            all_greedy=all(greedy),
-            all_random=not any(greedy),
-            noise_keys=ints(noise_keys(seeds, steps)),
-            top_k=ints(ks) if any(k < V for k in ks) else None,
-            max_top_k=max((k for k in ks if k < V), default=0),
-            top_p=floats(top_ps) if any(p < 1.0 for p in top_ps) else None,
-            min_p=floats(min_ps) if any(p > 0.0 for p in min_ps) else None,
-            no_penalties=no_pen,
-            repetition_penalty=None if no_pen else floats([p.repetition_penalty for p in params]),
-            presence_penalty=None if no_pen else floats([p.presence_penalty for p in params]),
-            frequency_penalty=None if no_pen else floats([p.frequency_penalty for p in params]),
-            prompt_token_ids=_padded(prompt_token_ids, V, device) if use_rep else None,
-            output_token_ids=None if no_pen else _padded(output_token_ids, V, device),
-            min_tokens_rows=ints(rows) if rows else None,
-            min_tokens_cols=ints(cols) if rows else None,
-            logprobs_k=[p.logprobs for p in params],
-            logprobs_rows=ints(lp_rows) if lp_rows else None,
-            max_num_logprobs=max((params[b].logprobs for b in lp_rows), default=None),
-        )
 
 
 @dataclass
@@ -239,11 +128,72 @@ def apply_top_k_top_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tenso
     return torch.empty_like(logits).scatter_(1, idx, srt)
 
 
+def sample_reference(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Step 4 in PyTorch on processed float32 logits [B, V] -> [B] int64 tokens, or a status
+    (STATUS_BAD, STATUS_EMPTY) on broken rows. The row max is one extra cheap reduction."""
+    rowmax = logits.amax(dim=-1)  # NaN or +inf if any, -inf if all -inf
+    if md.all_greedy:
+        token_ids = logits.argmax(dim=-1)
+    else:
+        probs = Sampler.probs(logits, md)
+        exp = uniform_noise(md.noise_keys, md.vocab_size).log_().neg_()  # E ~ Exp(1)
+        token_ids = probs.div_(exp).argmax(dim=-1)
+        if not md.all_random:
+            token_ids = torch.where(md.greedy, logits.argmax(dim=-1), token_ids)
+    status = torch.where(rowmax == float("-inf"), STATUS_EMPTY, STATUS_BAD)
+    return torch.where(rowmax.isfinite(), token_ids, status)
+
+
+def _resolve_status(token_ids: torch.Tensor, raw_logits: torch.Tensor) -> torch.Tensor:
+    """Replace statuses as the module docstring says (one host sync to look)."""
+    if not bool((token_ids < 0).any()):
+        return token_ids
+    bad = (token_ids == STATUS_BAD).nonzero()[:, 0].tolist()
+    if bad:
+        raise ValueError(f"sampler: NaN or +inf logits (after penalties) in rows {bad}")
+    empty = (token_ids == STATUS_EMPTY).nonzero()[:, 0]
+    top, arg = raw_logits.index_select(0, empty).float().max(dim=-1)
+    if bool((top == float("-inf")).any()):
+        raise ValueError(f"sampler: every logit is -inf in rows {empty[top.isneginf()].tolist()}")
+    warnings.warn(
+        f"sampler: rows {empty.tolist()} had every token masked (min_tokens and stop tokens, "
+        "or penalties): took the argmax of the raw logits",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return token_ids.index_put((empty,), arg)
+
+
+@functools.cache
+def triton_available() -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
 class Sampler(torch.nn.Module):
-    """Samples one token per row of `logits` [B, V]; see the module docstring for the order."""
+    """Samples one token per row of `logits` [B, V]; see the module docstring for the order.
+
+    use_triton: None picks the Triton kernel for CUDA logits when triton imports, else the
+    PyTorch reference; True or False forces one (True needs CUDA or TRITON_INTERPRET=1).
+    """
+
+    def __init__(self, use_triton: bool | None = None) -> None:
+        super().__init__()
+        self.use_triton = use_triton
+
+    def uses_triton(self, device: torch.device) -> bool:
+        if self.use_triton is None:
+            return device.type == "cuda" and triton_available()
+        return self.use_triton
 
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[1] == md.vocab_size, logits.shape
+        raw = logits
         logits = logits.to(torch.float32, copy=True)  # never change the caller's tensor
         raw_logprobs = None
         if md.logprobs_rows is not None:
@@ -252,14 +202,17 @@ class Sampler(torch.nn.Module):
             logits = apply_penalties(logits, md)
         if md.min_tokens_rows is not None:
             logits[md.min_tokens_rows, md.min_tokens_cols] = float("-inf")
-        if md.all_greedy:
-            token_ids = logits.argmax(dim=-1)
+        if self.uses_triton(logits.device):
+            from llm_inference.kernels import sampling
+
+            token_ids = sampling.sample(
+                logits, md.noise_keys, md.temperature,
+                greedy=None if md.all_random else md.greedy,
+                top_k=md.top_k, top_p=md.top_p, min_p=md.min_p,
+            )  # fmt: skip
         else:
-            probs = self.probs(logits, md)
-            exp = uniform_noise(md.noise_keys, md.vocab_size).log_().neg_()  # E ~ Exp(1)
-            token_ids = probs.div_(exp).argmax(dim=-1)
-            if not md.all_random:
-                token_ids = torch.where(md.greedy, logits.argmax(dim=-1), token_ids)
+            token_ids = sample_reference(logits, md)
+        token_ids = _resolve_status(token_ids, raw)
         logprobs = None if raw_logprobs is None else self._logprobs(raw_logprobs, token_ids, md)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 

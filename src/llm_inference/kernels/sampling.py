@@ -1,0 +1,213 @@
+"""Fused sampling in Triton: temperature, top-k, top-p, min-p and the seeded race, one program per
+row of float32 logits [B, V] (last dim contiguous, already penalized and min_tokens-masked)
+-> token ids [B] int64.
+
+For row b, with l = logits[b] and x = l / temperature[b]:
+  * greedy rows: argmax(l), first index on ties; one pass;
+  * rows without top-k/top-p/min-p: argmax(x - log(-log u)) (Gumbel-max, i.e. the exponential
+    race argmax(p / E), E = -log u ~ Exp(1), written in log space); one pass;
+  * filtered rows: a stats pass (max m, smallest finite value), a threshold search for top-k
+    (count of x >= t reaches k), then one for top-p over the top-k set (mass of x >= t reaches
+    top_p * mass of the top-k set), then the race over the kept tokens
+    {x >= thr and exp(x - m) >= min_p}. No sort: each search pass counts (or sums) the row above
+    NP pivots spread between two element values lo <= answer <= up, then moves lo up to the
+    smallest element above the highest pivot that still reaches the target, and up down to the
+    largest element below the lowest one that does not. Pivot NP-1 is `up` itself, so every pass
+    settles or removes an element; in practice the value range shrinks NP-1 fold per pass.
+    Ties at the threshold are all kept (top-k as the torch reference; top-p keeps the tied
+    tokens the reference's sort order would split). The row maximum is always kept.
+
+Noise: u[b, v] is bit for bit `layers.sampler.uniform_noise(keys)[b, v]` (lowbias32 hash of the
+token id plus the row's 32-bit key from (seed, step)); only the logs and the race arithmetic
+round differently from the torch path. A row's token is a pure function of its own logits,
+parameters and (seed, step): never of its batch companions or its row.
+
+Status instead of a token: -1 when the row holds a NaN or +inf logit, -2 when every logit is -inf.
+The caller (the Sampler) turns those into an error or a fallback.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048  # race and stats passes: elements per step
+SEARCH_BLOCK = 256  # search passes: a [SEARCH_BLOCK, NP] tile per step
+NP = 16  # pivots per search pass
+STATUS_BAD = -1  # a NaN or +inf logit in the row
+STATUS_EMPTY = -2  # every logit of the row is -inf
+
+
+@triton.jit
+def _stats(row_ptr, V, t, BLOCK: tl.constexpr):
+    """(max of x, +inf if a logit is NaN or +inf; smallest finite x, +inf if none)."""
+    m = tl.full((), float("-inf"), tl.float32)
+    fmin = tl.full((), float("inf"), tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")) / t
+        m = tl.maximum(m, tl.max(tl.where(x != x, float("inf"), x)))
+        fmin = tl.minimum(fmin, tl.min(tl.where(x > float("-inf"), x, float("inf"))))
+    return m, fmin
+
+
+@triton.jit
+def _search(row_ptr, V, t, m, lo, up, target, MASS: tl.constexpr, BLOCK: tl.constexpr,
+            NP: tl.constexpr):  # fmt: skip
+    """The largest element value thr in [lo, up] with S(thr) >= W, where S(c) sums w over the
+    elements x >= c, w = 1 (count; W = target) or exp(x - m) (MASS; W = target * S(lo)).
+    lo and up must be element values and lo valid (else lo is returned)."""
+    j = tl.arange(0, NP)
+    frac = j.to(tl.float32) / (NP - 1)
+    W = tl.full((), -1.0, tl.float32) if MASS else target.to(tl.float32)
+    while lo < up:
+        piv = lo * (1.0 - frac) + up * frac
+        piv = tl.where(j == NP - 1, up, tl.where(j == 0, lo, piv))
+        S = tl.zeros((NP,), tl.float32)
+        mn = tl.full((NP,), float("inf"), tl.float32)
+        mx = tl.full((NP,), float("-inf"), tl.float32)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")) / t
+            ge = x[:, None] >= piv[None, :]
+            if MASS:
+                w = tl.exp(x - m)[:, None]
+            else:
+                w = tl.full((BLOCK, 1), 1.0, tl.float32)
+            S += tl.sum(tl.where(ge, w, 0.0), axis=0)
+            mn = tl.minimum(mn, tl.min(tl.where(ge, x[:, None], float("inf")), axis=0))
+            mx = tl.maximum(mx, tl.max(tl.where(ge, float("-inf"), x[:, None]), axis=0))
+        W = tl.where(W < 0.0, target * tl.sum(tl.where(j == 0, S, 0.0)), W)
+        valid = S >= W
+        lo = tl.maximum(lo, tl.max(tl.where(valid, mn, float("-inf"))))
+        up = tl.minimum(up, tl.min(tl.where(valid, float("inf"), mx)))
+    return lo
+
+
+@triton.jit
+def _race(row_ptr, V, t, key, thr, min_p, m, NOISE: tl.constexpr, FILTER: tl.constexpr,
+          BLOCK: tl.constexpr):  # fmt: skip
+    """(argmax over the kept tokens of x - log(-log u), or of x without NOISE; the max of x,
+    +inf if a logit is NaN or +inf). u is uniform_noise's: (mix(mix(v) + key) >> 8 + 0.5) / 2**24
+    with mix = lowbias32. Reductions are few on purpose: each costs the interpreter ~1 ms."""
+    best = tl.full((), float("-inf"), tl.float32)
+    idx = tl.full((), 0, tl.int32)
+    top = tl.full((), float("-inf"), tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")) / t
+        top = tl.maximum(top, tl.max(tl.where(x != x, float("inf"), x)))
+        s = x
+        if NOISE:
+            h = cols.to(tl.uint32)
+            for _ in tl.static_range(2):  # mix(mix(v) + key)
+                h = h ^ (h >> 16)
+                h = h * 0x7FEB352D
+                h = h ^ (h >> 15)
+                h = h * 0x846CA68B
+                h = h ^ (h >> 16)
+                if _ == 0:
+                    h = h + key
+            u = ((h >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08
+            s = x - tl.log(-tl.log(u))
+        if FILTER:
+            s = tl.where((x >= thr) & (tl.exp(x - m) >= min_p), s, float("-inf"))
+        s = tl.where(cols < V, s, float("-inf"))
+        block_best, block_idx = tl.max(s, 0, return_indices=True)
+        take = block_best > best
+        idx = tl.where(take, start + block_idx, idx)
+        best = tl.where(take, block_best, best)
+    return idx, top
+
+
+@triton.jit
+def _sample_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, top_k_ptr, top_p_ptr,
+                   min_p_ptr, out_ptr, V,
+                   HAS_GREEDY: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
+                   HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+                   NP: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride
+    t = tl.load(temp_ptr + row)
+    key = tl.load(keys_ptr + row).to(tl.uint32)
+    greedy = tl.full((), 0, tl.int32)
+    k = tl.full((), V, tl.float32)
+    p = tl.full((), 1.0, tl.float32)
+    min_p = tl.full((), 0.0, tl.float32)
+    if HAS_GREEDY:
+        greedy = tl.load(greedy_ptr + row).to(tl.int32)
+    if HAS_TOP_K:
+        k = tl.load(top_k_ptr + row).to(tl.float32)
+    if HAS_TOP_P:
+        p = tl.load(top_p_ptr + row)
+    if HAS_MIN_P:
+        min_p = tl.load(min_p_ptr + row)
+    if greedy != 0:
+        idx, top = _race(row_ptr, V, 1.0, key, 0.0, 0.0, 0.0, False, False, BLOCK)
+    elif (k < V) | (p < 1.0) | (min_p > 0.0):
+        m, fmin = _stats(row_ptr, V, t, BLOCK)
+        ok = (m > float("-inf")) & (m < float("inf"))
+        thr = fmin
+        if HAS_TOP_K:
+            if ok & (k < V):
+                thr = _search(row_ptr, V, t, m, fmin, m, k, False, SEARCH_BLOCK, NP)
+        if HAS_TOP_P:
+            if ok & (p < 1.0):
+                thr = _search(row_ptr, V, t, m, thr, m, p, True, SEARCH_BLOCK, NP)
+        idx, top = _race(row_ptr, V, t, key, thr, min_p, m, True, True, BLOCK)
+    else:
+        idx, top = _race(row_ptr, V, t, key, 0.0, 0.0, 0.0, True, False, BLOCK)
+    token = tl.where(top == float("-inf"), STATUS_EMPTY, idx.to(tl.int64))
+    token = tl.where(top == float("inf"), STATUS_BAD, token)
+    tl.store(out_ptr + row, token)
+
+
+def _check_row_param(name: str, x: torch.Tensor | None, B: int, dtype, device) -> None:
+    if x is not None and (x.shape != (B,) or x.dtype != dtype or x.device != device):
+        raise ValueError(f"{name} must be [{B}] {dtype} on {device}, got {x.shape} {x.dtype}")
+
+
+def sample(
+    logits: torch.Tensor,
+    keys: torch.Tensor,
+    temperature: torch.Tensor,
+    greedy: torch.Tensor | None = None,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One token id per row of float32 logits [B, V] -> [B] int64, or a status (module doc).
+
+    keys [B] int64 in [0, 2**32) (noise_keys of (seed, step)); temperature [B] float32 (> 0;
+    ignored on greedy rows); greedy [B] bool; top_k [B] int64 (>= V: off); top_p [B] float32
+    in (0, 1] (1: off); min_p [B] float32 in [0, 1] (0: off). None means off for every row.
+    """
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
+        what = f"{tuple(logits.shape)} {logits.dtype} strides {logits.stride()}"
+        raise ValueError(f"logits must be float32 [B, V], last dim contiguous, got {what}")
+    B, V = logits.shape
+    dev = logits.device
+    _check_row_param("keys", keys, B, torch.int64, dev)
+    _check_row_param("temperature", temperature, B, torch.float32, dev)
+    _check_row_param("greedy", greedy, B, torch.bool, dev)
+    _check_row_param("top_k", top_k, B, torch.int64, dev)
+    _check_row_param("top_p", top_p, B, torch.float32, dev)
+    _check_row_param("min_p", min_p, B, torch.float32, dev)
+    out = torch.empty(B, dtype=torch.int64, device=dev)
+    if B == 0:
+        return out
+    dummy = temperature  # never read where the matching HAS_* flag is off
+    # On the GPU tiles fit the registers; on CPU (the interpreter) fewer, larger steps are faster.
+    search_block = SEARCH_BLOCK if logits.is_cuda else min(4096, triton.next_power_of_2(V))
+    _sample_kernel[(B,)](
+        logits, logits.stride(0), keys, temperature,
+        dummy if greedy is None else greedy.view(torch.uint8),
+        dummy if top_k is None else top_k, dummy if top_p is None else top_p,
+        dummy if min_p is None else min_p, out, V,
+        HAS_GREEDY=greedy is not None, HAS_TOP_K=top_k is not None,
+        HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None,
+        BLOCK=min(BLOCK, triton.next_power_of_2(V)), SEARCH_BLOCK=search_block, NP=NP,
+        num_warps=8,
+    )  # fmt: skip
+    return out

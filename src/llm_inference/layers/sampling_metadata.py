@@ -1,0 +1,157 @@
+"""Per-step sampling inputs: `SamplingMetadata.build` turns the batch's SamplingParams, token
+lists and seeds into tensors on the logits' device (one row per request); the only per-request
+Python work of the sampler happens here.
+
+Noise keys: row b's key is a 32-bit hash of (seed_b, step_b), step_b = len(output_token_ids[b]);
+both sampling paths draw the row's noise from the key and the token id alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llm_inference.sampling_params import GREEDY_EPS, SamplingParams
+
+__all__ = ["SamplingMetadata", "noise_keys", "padded_token_ids"]
+
+_M32 = 0xFFFFFFFF
+_M64 = 0xFFFFFFFFFFFFFFFF
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def noise_keys(seeds: list[int], steps: list[int]) -> list[int]:
+    """One 32-bit key per row from (seed, step); any Python int is a valid seed."""
+    return [
+        _splitmix64(_splitmix64(s & _M64) ^ (t & _M64)) & _M32
+        for s, t in zip(seeds, steps, strict=True)
+    ]
+
+
+def padded_token_ids(rows: list[list[int]], vocab_size: int, device) -> torch.Tensor:
+    """[B, max(1, max len)] int64; padding and ids outside [0, vocab_size) become vocab_size.
+
+    One C-level conversion of the concatenated rows (np.fromiter) and one masked scatter,
+    instead of padding each row in Python: ~4x cheaper for 256 rows of 4,096 tokens."""
+    lengths = [len(r) for r in rows]
+    width = max(1, max(lengths, default=0))
+    try:
+        flat = np.fromiter(itertools.chain.from_iterable(rows), np.int64, count=sum(lengths))
+        flat[(flat < 0) | (flat >= vocab_size)] = vocab_size
+    except OverflowError:  # an id beyond int64: out of range anyway
+        flat = np.array([t if 0 <= t < vocab_size else vocab_size for r in rows for t in r])
+    out = torch.full((len(rows), width), vocab_size, dtype=torch.int64)
+    keep = torch.arange(width) < torch.tensor(lengths, dtype=torch.int64)[:, None]
+    out.masked_scatter_(keep, torch.from_numpy(flat.astype(np.int64, copy=False)))
+    return out.to(device)
+
+
+def _min_tokens_pairs(
+    params: list[SamplingParams], outputs: list[list[int]], eos: tuple[int, ...], V: int
+) -> tuple[list[int], list[int]]:
+    """(rows, token ids) to mask while len(output) < min_tokens: stop_token_ids, and EOS
+    unless ignore_eos."""
+    rows, cols = [], []
+    for b, (p, out) in enumerate(zip(params, outputs, strict=True)):
+        if len(out) < p.min_tokens:
+            ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
+            ids = sorted(t for t in ids if 0 <= t < V)
+            rows += [b] * len(ids)
+            cols += ids
+    return rows, cols
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step sampling inputs: tensors on the logits' device, one row per request.
+
+    Optional tensors are None when no row needs that step, so the sampler skips it.
+    """
+
+    vocab_size: int
+    temperature: torch.Tensor  # [B] float32; 1.0 on greedy rows
+    greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    all_random: bool
+    noise_keys: torch.Tensor  # [B] int64 in [0, 2**32), from (seed, step)
+    top_k: torch.Tensor | None  # [B] int64; vocab_size where top-k is off
+    max_top_k: int  # largest active k (0 if none)
+    top_p: torch.Tensor | None  # [B] float32; 1.0 where off
+    min_p: torch.Tensor | None  # [B] float32; 0.0 where off
+    no_penalties: bool
+    repetition_penalty: torch.Tensor | None  # [B] float32
+    presence_penalty: torch.Tensor | None  # [B] float32
+    frequency_penalty: torch.Tensor | None  # [B] float32
+    prompt_token_ids: torch.Tensor | None  # [B, Lp] int64 padded with vocab_size
+    output_token_ids: torch.Tensor | None  # [B, Lo] int64 padded with vocab_size
+    min_tokens_rows: torch.Tensor | None  # [M] rows and
+    min_tokens_cols: torch.Tensor | None  # [M] token ids to set to -inf
+    logprobs_k: list[int | None]  # per row: SamplingParams.logprobs
+    logprobs_rows: torch.Tensor | None  # [R] rows that asked for logprobs
+    max_num_logprobs: int | None  # largest k asked (None: no row asked)
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        seeds: list[int],
+        eos_token_ids: tuple[int, ...],
+        vocab_size: int,
+        device,
+    ) -> SamplingMetadata:
+        V = vocab_size
+        greedy = [p.temperature < GREEDY_EPS for p in params]
+        temps, ks, top_ps, min_ps = [], [], [], []
+        for p, g in zip(params, greedy, strict=True):
+            temps.append(1.0 if g else p.temperature)
+            ks.append(V if g or not 0 < p.top_k < V else p.top_k)
+            top_ps.append(1.0 if g else p.top_p)
+            min_ps.append(0.0 if g else p.min_p)
+        use_rep = any(p.repetition_penalty != 1.0 for p in params)
+        no_pen = not use_rep and all(
+            p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 for p in params
+        )
+        rows, cols = _min_tokens_pairs(params, output_token_ids, eos_token_ids, V)
+        lp_rows = [b for b, p in enumerate(params) if p.logprobs is not None]
+        steps = [len(out) for out in output_token_ids]
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return cls(
+            vocab_size=V,
+            temperature=floats(temps),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            noise_keys=ints(noise_keys(seeds, steps)),
+            top_k=ints(ks) if any(k < V for k in ks) else None,
+            max_top_k=max((k for k in ks if k < V), default=0),
+            top_p=floats(top_ps) if any(p < 1.0 for p in top_ps) else None,
+            min_p=floats(min_ps) if any(p > 0.0 for p in min_ps) else None,
+            no_penalties=no_pen,
+            repetition_penalty=None if no_pen else floats([p.repetition_penalty for p in params]),
+            presence_penalty=None if no_pen else floats([p.presence_penalty for p in params]),
+            frequency_penalty=None if no_pen else floats([p.frequency_penalty for p in params]),
+            prompt_token_ids=padded_token_ids(prompt_token_ids, V, device) if use_rep else None,
+            output_token_ids=None if no_pen else padded_token_ids(output_token_ids, V, device),
+            min_tokens_rows=ints(rows) if rows else None,
+            min_tokens_cols=ints(cols) if rows else None,
+            logprobs_k=[p.logprobs for p in params],
+            logprobs_rows=ints(lp_rows) if lp_rows else None,
+            max_num_logprobs=max((params[b].logprobs for b in lp_rows), default=None),
+        )

@@ -1,0 +1,177 @@
+"""Checks of the Triton sampling kernel through Sampler(use_triton=True), at V=1000, meant for
+the CPU interpreter: `TRITON_INTERPRET=1 python sampler_triton_checks.py [NAME ...]` prints one
+`RESULT name ok|FAIL` line per check (the interpreter must be on before triton is first
+imported, hence a child process; see test_sampler_triton.py). Names ending in `_torch` run the
+same check on the PyTorch path. The interpreter costs ~1 ms per reduction, so the chi-squared
+checks draw a few hundred samples from sharply peaked rows."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sampler_checks as checks  # noqa: E402
+
+from llm_inference.layers import sampler as sampler_mod  # noqa: E402
+from llm_inference.layers.sampler import Sampler  # noqa: E402
+from llm_inference.sampling_params import SamplingParams  # noqa: E402
+
+V = 1000
+
+
+def peaked_row(seed: int = 0) -> torch.Tensor:
+    return torch.randn(V, generator=torch.Generator().manual_seed(seed)) * 3.0
+
+
+CONFIGS = {  # (params, a wrong distribution for the power check)
+    "temperature": (SamplingParams(temperature=0.7), SamplingParams(temperature=1.0)),
+    "top_k": (SamplingParams(temperature=1.5, top_k=6), SamplingParams(temperature=1.5, top_k=9)),
+    "top_p": (SamplingParams(temperature=1.2, top_p=0.8), SamplingParams(temperature=1.2)),
+    "min_p": (SamplingParams(temperature=1.5, min_p=0.05), SamplingParams(temperature=1.5)),
+    "combined": (
+        SamplingParams(temperature=1.3, top_k=12, top_p=0.9, min_p=0.03),
+        SamplingParams(temperature=1.3, top_k=12),
+    ),
+}
+
+
+def check_distribution(tri, name):
+    params, wrong = CONFIGS[name]
+    n = 600 if name == "temperature" else 400
+    checks.check_distribution(tri, peaked_row(), params, wrong, n, "cpu")
+
+
+def check_chi2_helper(_):
+    probs = torch.tensor([0.5, 0.3, 0.2] + [0.0] * 7)
+    counts = torch.tensor([200, 120, 80] + [0] * 7)
+    assert checks.follows(counts, probs)
+    assert not checks.follows(torch.tensor([150, 150, 100] + [0] * 7), probs)
+    assert not checks.follows(torch.tensor([200, 120, 79, 1] + [0] * 6), probs)
+
+
+def support(sampler, logits_row, params, n=60) -> set[int]:
+    counts = checks.draw(sampler, logits_row, params, n, "cpu")
+    return set(counts.nonzero()[:, 0].tolist())
+
+
+def boundary_row(values: list[float]) -> torch.Tensor:
+    row = torch.full((V,), -30.0)
+    row[: len(values)] = torch.tensor(values)
+    return row.roll(17)  # not at the start of the row
+
+
+def check_boundaries(sampler):
+    flat = dict(temperature=50.0)  # nearly uniform over the kept tokens: all of them show up
+    ties = boundary_row([5.0, 4.0, 3.0, 3.0, 3.0, 1.0])
+    assert support(sampler, ties, SamplingParams(top_k=3, **flat)) == {17, 18, 19, 20, 21}
+    assert support(sampler, ties, SamplingParams(top_k=1, **flat)) == {17}
+    assert support(sampler, boundary_row([2.0, 2.0, 1.0]), SamplingParams(top_k=1)) == {17, 18}
+    assert support(sampler, ties, SamplingParams(top_p=1e-6, **flat)) == {17}
+    # probs 0.5, 0.3, 0.15, 0.05: the token whose mass reaches top_p is kept, the next one not
+    p = boundary_row(torch.tensor([0.5, 0.3, 0.15, 0.05]).log().tolist())
+    assert support(sampler, p, SamplingParams(top_p=0.8 - 1e-4), 80) == {17, 18}
+    assert support(sampler, p, SamplingParams(top_p=0.8 + 1e-4), 80) == {17, 18, 19}
+    assert support(sampler, p, SamplingParams(top_p=0.95 - 1e-4, top_k=2), 80) == {17, 18}
+
+
+def check_greedy(tri):
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, V, generator=gen) * 3
+    logits[2, [40, 900]] = 50.0  # a tie: the first index wins
+    params = [SamplingParams(temperature=0.0), SamplingParams(top_k=5)] * 3
+    md = checks.build(params, V, outputs=[[7, 7]] * 6)
+    tokens = tri(logits, md).token_ids
+    assert tokens[[0, 2, 4]].tolist() == logits[[0, 2, 4]].argmax(-1).tolist()
+    assert tokens[2].item() == 40
+    md = checks.build([SamplingParams(temperature=0.0, frequency_penalty=2.0)], V, outputs=[[5, 5]])
+    row = torch.zeros(1, V)
+    row[0, 5] = 3.0
+    assert tri(row, md).token_ids.item() != 5  # the argmax of the penalized logits
+
+
+def check_seed_independence(tri):
+    for target in (SamplingParams(temperature=0.7), CONFIGS["combined"][0]):
+        checks.check_seed_independence(tri, V, "cpu", target)
+
+
+def check_paths_agree(tri):
+    """Same uniforms bit for bit: the paths differ only where rounding decides a near-tie."""
+    n = 64
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(n, V, generator=gen) * 2
+    params = [SamplingParams(temperature=0.6), SamplingParams(temperature=1.0, top_p=0.9)] * 32
+    md = checks.build(params, V, seeds=list(range(100, 100 + n)))
+    got = tri(logits, md).token_ids
+    want = Sampler(use_triton=False)(logits, md).token_ids
+    assert (got == want).float().mean() >= 0.95, (got != want).nonzero()
+
+
+def check_status_codes(tri):
+    from llm_inference.kernels import sampling
+
+    assert sampling.STATUS_BAD == sampler_mod.STATUS_BAD
+    assert sampling.STATUS_EMPTY == sampler_mod.STATUS_EMPTY
+
+
+def check_broken_rows(sampler):
+    for params in (SamplingParams(temperature=0.0), SamplingParams(top_p=0.9)):
+        _check_broken_rows(sampler, params)
+
+
+def _check_broken_rows(sampler, params):
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(1))
+    for bad in (float("nan"), float("inf")):
+        broken = logits.clone()
+        broken[1, 123] = bad
+        with pytest.raises(ValueError, match=r"rows \[1\]"):
+            sampler(broken, checks.build([params] * 3, V))
+    # min_tokens masks EOS and the stop token, the only tokens the model allows in row 2
+    masked = logits.clone()
+    masked[2] = float("-inf")
+    masked[2, [checks.EOS, 9]] = torch.tensor([4.0, 5.0])
+    rows = [params, params, params.replace(min_tokens=3, stop_token_ids=[9])]
+    with pytest.warns(RuntimeWarning, match=r"rows \[2\]"):
+        tokens = sampler(masked, checks.build(rows, V)).token_ids
+    assert tokens[2].item() == 9  # the raw argmax
+    assert (
+        tokens[:2].tolist()
+        == Sampler(use_triton=False)(logits[:2], checks.build([params] * 2, V)).token_ids.tolist()
+    )
+    masked[2] = float("-inf")
+    with pytest.raises(ValueError, match=r"every logit is -inf in rows \[2\]"):
+        sampler(masked, checks.build(rows, V))
+
+
+CHECKS = {f"distribution_{name}": (check_distribution, name) for name in CONFIGS}
+CHECKS |= {
+    "chi2_helper": (check_chi2_helper, None),
+    "boundaries": (check_boundaries, None),
+    "boundaries_torch": (check_boundaries, None),
+    "greedy": (check_greedy, None),
+    "seed_independence": (check_seed_independence, None),
+    "paths_agree": (check_paths_agree, None),
+    "status_codes": (check_status_codes, None),
+    "broken_rows": (check_broken_rows, None),
+    "broken_rows_torch": (check_broken_rows, None),
+}
+
+
+def main(names: list[str]) -> None:
+    for name in names or list(CHECKS):
+        fn, arg = CHECKS[name]
+        sampler = Sampler(use_triton=not name.endswith("_torch"))
+        try:
+            fn(sampler, arg) if arg is not None else fn(sampler)
+            print(f"RESULT {name} ok", flush=True)
+        except Exception:
+            traceback.print_exc(file=sys.stdout)
+            print(f"RESULT {name} FAIL", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

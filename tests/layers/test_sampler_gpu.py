@@ -1,0 +1,78 @@
+"""The Triton sampling path on the GPU at the real vocab (128,256) and batch 256: distributions
+against Sampler.probs in float64, seed independence, agreement with the torch path on the
+same uniforms. Skipped without CUDA; no timing here (see benchmarks/sampler.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sampler_checks as checks  # noqa: E402
+
+from llm_inference.layers.sampler import Sampler  # noqa: E402
+from llm_inference.sampling_params import SamplingParams  # noqa: E402
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+V, B = 128_256, 256
+
+
+def llama_like_row(seed: int = 0) -> torch.Tensor:
+    """A peaked row over the full vocab: a long tail, a few strong candidates."""
+    gen = torch.Generator().manual_seed(seed)
+    row = torch.randn(V, generator=gen) * 2.0
+    row[torch.randperm(V, generator=gen)[:20]] += torch.linspace(12.0, 6.0, 20)
+    return row
+
+
+CONFIGS = [
+    (SamplingParams(temperature=0.6), SamplingParams(temperature=0.9)),
+    (SamplingParams(temperature=1.0, top_k=50), SamplingParams(temperature=1.0, top_k=5)),
+    (SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.8)),
+    (SamplingParams(temperature=1.2, min_p=0.05), SamplingParams(temperature=1.2)),
+    (
+        SamplingParams(temperature=0.6, top_k=50, top_p=0.9, min_p=0.01),
+        SamplingParams(temperature=0.6, top_k=50),
+    ),
+]
+
+
+@pytest.mark.parametrize("config", range(len(CONFIGS)))
+def test_distribution_at_real_vocab(config):
+    params, wrong = CONFIGS[config]
+    sampler = Sampler(use_triton=True)
+    row = llama_like_row()
+    checks.check_distribution(sampler, row, params, wrong, 16 * B, "cuda")  # one launch
+
+
+@pytest.mark.parametrize("target", [CONFIGS[0][0], CONFIGS[4][0]])
+def test_seed_independence_at_real_vocab(target):
+    checks.check_seed_independence(Sampler(use_triton=True), V, "cuda", target)
+
+
+def test_paths_agree_at_batch_256():
+    gen = torch.Generator().manual_seed(2)
+    logits = (torch.randn(B, V, generator=gen) * 2).cuda()
+    params = [c[0] for c in CONFIGS] * (B // len(CONFIGS)) + [CONFIGS[0][0]] * (B % len(CONFIGS))
+    params[::7] = [SamplingParams(temperature=0.0)] * len(params[::7])
+    md = checks.build(params, V, "cuda", seeds=list(range(B)))
+    got = Sampler(use_triton=True)(logits, md).token_ids
+    want = Sampler(use_triton=False)(logits, md).token_ids
+    greedy = torch.tensor([p.temperature == 0.0 for p in params], device="cuda")
+    assert torch.equal(got[greedy], logits[greedy].argmax(-1))
+    assert (got == want).float().mean() >= 0.95, (got != want).nonzero()[:, 0].tolist()
+    assert Sampler().uses_triton(logits.device)  # auto: Triton for CUDA logits
+
+
+def test_broken_rows_on_gpu():
+    logits = torch.randn(4, V, device="cuda")
+    logits[3, 5] = float("nan")
+    md = checks.build([SamplingParams(top_p=0.9)] * 4, V, "cuda")
+    with pytest.raises(ValueError, match=r"rows \[3\]"):
+        Sampler(use_triton=True)(logits, md)
