@@ -53,7 +53,8 @@ def test_kernel_matches_reference_in_interpreter(interpreter_results, kernel):
 def test_triton_ops_has_reference_signatures():
     from llm_inference.kernels import get_ops, reference, triton_ops
 
-    assert get_ops(True) is triton_ops and get_ops(False) is reference
+    assert get_ops("triton", "cuda") is triton_ops and get_ops("auto", "cuda") is triton_ops
+    assert get_ops("reference", "cuda") is reference and get_ops("auto", "cpu") is reference
     for name in triton_ops.__all__:
         want = list(inspect.signature(getattr(reference, name)).parameters.values())
         got = list(inspect.signature(getattr(triton_ops, name)).parameters.values())

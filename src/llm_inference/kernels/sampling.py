@@ -37,6 +37,8 @@ SEARCH_BLOCK = 256  # search passes: a [SEARCH_BLOCK, NP] tile per step
 NP = 16  # pivots per search pass
 STATUS_BAD = -1  # a NaN or +inf logit in the row
 STATUS_EMPTY = -2  # every logit of the row is -inf
+_BAD = tl.constexpr(STATUS_BAD)  # kernels may read globals only as constexpr (Triton 3.6)
+_EMPTY = tl.constexpr(STATUS_EMPTY)
 
 
 @triton.jit
@@ -158,8 +160,8 @@ def _sample_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, top_k_ptr
         idx, top = _race(row_ptr, V, t, key, thr, min_p, m, True, True, BLOCK)
     else:
         idx, top = _race(row_ptr, V, t, key, 0.0, 0.0, 0.0, True, False, BLOCK)
-    token = tl.where(top == float("-inf"), STATUS_EMPTY, idx.to(tl.int64))
-    token = tl.where(top == float("inf"), STATUS_BAD, token)
+    token = tl.where(top == float("-inf"), _EMPTY, idx.to(tl.int64))
+    token = tl.where(top == float("inf"), _BAD, token)
     tl.store(out_ptr + row, token)
 
 
