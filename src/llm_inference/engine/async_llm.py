@@ -237,10 +237,12 @@ class AsyncLLM:
             try:
                 loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # that event loop is closed: nobody listens any more
-                gone = [s.request_id for s in items if s.loop is loop]
-                self.engine.abort_request(gone)
+                gone = {s.request_id: s for s in items if s.loop is loop}
                 for rid in gone:
                     self._streams.pop(rid, None)
+                now = time.monotonic()
+                for out in self.engine.abort_request(list(gone)):
+                    self.metrics.on_output(gone[out.request_id].times, out, now)
 
     def _refresh_stats(self) -> None:
         stats = self.engine.stats()
