@@ -59,10 +59,11 @@ def run_chat(
     llm: LLM,
     params: SamplingParams,
     system: str | None = None,
-    read: Callable[[str], str] = input,
+    read: Callable[[str], str] | None = None,
     out: TextIO = sys.stdout,
 ) -> int:
-    """The chat loop: 0 on EOF or /exit, 130 on Ctrl-C."""
+    """The chat loop: 0 on EOF or /exit, 130 on Ctrl-C. `read` defaults to input()."""
+    read = read or input
     history: list[dict] = [{"role": "system", "content": system}] if system else []
     max_len = llm.config.scheduler.max_model_len
     try:
