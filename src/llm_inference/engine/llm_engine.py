@@ -140,7 +140,14 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.scheduler.num_steps,
             "num_unfinished_requests": self.scheduler.get_num_unfinished_requests(),
+            "num_running_requests": len(self.scheduler.running),
+            "num_waiting_requests": len(self.scheduler.waiting),
         }
+
+    def waiting_request_ids(self) -> set[str]:
+        """Core ids of requests not yet scheduled (or preempted back to the queue): for the
+        queue-time metric."""
+        return {r.request_id for r in self.scheduler.waiting}
 
     def shutdown(self) -> None:
         if self.executor is not None:

@@ -1,4 +1,4 @@
-"""The `llm-inference` command line: generate | chat | convert."""
+"""The `llm-inference` command line: generate | chat | convert | serve | bench serve."""
 
 from __future__ import annotations
 
@@ -63,24 +63,15 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    with _llm(args) as llm:
-        params = _params(args)
-        history: list[dict] = []
-        if args.system:
-            history.append({"role": "system", "content": args.system})
-        while True:
-            try:
-                line = input("> ")
-            except EOFError:
-                return 0
-            if line.strip() in ("/exit", "/quit"):
-                return 0
-            if not line.strip():
-                continue
-            history.append({"role": "user", "content": line})
-            reply = llm.chat(history, params, use_tqdm=False)[0].text
-            history.append({"role": "assistant", "content": reply})
-            print(reply, flush=True)
+    """Streams each answer; Ctrl-C exits with status 130 (see entrypoints/chat.py)."""
+    from llm_inference.entrypoints.chat import run_chat
+
+    try:
+        with _llm(args) as llm:
+            return run_chat(llm, _params(args), args.system)
+    except KeyboardInterrupt:  # while loading or closing
+        print()
+        return 130
 
 
 def cmd_convert(args) -> int:
@@ -89,6 +80,59 @@ def cmd_convert(args) -> int:
     out = convert_gguf_to_hf(args.gguf_file, args.out_dir, dtype=args.dtype)
     print(f"wrote {out}")
     return 0
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine options beyond _add_model_args (see config.create_engine_config)."""
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--kernel-backend", default="auto", help="auto, triton or reference")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def cmd_serve(args) -> int:
+    from llm_inference.entrypoints.openai.api_server import run_server
+
+    engine_args = {k: getattr(args, k) for k in (
+        "device", "dtype", "max_model_len", "kv_cache_memory_bytes", "gpu_memory_utilization",
+        "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
+        "kernel_backend", "enforce_eager", "seed")}  # fmt: skip
+    try:
+        run_server(args.model, host=args.host, port=args.port, api_key=args.api_key,
+                   served_model_name=args.served_model_name, log_level=args.log_level,
+                   **engine_args)  # fmt: skip
+    except KeyboardInterrupt:  # SIGINT: the server has shut down cleanly already
+        return 130
+    return 0
+
+
+def cmd_bench_serve(args) -> int:
+    from llm_inference.entrypoints.bench_serve import main as bench_main
+
+    return bench_main(args)
+
+
+def _add_serve_parsers(sub) -> None:
+    s = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    _add_model_args(s)
+    _add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--served-model-name", default=None, help="the model's name in the API")
+    s.add_argument("--log-level", default="info")
+    s.set_defaults(func=cmd_serve)
+
+    from llm_inference.entrypoints.bench_serve import add_cli_args
+
+    b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    bs = b.add_parser("serve", help="load-test an OpenAI-compatible server (as vllm bench serve)")
+    add_cli_args(bs)
+    bs.set_defaults(func=cmd_bench_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("out_dir")
     v.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     v.set_defaults(func=cmd_convert)
+    _add_serve_parsers(sub)
     return parser
 
 

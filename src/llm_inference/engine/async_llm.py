@@ -1,0 +1,261 @@
+"""AsyncLLM: the engine's step loop on a background thread, driven from asyncio.
+
+Invariants:
+
+- The engine is not thread-safe, so only the engine thread calls it. Requests, aborts and
+  stop cross over through `_inbox` (a thread-safe queue); outputs come back through
+  `loop.call_soon_threadsafe` into one `asyncio.Queue` per request, so the event loop never
+  blocks on a step.
+- Requests join the running batch at the next step: the thread takes every pending command
+  between steps, and blocks on the inbox only when the engine has nothing to run.
+- A request ends when its queue yields a finished output or an exception. A consumer that goes
+  away early (GeneratorExit, CancelledError) aborts its request; the engine thread frees its
+  KV blocks before its next step.
+- Validation errors (prompt too long, bad params, duplicate id) go to that request only; an
+  error of the step loop goes to every waiting request and ends the engine (EngineDeadError
+  for later calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from llm_inference.config import create_engine_config
+from llm_inference.engine.llm_engine import LLMEngine
+from llm_inference.engine.metrics import RequestTimes, ServingMetrics
+from llm_inference.engine.output_processor import child_id
+from llm_inference.outputs import RequestOutput
+from llm_inference.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (an error in a step, or shutdown)."""
+
+
+@dataclass(eq=False)
+class _Stream:
+    """A request as the engine thread tracks it: where its outputs go, and its timing."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    n: int
+    times: RequestTimes
+
+
+_STOP = object()
+
+
+class AsyncLLM:
+    """An engine for concurrent requests from asyncio code (the OpenAI server, chat).
+
+    Arguments: see `config.create_engine_config`. Use `generate` from a running event loop;
+    `shutdown()` (or the context manager) stops the thread and releases the engine.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        from llm_inference.models.loader import load_tokenizer
+
+        config = create_engine_config(model, **engine_args)
+        self.tokenizer = load_tokenizer(config.model_path)
+        self.engine = LLMEngine(config, self.tokenizer)
+        self.config = self.engine.config  # max_model_len may have been fitted to the cache
+        self.metrics = ServingMetrics(engine=self.engine.stats())
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._ids = itertools.count()
+        self._error: BaseException | None = None
+        self._streams: dict[str, _Stream] = {}  # running requests; engine thread only
+        self._lock = threading.Lock()  # orders "add" against the thread's final drain
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> AsyncLLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    def stats(self) -> dict[str, int]:
+        """The engine's stats() as of the end of the engine thread's last loop."""
+        return dict(self.metrics.snapshot().engine)
+
+    @property
+    def is_running(self) -> bool:
+        return self._error is None and self._thread.is_alive()
+
+    # ---- asyncio side ---------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative outputs as it advances; the last has finished=True.
+
+        When several outputs are waiting, only the latest is yielded (they are cumulative).
+        Raises ValueError for a request the engine refuses, EngineDeadError if the engine
+        stopped."""
+        self._check_alive()
+        params = sampling_params or SamplingParams(temperature=0.0)
+        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
+        ids = prompt if isinstance(prompt, list) else self.tokenizer(prompt).input_ids
+        text = prompt if isinstance(prompt, str) else None
+        stream = _Stream(rid, asyncio.get_running_loop(), asyncio.Queue(), params.n,
+                         RequestTimes(arrival=time.monotonic()))  # fmt: skip
+        with self._lock:
+            self._check_alive()
+            self._inbox.put(("add", stream, list(ids), params, text))
+        done = False
+        try:
+            while not done:
+                item = await stream.queue.get()
+                while not isinstance(item, BaseException) and not stream.queue.empty():
+                    item = stream.queue.get_nowait()  # outputs are cumulative: skip to latest
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.finished
+                yield item
+        finally:
+            if not done:
+                self._inbox.put(("abort", rid))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request: its stream ends with finish_reason "abort" (if still running)."""
+        self._inbox.put(("abort", request_id))
+
+    def abort_all(self) -> None:
+        """Abort every running request (thread-safe; for shutdown on a signal)."""
+        self._inbox.put(("abort_all",))
+
+    def shutdown(self) -> None:
+        """Stop the engine thread (running requests get EngineDeadError) and free the engine."""
+        if self._thread.is_alive():
+            self._inbox.put((_STOP,))
+            self._thread.join()
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine has stopped: {self._error!r}") from self._error
+        if self._closed or not self._thread.is_alive():
+            raise EngineDeadError("the engine has been shut down")
+
+    # ---- engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        streams = self._streams
+        message = "the engine has been shut down"
+        try:
+            while self._take_commands(streams, block=not self.engine.has_unfinished_requests()):
+                if self.engine.has_unfinished_requests():
+                    start = time.monotonic()
+                    outputs = self.engine.step()
+                    self._note_scheduled(streams, start)
+                    self._dispatch(streams, outputs, time.monotonic())
+                self._refresh_stats()
+        except BaseException as e:  # noqa: BLE001 - every waiting request must hear of it
+            self._error = e
+            message = f"the engine loop failed: {e!r}"
+        finally:
+            with self._lock:
+                self._closed = True
+                while not self._inbox.empty():  # requests that never reached the engine
+                    cmd = self._inbox.get()
+                    if cmd[0] == "add":
+                        streams[cmd[1].request_id] = cmd[1]
+            self._send({s: _dead(message, self._error) for s in streams.values()})
+            streams.clear()
+            self.engine.shutdown()
+
+    def _take_commands(self, streams: dict[str, _Stream], block: bool) -> bool:
+        """Apply every pending command (waiting for one if `block`); False on stop."""
+        while True:
+            try:
+                cmd = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if cmd[0] is _STOP:
+                return False
+            if cmd[0] == "add":
+                self._add(streams, *cmd[1:])
+            elif cmd[0] == "abort":
+                self._abort(streams, [cmd[1]])
+            elif cmd[0] == "abort_all":
+                self._abort(streams, list(streams))
+            self._refresh_stats()
+
+    def _add(self, streams, stream: _Stream, ids: list[int], params, text) -> None:
+        try:
+            self.engine.add_request(stream.request_id, ids, params, prompt=text)
+        except (ValueError, TypeError) as e:
+            self._send({stream: e})
+            return
+        streams[stream.request_id] = stream
+
+    def _abort(self, streams: dict[str, _Stream], request_ids: list[str]) -> None:
+        now = time.monotonic()
+        for out in self.engine.abort_request(request_ids):
+            stream = streams.pop(out.request_id)
+            self.metrics.on_output(stream.times, out, now)
+            self._send({stream: out})
+
+    def _note_scheduled(self, streams: dict[str, _Stream], step_start: float) -> None:
+        waiting = self.engine.waiting_request_ids() if streams else set()
+        for s in streams.values():
+            if s.times.scheduled is None and child_id(s.request_id, 0, s.n) not in waiting:
+                self.metrics.on_scheduled(s.times, step_start)
+
+    def _dispatch(self, streams, outputs: list[RequestOutput], now: float) -> None:
+        items = {}
+        for out in outputs:
+            stream = streams[out.request_id]
+            if out.finished:
+                del streams[out.request_id]
+            self.metrics.on_output(stream.times, out, now)
+            items[stream] = out
+        self._send(items)
+
+    def _send(self, items: dict[_Stream, object]) -> None:
+        """Put each item on its stream's queue: one thread-safe call per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for stream, item in items.items():
+            by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # that event loop is closed: nobody listens any more
+                gone = {s.request_id: s for s in items if s.loop is loop}
+                for rid in gone:
+                    self._streams.pop(rid, None)
+                now = time.monotonic()
+                for out in self.engine.abort_request(list(gone)):
+                    self.metrics.on_output(gone[out.request_id].times, out, now)
+
+    def _refresh_stats(self) -> None:
+        stats = self.engine.stats()
+        with self.metrics.lock:
+            self.metrics.engine = stats
+
+
+def _dead(message: str, cause: BaseException | None) -> EngineDeadError:
+    err = EngineDeadError(message)
+    err.__cause__ = cause
+    return err
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in batch:
+        q.put_nowait(item)

@@ -1,0 +1,111 @@
+"""Serving metrics that AsyncLLM's engine thread gathers: token counters and latency histograms.
+
+Times are `time.monotonic()` seconds. The engine thread writes under `ServingMetrics.lock`;
+readers (the server's /metrics) take `snapshot()`, a consistent copy made under the same lock.
+A request's time to first token is counted from its arrival (when `generate` was called) to
+the end of the step that produced its first token; its queue time, from arrival to the start
+of the first step that scheduled it.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from bisect import bisect_left
+from collections import Counter
+from dataclasses import dataclass, field
+
+from llm_inference.outputs import RequestOutput
+
+# Bucket bounds in seconds, close to vLLM's.
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)  # fmt: skip
+
+
+class Histogram:
+    """A Prometheus-style histogram: per-bucket counts (upper bounds inclusive), sum, count."""
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(le label, cumulative count) for every bucket, ending with ("+Inf", count)."""
+        out, total = [], 0
+        for bound, n in zip([*map(repr, self.buckets), "+Inf"], self.counts):
+            total += n
+            out.append((bound, total))
+        return out
+
+
+@dataclass
+class RequestTimes:
+    """One request's progress as the engine thread saw it."""
+
+    arrival: float
+    scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    num_generated: int = 0
+
+
+@dataclass
+class ServingMetrics:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: Counter = field(default_factory=Counter)  # finish reason -> requests
+    ttft: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
+    itl: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
+    tpot: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
+    e2e: Histogram = field(default_factory=lambda: Histogram(REQUEST_BUCKETS))
+    queue: Histogram = field(default_factory=lambda: Histogram(REQUEST_BUCKETS))
+    engine: dict = field(default_factory=dict)  # the latest LLMEngine.stats()
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def snapshot(self) -> ServingMetrics:
+        with self.lock:
+            fields = {k: copy.deepcopy(v) for k, v in vars(self).items() if k != "lock"}
+        return ServingMetrics(**fields)
+
+    def on_scheduled(self, times: RequestTimes, now: float) -> None:
+        if times.scheduled is None:
+            times.scheduled = now
+            with self.lock:
+                self.queue.observe(now - times.arrival)
+
+    def on_output(self, times: RequestTimes, out: RequestOutput, now: float) -> None:
+        """Count the tokens `out` adds to what the request had; time them."""
+        total = sum(len(c.token_ids) for c in out.outputs)
+        new = total - times.num_generated
+        with self.lock:
+            if new > 0:
+                if times.first_token is None:
+                    times.first_token = now
+                    self.ttft.observe(now - times.arrival)
+                    self.prompt_tokens += len(out.prompt_token_ids)
+                else:
+                    self.itl.observe(now - times.last_token)
+                times.last_token = now
+                times.num_generated = total
+                self.generation_tokens += new
+            if out.finished:
+                self._on_finished(times, out, now)
+
+    def _on_finished(self, times: RequestTimes, out: RequestOutput, now: float) -> None:
+        for c in out.outputs:
+            self.finished[c.finish_reason or "abort"] += 1
+        if out.outputs[0].finish_reason == "abort":
+            return
+        self.e2e.observe(now - times.arrival)
+        if times.num_generated > 1 and times.first_token is not None:
+            per_token = (times.last_token - times.first_token) / (times.num_generated - 1)
+            self.tpot.observe(per_token)

@@ -1,0 +1,240 @@
+"""The OpenAI-compatible HTTP server: `build_app(llm, ...)` and `run_server(...)`.
+
+Routes: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health,
+/metrics. Every error is answered in OpenAI's format with its status: 400 bad parameters or a
+prompt the engine refuses, 401 a missing or wrong API key (when one is set; /health and
+/metrics stay open), 404 an unknown model, 413 a body over the size limit.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException
+
+from llm_inference.engine.async_llm import AsyncLLM
+from llm_inference.entrypoints.openai import metrics
+from llm_inference.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from llm_inference.entrypoints.openai.serving import OpenAIServing
+from llm_inference.entrypoints.openai.streaming import ClientDisconnected
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+_OPEN_PATHS = ("/health", "/metrics")
+
+
+async def _send_error(send, err: APIError, headers: list | None = None) -> None:
+    await JSONResponse(err.body(), err.status, headers=dict(headers or []))(
+        {"type": "http"}, None, send
+    )
+
+
+class GuardMiddleware:
+    """API key check (Bearer token) and the request body size limit, before any routing.
+
+    A body is read whole (up to `max_body_bytes`, else 413) and replayed to the app, so a
+    chunked body without Content-Length is limited too."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.api_key is not None and scope["path"] not in _OPEN_PATHS:
+            err = self._auth_error(headers.get(b"authorization", b"").decode("latin-1"))
+            if err is not None:
+                return await _send_error(send, err, [("WWW-Authenticate", "Bearer")])
+        too_large = APIError(413, f"request body exceeds the limit of {self.max_body_bytes} "
+                             "bytes", code="request_too_large")  # fmt: skip
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return await _send_error(send, too_large)
+        body, more = b"", scope["method"] in ("POST", "PUT", "PATCH")
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body_bytes:
+                return await _send_error(send, too_large)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    def _auth_error(self, authorization: str) -> APIError | None:
+        scheme, _, token = authorization.partition(" ")
+        if not authorization:
+            message = "missing API key: send it as the header 'Authorization: Bearer <key>'"
+        elif scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        ):
+            message = "incorrect API key provided"
+        else:
+            return None
+        return APIError(401, message, code="invalid_api_key")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        param = param or (loc[0] if loc else None)
+        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
+    return "invalid request: " + "; ".join(parts), param
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError):
+        return JSONResponse(exc.body(), exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return JSONResponse(APIError(400, message, param=param).body(), 400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException):
+        err = APIError(exc.status_code, str(exc.detail), code=str(exc.status_code))
+        return JSONResponse(err.body(), exc.status_code)
+
+    @app.exception_handler(ClientDisconnected)
+    async def gone(_: Request, exc: ClientDisconnected):
+        return Response(status_code=499)  # nobody reads it: the client has gone
+
+
+def build_app(
+    llm: AsyncLLM,
+    served_model_name: str,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    shutdown_llm: bool = False,
+) -> FastAPI:
+    """The FastAPI app serving `llm` as `served_model_name` (shut down with the app if
+    `shutdown_llm`)."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        if shutdown_llm:
+            llm.abort_all()
+            llm.shutdown()
+
+    app = FastAPI(title="llm_inference OpenAI-compatible server", lifespan=lifespan)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    _add_error_handlers(app)
+    serving = OpenAIServing(llm, served_model_name)
+    app.state.llm, app.state.serving = llm, serving
+    created = int(time.time())
+
+    @app.get("/health")
+    async def health():
+        if not llm.is_running:
+            raise APIError(503, "the engine is not running", type="server_error")
+        return {}
+
+    @app.get("/metrics")
+    async def get_metrics():
+        body = metrics.render(llm.metrics, served_model_name)
+        return PlainTextResponse(body, media_type=metrics.CONTENT_TYPE)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": served_model_name, "object": "model", "created": created,
+                "owned_by": "llm_inference", "root": llm.config.model_path,
+                "max_model_len": llm.max_model_len}  # fmt: skip
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        serving.check_model(model_id)
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        return await serving.completions(req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, raw: Request):
+        return await serving.chat(req, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        serving.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            chat = ChatCompletionRequest(
+                messages=req.messages, add_generation_prompt=req.add_generation_prompt
+            )
+            tokens = serving.chat_prompt(chat)[1]
+        else:
+            tokens = serving.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)
+            tokens = tokens.input_ids
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        serving.check_model(req.model)
+        vocab = llm.config.model.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens")
+        return {"prompt": serving.tokenizer.decode(req.tokens)}
+
+    return app
+
+
+def run_server(
+    model: str | None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    log_level: str = "info",
+    **engine_args,
+) -> None:
+    """Load the engine, then serve until SIGINT/SIGTERM, which aborts the running requests
+    (their streams end with finish_reason "abort") and shuts down cleanly."""
+    import uvicorn
+
+    llm = AsyncLLM(model, **engine_args)
+    name = served_model_name or model or llm.config.model_path.rstrip("/").split("/")[-1]
+    app = build_app(llm, name, api_key=api_key, shutdown_llm=True)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            llm.abort_all()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=10)  # fmt: skip
+    try:
+        Server(config).run()
+    finally:
+        llm.shutdown()

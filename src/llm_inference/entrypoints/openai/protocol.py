@@ -1,0 +1,107 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), and the OpenAI error format.
+
+Field names and defaults follow OpenAI's API; `top_k`, `min_p`, `repetition_penalty`,
+`ignore_eos`, `min_tokens`, `stop_token_ids`, `skip_special_tokens` and
+`include_stop_str_in_output` are extra fields, as vLLM accepts them. Unknown fields are
+ignored. Values are range-checked by `SamplingParams`, whose errors name the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class APIError(Exception):
+    """An error to answer in OpenAI's format: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str = "invalid_request_error") -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = (
+            status, message, param, code, type)  # fmt: skip
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}  # fmt: skip
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """The sampling fields both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None  # None: what fits in the context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # vLLM's extra sampling fields
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The message's text: a string, or the concatenated text parts of a list."""
+        if isinstance(self.content, list):
+            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]

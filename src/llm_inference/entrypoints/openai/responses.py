@@ -1,0 +1,162 @@
+"""OpenAI response bodies built from RequestOutputs: completions, chat completions, their
+stream chunks, usage and logprobs.
+
+Choice `index` is `prompt_index * n + completion_index`, as OpenAI numbers the choices of a
+request with several prompts. Logprobs of -inf are sent as -9999.0 (JSON has no infinity).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Any
+
+from llm_inference.outputs import CompletionOutput, Logprobs, RequestOutput
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(outputs: list[RequestOutput]) -> dict[str, int]:
+    """Prompt tokens (the tokenized prompts) and completion tokens (all generated ones)."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}  # fmt: skip
+
+
+def _lp(value: float) -> float:
+    return value if math.isfinite(value) else -9999.0
+
+
+class ResponseBuilder:
+    """Builds one request's bodies; `kind` is "completion" or "chat"."""
+
+    def __init__(self, kind: str, model: str, tokenizer, n: int) -> None:
+        self.kind, self.model, self.tokenizer, self.n = kind, model, tokenizer, n
+        self.id = new_id("cmpl" if kind == "completion" else "chatcmpl")
+        self.created = int(time.time())
+        self._token_text: dict[int, str] = {}
+
+    def _head(self, object_name: str) -> dict[str, Any]:
+        return {"id": self.id, "object": object_name, "created": self.created,
+                "model": self.model}  # fmt: skip
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._token_text[token_id] = text
+        return text
+
+    # ---- logprobs -------------------------------------------------------------------------
+
+    def completion_logprobs(self, lps: list[Logprobs], offset: int) -> dict[str, Any]:
+        """OpenAI's completions format; `offset` is the text offset of the first token."""
+        tokens = [self.token_text(lp.token_id) for lp in lps]
+        offsets = []
+        for tok in tokens:
+            offsets.append(offset)
+            offset += len(tok)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_lp(lp.logprob) for lp in lps],
+            "top_logprobs": [{self.token_text(t): _lp(v) for t, v in lp.top.items()} for lp in lps],
+            "text_offset": offsets,
+        }
+
+    def chat_logprobs(self, lps: list[Logprobs]) -> dict[str, Any]:
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            tok = self.token_text(token_id)
+            return {"token": tok, "logprob": _lp(logprob), "bytes": list(tok.encode())}
+
+        content = []
+        for lp in lps:
+            item = entry(lp.token_id, lp.logprob)
+            item["top_logprobs"] = [entry(t, v) for t, v in lp.top.items()]
+            content.append(item)
+        return {"content": content}
+
+    def logprobs(self, lps: list[Logprobs] | None, offset: int = 0) -> dict[str, Any] | None:
+        if lps is None:
+            return None
+        if self.kind == "completion":
+            return self.completion_logprobs(lps, offset)
+        return self.chat_logprobs(lps)
+
+    # ---- whole responses ------------------------------------------------------------------
+
+    def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for i, out in enumerate(outputs):
+            for c in out.outputs:
+                choice: dict[str, Any] = {"index": i * self.n + c.index}
+                if self.kind == "completion":
+                    choice["text"] = c.text
+                else:
+                    choice["message"] = {"role": "assistant", "content": c.text}
+                choice["logprobs"] = self.logprobs(c.logprobs)
+                choice["finish_reason"] = c.finish_reason
+                choice["stop_reason"] = c.stop_reason
+                choices.append(choice)
+        name = "text_completion" if self.kind == "completion" else "chat.completion"
+        return {**self._head(name), "choices": choices, "usage": usage(outputs)}
+
+    # ---- stream chunks --------------------------------------------------------------------
+
+    def chunk(self, index: int, text: str, lps: dict | None, finish_reason: str | None,
+              first: bool) -> dict[str, Any]:  # fmt: skip
+        """One choice's delta; a chat choice's first chunk also carries the role."""
+        if self.kind == "completion":
+            choice: dict[str, Any] = {"index": index, "text": text}
+            name = "text_completion"
+        else:
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            choice = {"index": index, "delta": delta}
+            name = "chat.completion.chunk"
+        choice["logprobs"] = lps
+        choice["finish_reason"] = finish_reason
+        return {**self._head(name), "choices": [choice]}
+
+    def usage_chunk(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        name = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
+        return {**self._head(name), "choices": [], "usage": usage(outputs)}
+
+
+class DeltaTracker:
+    """What each choice has been sent so far; deltas come from the cumulative text, which
+    never shrinks, so the concatenated deltas equal the final text."""
+
+    def __init__(self, builder: ResponseBuilder) -> None:
+        self.builder = builder
+        self.sent: dict[tuple[int, int], tuple[int, int, int]] = {}  # chars, logprobs, offset
+        self.done: set[tuple[int, int]] = set()
+
+    def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict[str, Any]]:
+        result = []
+        for c in out.outputs:
+            chunk = self._chunk(prompt_index, c)
+            if chunk is not None:
+                result.append(chunk)
+        return result
+
+    def _chunk(self, i: int, c: CompletionOutput) -> dict[str, Any] | None:
+        key = (i, c.index)
+        if key in self.done:
+            return None
+        first = key not in self.sent
+        chars, num_lps, offset = self.sent.get(key, (0, 0, 0))
+        text = c.text[chars:]
+        new_lps = None if c.logprobs is None else c.logprobs[num_lps:]
+        if not ((first and self.builder.kind == "chat") or text or new_lps or c.finished):
+            return None
+        lps = self.builder.logprobs(new_lps, offset)
+        if new_lps:
+            offset += sum(len(self.builder.token_text(lp.token_id)) for lp in new_lps)
+        self.sent[key] = (len(c.text), len(c.logprobs or []), offset)
+        if c.finished:
+            self.done.add(key)
+        index = i * self.builder.n + c.index
+        return self.builder.chunk(index, text, lps, c.finish_reason, first)

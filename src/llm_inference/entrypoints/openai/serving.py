@@ -1,0 +1,167 @@
+"""The endpoints' logic: OpenAI request -> prompts and SamplingParams -> AsyncLLM -> response.
+
+A request is answered only after each of its prompts has produced its first output, so that
+a prompt the engine refuses (too long, bad token ids) is a 400 even for a streamed request;
+the refusal concerns that request alone. A client that goes away, before or during the
+stream, aborts its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+
+from llm_inference.engine.async_llm import AsyncLLM, EngineDeadError
+from llm_inference.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    _SamplingFields,
+)
+from llm_inference.entrypoints.openai.responses import DeltaTracker, ResponseBuilder, new_id
+from llm_inference.entrypoints.openai.streaming import (
+    SSEResponse,
+    merge,
+    prepend,
+    sse,
+    until_disconnected,
+)
+from llm_inference.outputs import RequestOutput
+from llm_inference.sampling_params import SamplingParams
+
+Prompt = tuple[str | None, list[int]]  # (text if given as text, token ids)
+
+
+class OpenAIServing:
+    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+        self.llm = llm
+        self.model_name = model_name
+        self.tokenizer = llm.tokenizer
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            message = f"The model `{name}` does not exist; this server serves `{self.model_name}`."
+            raise APIError(404, message, param="model", code="model_not_found")
+
+    # ---- prompts and parameters -----------------------------------------------------------
+
+    def completion_prompts(self, prompt: Any) -> list[Prompt]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        return [(p, self.tokenizer(p).input_ids) if isinstance(p, str) else (None, list(p))
+                for p in prompt]  # fmt: skip
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> Prompt:
+        """The chat template applied to the messages, as `LLM.chat` does."""
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt, tokenize=False
+            )
+        except Exception as e:  # noqa: BLE001 - a template error is the request's problem
+            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
+        return text, self.tokenizer(text, add_special_tokens=False).input_ids
+
+    @staticmethod
+    def sampling_params(
+        req: _SamplingFields, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
+        """SamplingParams from the request; its ValueError (naming the field) becomes a 400."""
+        try:
+            return SamplingParams(
+                n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens,
+                logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+            )  # fmt: skip
+        except ValueError as e:
+            raise APIError(400, str(e), param=str(e).split()[0]) from e
+
+    # ---- endpoints ------------------------------------------------------------------------
+
+    async def completions(self, req: CompletionRequest, raw: Request):
+        self.check_model(req.model)
+        if req.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        prompts = self.completion_prompts(req.prompt)
+        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        builder = ResponseBuilder("completion", self.model_name, self.tokenizer, req.n)
+        return await self._run(raw, prompts, params, builder, req)
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request):
+        self.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        params = self.sampling_params(req, max_tokens, logprobs)
+        builder = ResponseBuilder("chat", self.model_name, self.tokenizer, req.n)
+        return await self._run(raw, [self.chat_prompt(req)], params, builder, req)
+
+    # ---- the shared flow ------------------------------------------------------------------
+
+    async def _run(self, raw, prompts: list[Prompt], params, builder, req: _SamplingFields):
+        streams = await self._start(raw, prompts, params, builder.id)
+        if req.stream:
+            return SSEResponse(self._stream(streams, builder, req.include_usage))
+        finals = await until_disconnected(raw, _collect(streams))
+        return builder.response(finals)
+
+    async def _start(self, raw, prompts: list[Prompt], params, request_id: str):
+        """Start every prompt and wait for its first output; an engine refusal is a 400 (and
+        the request's other prompts are aborted)."""
+        ids = [p[1] for p in prompts]
+        gens = [self.llm.generate(t, params, f"{request_id}-{i}") for i, t in enumerate(ids)]
+        firsts = await until_disconnected(
+            raw, asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
+        )
+        errors = [e for e in firsts if isinstance(e, BaseException)]
+        if errors:
+            for g in gens:
+                await g.aclose()
+            raise _api_error(errors[0], len(prompts))
+        return [prepend(first, g) for first, g in zip(firsts, gens)]
+
+    async def _stream(self, streams, builder: ResponseBuilder, include_usage: bool):
+        tracker = DeltaTracker(builder)
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            async for i, out in merge(streams):
+                finals[i] = out
+                for chunk in tracker.chunks(i, out):
+                    yield sse(chunk)
+            if include_usage:
+                yield sse(builder.usage_chunk(finals))
+        except Exception as e:  # noqa: BLE001 - the status is sent already: report in-band
+            yield sse(_api_error(e, len(streams)).body())
+        yield sse("[DONE]")
+
+
+async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in merge(streams):
+        finals[i] = out
+    return finals
+
+
+def _api_error(e: BaseException, num_prompts: int) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, (ValueError, TypeError)):
+        return APIError(400, str(e) if num_prompts == 1 else f"a prompt: {e}", param="prompt")
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), type="server_error", code="engine_dead")
+    return APIError(500, f"internal error: {e!r}", type="server_error")
+
+
+__all__ = ["OpenAIServing", "new_id"]

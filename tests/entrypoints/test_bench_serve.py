@@ -1,0 +1,41 @@
+"""`llm-inference bench serve` against the live test server: report fields and counts."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import API_KEY, MODEL_NAME
+
+from llm_inference.entrypoints.cli import main
+
+FIELDS = ["completed", "failed", "duration_s", "request_throughput", "output_throughput",
+          "total_token_throughput", "total_input_tokens", "total_output_tokens"] + [
+    f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p99")
+]  # fmt: skip
+
+
+def _bench(live_server, tmp_path, *extra: str) -> tuple[int, dict]:
+    out = tmp_path / "bench.json"
+    argv = ["bench", "serve", "--base-url", live_server.url, "--api-key", API_KEY,
+            "--num-prompts", "6", "--input-len", "10", "--output-len", "5", "--json", str(out),
+            *extra]  # fmt: skip
+    rc = main(argv)
+    return rc, json.loads(out.read_text())
+
+
+def test_bench_serve_all_at_once(live_server, tmp_path, tiny_ckpt, capsys):
+    rc, r = _bench(live_server, tmp_path, "--model", MODEL_NAME, "--tokenizer", str(tiny_ckpt))
+    assert rc == 0 and all(k in r for k in FIELDS)
+    assert (r["completed"], r["failed"], r["total_output_tokens"]) == (6, 0, 30)
+    assert r["total_input_tokens"] > 0 and r["mean_ttft_ms"] > 0 and r["mean_itl_ms"] > 0
+    assert "Serving Benchmark Result" in capsys.readouterr().out
+
+
+def test_bench_serve_poisson_concurrency_and_failures(live_server, tmp_path):
+    rc, r = _bench(live_server, tmp_path, "--request-rate", "50", "--max-concurrency", "2",
+                   "--range-ratio", "0.5")  # fmt: skip
+    assert rc == 0 and r["model"] == MODEL_NAME and r["completed"] == 6
+    assert 6 * 2 <= r["total_output_tokens"] <= 6 * 7
+    rc, r = _bench(live_server, tmp_path, "--model", "no-such-model")
+    assert rc == 1 and (r["completed"], r["failed"]) == (0, 6)
+    assert "HTTP 404" in r["errors"][0]

@@ -1,0 +1,183 @@
+"""The server through the official `openai` client: both endpoints with and without streaming
+(streamed text == non-streamed text for greedy requests, usage counts), logprobs formats, the
+extra endpoints, and every error case with its status, after which the server still answers."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from conftest import API_KEY, MODEL_NAME
+
+from llm_inference import SamplingParams
+
+GREEDY = dict(model=MODEL_NAME, temperature=0.0, max_tokens=12, ignore_eos=True)
+OFFLINE = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _extra(kw: dict) -> dict:
+    """`ignore_eos` and the other vLLM fields go in extra_body."""
+    kw = dict(kw)
+    if "ignore_eos" in kw:
+        kw["extra_body"] = {"ignore_eos": kw.pop("ignore_eos")}
+    return kw
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+
+
+def test_completion_stream_equals_non_stream_and_usage(client, live_server, offline_llm):
+    prompt = "The quick brown fox"
+    full = client.completions.create(prompt=prompt, **_extra(GREEDY))
+    want = offline_llm.generate(prompt, OFFLINE, use_tqdm=False)[0]
+    assert full.choices[0].text == want.text
+    n_prompt = len(offline_llm.tokenizer(prompt).input_ids)
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (n_prompt, 12)
+    assert full.usage.total_tokens == n_prompt + 12
+    chunks = list(
+        client.completions.create(
+            prompt=prompt, stream=True, stream_options={"include_usage": True}, **_extra(GREEDY)
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == n_prompt
+    assert all(c.usage is None for c in chunks[:-1])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_stream_equals_non_stream_and_usage(client, offline_llm):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    full = client.chat.completions.create(messages=messages, **_extra(GREEDY))
+    want = offline_llm.chat(messages, OFFLINE, use_tqdm=False)[0]
+    assert full.choices[0].message.content == want.text
+    assert full.choices[0].message.role == "assistant"
+    assert full.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert full.usage.completion_tokens == 12
+    chunks = list(
+        client.chat.completions.create(
+            messages=messages, stream=True, stream_options={"include_usage": True}, **_extra(GREEDY)
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_n_stop_seed_and_logprobs(client):
+    r = client.completions.create(
+        model=MODEL_NAME,
+        prompt=["Hello", "Paris is"],
+        n=2,
+        max_tokens=5,
+        temperature=0.8,
+        seed=7,
+        logprobs=2,
+    )
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset)
+    assert all(len(t) <= 2 for t in lp.top_logprobs)
+    again = client.completions.create(
+        model=MODEL_NAME, prompt=["Hello", "Paris is"], n=2, max_tokens=5, temperature=0.8, seed=7
+    )
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=3,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        extra_body={"top_k": 20, "min_p": 0.01, "repetition_penalty": 1.1, "min_tokens": 2},
+    )
+    content = chat.choices[0].logprobs.content
+    assert 2 <= len(content) <= 4 and all(len(c.top_logprobs) == 3 for c in content)
+    base = client.completions.create(prompt="Hello world", **_extra(GREEDY)).choices[0].text
+    if len(base) > 4:
+        stop = base[2:4]
+        cut = client.completions.create(prompt="Hello world", stop=[stop], **_extra(GREEDY))
+        assert cut.choices[0].text == base[: base.index(stop)]
+        assert cut.choices[0].finish_reason == "stop"
+
+
+def test_tokenize_detokenize_health_metrics(live_server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    tok = httpx.post(
+        live_server.url + "/tokenize", json={"prompt": "Hello world"}, headers=headers
+    ).json()
+    assert tok["count"] == len(tok["tokens"]) > 0
+    text = httpx.post(
+        live_server.url + "/detokenize", json={"tokens": tok["tokens"]}, headers=headers
+    ).json()["prompt"]
+    assert text.endswith("Hello world")
+    assert httpx.get(live_server.url + "/health").status_code == 200
+    page = httpx.get(live_server.url + "/metrics").text
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "num_preemptions_total",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "time_to_first_token_seconds_bucket",
+        "inter_token_latency_seconds_count",
+        "e2e_request_latency_seconds_sum",
+        "request_queue_time_seconds_count",
+    ):
+        assert f"vllm:{name}" in page
+
+
+BAD = [
+    ("temperature", dict(temperature=-1.0), 400, "temperature must be"),
+    ("n", dict(n=0), 400, "n must be an integer >= 1"),
+    ("prompt too long", dict(prompt="Hello " * 600), 400, "max_model_len=512"),
+    ("max_tokens", dict(max_tokens=0), 400, "max_tokens must be"),
+    ("type", dict(top_p="lots"), 400, "top_p"),
+    ("model", dict(model="gpt-9"), 404, "`gpt-9` does not exist"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("name,kw,status,message", BAD, ids=[b[0] for b in BAD])
+def test_bad_request_then_server_still_answers(client, name, kw, status, message, stream):
+    args = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "stream": stream, **kw}
+    with pytest.raises(openai.APIStatusError) as info:
+        client.completions.create(**args)
+    assert info.value.status_code == status
+    err = info.value.body
+    assert message in err["message"] and set(err) == {"message", "type", "param", "code"}
+    assert client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2).choices
+
+
+def test_chat_errors(client):
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], top_logprobs=2
+        )
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "Hello " * 600}], stream=True
+        )
+
+
+def test_auth_and_body_limit(live_server, client):
+    for key in (None, "wrong-key"):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        r = httpx.post(
+            live_server.v1 + "/completions",
+            headers=headers,
+            json={"model": MODEL_NAME, "prompt": "x"},
+        )
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    bad = openai.OpenAI(base_url=live_server.v1, api_key="wrong-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError, match="incorrect API key"):
+        bad.models.list()
+    with pytest.raises(openai.APIStatusError) as info:
+        client.completions.create(model=MODEL_NAME, prompt="x" * (9 << 20), max_tokens=2)
+    assert info.value.status_code == 413
+    assert "exceeds the limit" in info.value.body["message"]
+    assert client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2).choices
