@@ -67,7 +67,9 @@ class BatchReplay:
         for rid, n in so.num_scheduled_tokens.items():
             state = self.states[rid]
             start = state.num_computed_tokens
-            tokens = state.all_token_ids
+            # Async scheduling: one token past the known ones is a sample still in flight
+            # (None here; the worker takes it from the device).
+            tokens = state.all_token_ids + [None]
             assert start + n <= len(tokens), f"{rid}: scheduled past its known tokens"
             views.append(
                 ScheduledView(
@@ -75,7 +77,7 @@ class BatchReplay:
                     token_ids=tokens[start : start + n],
                     start_position=start,
                     block_ids=list(state.block_ids),
-                    needs_sample=start + n == len(tokens),
+                    needs_sample=start + n >= len(tokens) - 1,
                     sampling_params=state.sampling_params,
                     prompt_token_ids=list(state.prompt_token_ids),
                     output_token_ids=list(state.output_token_ids),

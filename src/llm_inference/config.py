@@ -190,6 +190,8 @@ class EngineConfig:
     # CUDA graphs for decode steps on CUDA unless True (as vLLM's enforce_eager).
     enforce_eager: bool = False
     seed: int = 0
+    # Schedule and launch step n+1 before waiting for step n's tokens (engine/llm_engine.py).
+    async_scheduling: bool = True
 
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -250,6 +252,7 @@ def create_engine_config(
     seed: int = 0,
     kernel_backend: str = "auto",
     enforce_eager: bool = False,
+    async_scheduling: bool = True,
 ) -> EngineConfig:
     """Every engine argument checked and resolved in one place (LLM, the CLI and the server
     call this): the model path (None: the default model), device, dtype, kernel backend and
@@ -296,4 +299,5 @@ def create_engine_config(
         kernel_backend=backend,
         enforce_eager=bool(enforce_eager),
         seed=seed,
+        async_scheduling=bool(async_scheduling),
     )

@@ -66,6 +66,7 @@ def test_abort_by_string_id_and_live_id_reuse(llm):
     outs = engine.abort_request("req-1")  # a string, not a list of characters
     assert [o.request_id for o in outs] == ["req-1"]
     assert outs[0].finished and outs[0].outputs[0].finish_reason == "abort"
+    assert engine.step() == []  # the step in flight ends; it reports nothing of req-1
     assert not engine.has_unfinished_requests()
     engine.step()
     stats = llm.stats()

@@ -29,6 +29,7 @@ def snapshot(step, buffers: InputBuffers) -> dict:
         row[: -(-length // 4)].tolist() for row, length in zip(buffers.np_table[:s], step.seq_lens)
     ]
     snap["request_ids"] = step.request_ids
+    snap["placeholders"] = list(zip(step.placeholder_tokens, step.placeholder_requests))
     return snap
 
 
@@ -55,9 +56,9 @@ def run_recording(tiny_ckpt):
 
         execute = runner.execute_model
 
-        def recording_execute(so):
+        def recording_execute(so, *args):
             wire.append(pickle.dumps(so))
-            return execute(so)
+            return execute(so, *args)
 
         runner.input_batch.prepare = recording_prepare
         runner.execute_model = recording_execute
@@ -97,6 +98,7 @@ def test_replayed_stream_gives_the_runner_inputs(recording):
             replayed.append(snapshot(batch.prepare(so, buffers), buffers))
     assert len(replayed) == len(built) > 20
     assert replayed == built
+    assert any(snap["placeholders"] for snap in built)  # async scheduling was exercised
     assert len(batch) == 0  # every request finished or aborted: the worker holds none
 
 
@@ -111,13 +113,18 @@ def test_runner_inputs_agree_with_the_python_oracle(recording):
             continue
         got = next(steps)
         want_ids = [t for v in views for t in v.token_ids]
+        holes = [i for i, t in enumerate(want_ids) if t is None]  # samples in flight
+        assert [i for i, _ in got["placeholders"]] == holes
+        got_ids = list(got["input_ids"])
+        for i in holes:
+            got_ids[i] = None
         want_pos = [v.start_position + i for v in views for i in range(len(v.token_ids))]
         want_slots = [
             s
             for v in views
             for s in slot_mapping(v.block_ids, v.start_position, len(v.token_ids), 4)
         ]
-        assert got["input_ids"] == want_ids
+        assert got_ids == want_ids
         assert got["positions"] == want_pos
         assert got["slot_mapping"] == want_slots
         ends = np.cumsum([len(v.token_ids) for v in views])

@@ -3,7 +3,8 @@
 Invariants (kept by the scheduler and the KV cache manager):
 
 - `all_token_ids == prompt_token_ids + output_token_ids`; the first `num_computed_tokens` of
-  them have their K/V written in the paged cache, in `block_ids` (logical block i -> physical
+  them (of them plus `num_output_placeholders` samples still in flight) have their K/V written
+  in the paged cache once the scheduled steps ran, in `block_ids` (logical block i -> physical
   block `block_ids[i]`), so `len(block_ids) * block_size >= num_computed_tokens`.
 - A WAITING or PREEMPTED request owns no blocks and has `num_computed_tokens == 0`; preemption
   discards the cache, so a readmitted request recomputes prompt + outputs. It also discards
@@ -74,6 +75,9 @@ class Request:
         # request is first sent whole as NewRequestData.
         self.num_sent_tokens: int | None = None
         self.num_sent_blocks = 0
+        # Samples scheduled but not yet returned (async scheduling: at most one). The workers
+        # feed such a token to the next step straight from the device.
+        self.num_output_placeholders = 0
 
     @property
     def all_token_ids(self) -> list[int]:

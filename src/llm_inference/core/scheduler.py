@@ -44,7 +44,7 @@ class Scheduler:
         self.num_steps = 0
         self._step_id = 0
         # Requests of each step not yet passed to update_from_output (by step id).
-        self._in_flight: dict[int, list[Request]] = {}
+        self._in_flight: dict[int, list[tuple[Request, bool]]] = {}  # and whether it samples
         # Ids the workers hold state for that finished since the last SchedulerOutput.
         self._finished_ids: list[str] = []
 
@@ -91,9 +91,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:  # nothing to compute until a sample arrives
-                index += 1
+            num_new = min(self._num_pending(request), budget)
+            if num_new <= 0 or self._surely_done(request):
+                index += 1  # nothing to compute until a sample arrives, or nothing more ever
                 continue
             self._check_fits(request, request.num_computed_tokens + num_new)
             while not self.kv_cache_manager.allocate_slots(request, num_new):
@@ -119,7 +119,7 @@ class Scheduler:
         """Move waiting requests to running in FIFO order; returns the budget left."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(self._num_pending(request), budget)
             self._check_fits(request, request.num_computed_tokens + num_new)
             if not self.kv_cache_manager.allocate_slots(request, num_new):
                 break
@@ -130,13 +130,30 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    @staticmethod
+    def _num_pending(request: Request) -> int:
+        """Tokens whose K/V are not computed yet, counting samples still in flight."""
+        return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+
+    def _surely_done(self, request: Request) -> bool:
+        """With a sample in flight that will reach max_tokens or max_model_len, the request
+        finishes when it arrives: scheduling another token would be wasted."""
+        if not request.num_output_placeholders:
+            return False
+        num_output = request.num_output_tokens + request.num_output_placeholders
+        num_tokens = request.num_tokens + request.num_output_placeholders
+        return num_output >= request.max_tokens or num_tokens >= self.config.max_model_len
+
     def _make_output(
         self, scheduled: list[tuple[Request, int]], preempted: list[str]
     ) -> SchedulerOutput:
-        """The step as a diff against what the workers hold (see core/outputs.py)."""
+        """The step as a diff against what the workers hold (see core/outputs.py), and the
+        scheduler's own bookkeeping of it: progress advances now, samples become placeholders
+        until `update_from_output` brings them."""
         new: list[NewRequestData] = []
         cached: list[CachedRequestData] = []
-        for request, _ in scheduled:
+        in_flight: list[tuple[Request, bool]] = []
+        for request, num_new in scheduled:
             if request.num_sent_tokens is None:
                 new.append(
                     NewRequestData(
@@ -161,8 +178,14 @@ class Scheduler:
                 )
             request.num_sent_tokens = request.num_tokens
             request.num_sent_blocks = len(request.block_ids)
+            request.num_computed_tokens += num_new
+            known = request.num_tokens + request.num_output_placeholders
+            samples = request.num_computed_tokens >= known
+            if samples:
+                request.num_output_placeholders += 1
+            in_flight.append((request, samples))
         self._step_id += 1
-        self._in_flight[self._step_id] = [request for request, _ in scheduled]
+        self._in_flight[self._step_id] = in_flight
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             step_id=self._step_id,
@@ -179,6 +202,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_sent_tokens = None  # the workers drop their copy
         request.num_sent_blocks = 0
+        request.num_output_placeholders = 0
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
         self.num_preemptions += 1
@@ -197,28 +221,29 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Advance progress, append sampled tokens, finish and free stopped requests.
+        """Append sampled tokens, finish and free stopped requests.
 
         Returns one plain record per request that received tokens this step, finished ones
         included. Requests finished (aborted) since `schedule`, or whose id now names another
-        request, are skipped.
+        request, are skipped. A request preempted since still gets its token (it is valid:
+        computed from the whole sequence) and recomputes it with the rest when readmitted.
         """
         out = model_runner_output
         scheduled = self._in_flight.pop(scheduler_output.step_id, [])
         lp_by_id = dict(zip(out.request_ids, out.logprobs or [None] * len(out.request_ids)))
         sampled = dict(zip(out.request_ids, out.sampled_token_ids, strict=True))
         results: list[EngineCoreOutput] = []
-        for request in scheduled:
+        for request, samples in scheduled:
             rid = request.request_id
             if self.requests.get(rid) is not request:
                 continue  # finished (aborted) since schedule(), or an id reused since
-            num_new = scheduler_output.num_scheduled_tokens[rid]
-            request.num_computed_tokens += num_new
             new_tokens = sampled.get(rid) or []
-            if request.num_computed_tokens == request.num_tokens and not new_tokens:
+            if samples and not new_tokens:
                 raise ValueError(f"request {rid!r} needed a sample but got none")
             if not new_tokens:
                 continue
+            if request.num_output_placeholders:  # zero once preempted
+                request.num_output_placeholders -= 1
             appended: list[int] = []
             for token_id in new_tokens:
                 request.append_output_token(token_id)
@@ -239,6 +264,7 @@ class Scheduler:
             )
         if any(r.finished for r in results):
             self.running = [r for r in self.running if not r.is_finished]
+            self.waiting = deque(r for r in self.waiting if not r.is_finished)
         return results
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:

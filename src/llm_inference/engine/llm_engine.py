@@ -4,6 +4,13 @@ One step is schedule -> execute -> update (the core, which knows nothing of text
 outputs (the front end: text, stop strings, n fan-in). `step()` returns a `RequestOutput` for
 every user request that advanced, so callers can stream; a request's last one has
 `finished=True`.
+
+Async scheduling (`EngineConfig.async_scheduling`, on by default): `step()` schedules and
+launches step n+1 before it waits for step n's tokens, so the host work of one step (schedule,
+input building, updating and detokenizing the previous one) runs while the device computes.
+The scheduler counts each sample in flight as a placeholder token, and the workers feed it to
+the next step straight from the device. Requests with penalties or logprobs need every token
+on the host first: while one is live, steps run one at a time.
 """
 
 from __future__ import annotations
@@ -25,6 +32,15 @@ class KVCacheTooSmallError(ValueError):
     pass
 
 
+def _needs_sync(params: SamplingParams) -> bool:
+    """Penalties read every output token, and logprobs are built on the host each step."""
+    return params.logprobs is not None or (
+        params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+    )
+
+
 def child_seed(seed: int, index: int) -> int:
     """The seed of completion `index` of a request with n > 1 (completion 0 keeps it)."""
     return seed if index == 0 else (seed * 1_000_003 + index) % (1 << 63)
@@ -40,6 +56,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config.scheduler, num_blocks, config.cache.block_size)
         self.output_processor = OutputProcessor(tokenizer)
         self.rng = random.Random(config.seed)
+        self._pending = None  # (SchedulerOutput, PendingOutput) of the step in flight
+        self._sync_ids: set[str] = set()  # live core requests that need synchronous steps
 
     def _fit_max_model_len(self, config: EngineConfig, num_blocks: int) -> EngineConfig:
         """The one KV-fits check: a request of max_model_len tokens must fit in the cache. When
@@ -102,6 +120,8 @@ class LLMEngine:
                 max_tokens=child.max_tokens or max_len - len(prompt_token_ids),
             )
             self.scheduler.add_request(request)
+            if _needs_sync(child):
+                self._sync_ids.add(cid)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Abort user requests (unknown ids are ignored); returns their final outputs."""
@@ -110,6 +130,7 @@ class LLMEngine:
         for rid in ids:
             core_ids = self.output_processor.core_ids(rid)
             self.scheduler.finish_requests(core_ids, RequestStatus.FINISHED_ABORTED)
+            self._sync_ids.difference_update(core_ids)
             out = self.output_processor.abort(rid)
             if out is not None:
                 outputs.append(out)
@@ -118,19 +139,39 @@ class LLMEngine:
     # ---- stepping --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; return the outputs of every user request that advanced in it."""
+        """Run one step; return the outputs of every user request that advanced in it (with
+        async scheduling: in the step launched before, whose tokens this one waited for)."""
+        overlap = self.config.async_scheduling and not self._sync_ids
+        outputs = [] if overlap else self._finish_pending()
         so = self.scheduler.schedule()
-        if so.is_empty and not (so.finished_request_ids or so.preempted_request_ids):
+        launched = None
+        if not so.is_empty:
+            launched = (so, self.executor.execute_model(so, sync=not overlap))
+        elif so.finished_request_ids or so.preempted_request_ids:
+            self.executor.execute_model(so)  # nothing to run: the workers only drop states
+        outputs += self._finish_pending()
+        self._pending = launched
+        if not overlap:
+            outputs += self._finish_pending()
+        return outputs
+
+    def _finish_pending(self) -> list[RequestOutput]:
+        """Wait for the step in flight, if any, and turn its tokens into outputs."""
+        if self._pending is None:
             return []
-        runner_output = self.executor.execute_model(so)
-        core_outputs = self.scheduler.update_from_output(so, runner_output)
+        so, handle = self._pending
+        self._pending = None
+        core_outputs = self.scheduler.update_from_output(so, handle.result())
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if self._sync_ids:
+            done = [o.request_id for o in core_outputs if o.finished] + stopped
+            self._sync_ids.difference_update(done)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._pending is not None
 
     def stats(self) -> dict[str, int]:
         kv = self.scheduler.kv_cache_manager

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from llm_inference.config import EngineConfig
-from llm_inference.core.outputs import ModelRunnerOutput, SchedulerOutput
+from llm_inference.core.outputs import SchedulerOutput
 from llm_inference.executor.worker import Worker
 
 
@@ -23,8 +23,9 @@ class Executor:
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         return [getattr(w, method)(*args) for w in self.workers]
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collective_rpc("execute_model", scheduler_output)[0]
+    def execute_model(self, scheduler_output: SchedulerOutput, sync: bool = True):
+        """Launch a step on every rank; rank 0's PendingOutput (`.result()` waits)."""
+        return self.collective_rpc("execute_model", scheduler_output, sync)[0]
 
     def shutdown(self) -> None:
         self.collective_rpc("shutdown")

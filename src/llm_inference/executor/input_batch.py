@@ -41,46 +41,64 @@ class StepInputs:
     block_width: int  # columns of the block table the step needs
     sample_rows: list[int]  # batch positions of the sequences that need a sample
     logits_indices: list[int]  # their last token in the flat batch
+    num_outputs: list[int]  # per sample row: output tokens before this sample
+    # Async scheduling: tokens whose id is a sample still on the device (the last token of
+    # their sequence): their flat index, and the request whose sample it is.
+    placeholder_tokens: list[int]
+    placeholder_requests: list[str]
 
 
 class InputBuffers:
-    """One host int32 array (pinned on CUDA) and its device twin, cut into the step's inputs
-    at fixed offsets, plus a block table of fixed width; `to_device` copies them."""
+    """The step's inputs at fixed offsets of one int32 device array, plus a block table of
+    fixed width: CUDA graphs replay from these addresses.
+
+    `stage()` hands out host arrays for the next step: on CUDA fresh pinned memory from
+    torch's caching host allocator, which never reuses a block before the copy that reads it
+    has run, so a step can be prepared while the previous one is still being copied (async
+    scheduling). `to_device` copies the whole flat array and the used corner of the table."""
+
+    SIZES = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
+             "logits_indices", "placeholder_dst", "placeholder_src")  # fmt: skip
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device) -> None:
         self.device = torch.device(device)
-        pin = self.device.type == "cuda"
-        sizes = {
-            "input_ids": max_tokens,
-            "positions": max_tokens,
-            "slot_mapping": max_tokens,
-            "query_start_loc": max_seqs + 1,
-            "seq_lens": max_seqs,
-            "logits_indices": max_seqs,
+        self.max_seqs, self.max_blocks = max_seqs, max_blocks
+        per_token = {"input_ids", "positions", "slot_mapping"}
+        self.sizes = {
+            name: max_tokens if name in per_token else max_seqs + (name == "query_start_loc")
+            for name in self.SIZES
         }
-        total = sum(sizes.values())
-        self.host = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
-        self.host_table = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, pin_memory=pin)
-        on_host = self.device.type == "cpu"
-        self.dev = self.host if on_host else torch.zeros(total, dtype=torch.int32, device=device)
-        self.dev_table = (
-            self.host_table if on_host else torch.zeros_like(self.host_table, device=device)
-        )
-        self.np: dict[str, np.ndarray] = {}
-        self.views: dict[str, torch.Tensor] = {}
-        offset = 0
-        host_np = self.host.numpy()
-        for name, size in sizes.items():
-            self.np[name] = host_np[offset : offset + size]
-            self.views[name] = self.dev[offset : offset + size]
-            offset += size
-        self.np_table = self.host_table.numpy()
+        total = sum(self.sizes.values())
+        self.on_host = self.device.type == "cpu"
+        self.dev = torch.zeros(total, dtype=torch.int32, device=device)
+        self.dev_table = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
+        self.views = self._cut(self.dev)
         self.attention = StepBuffers(
             slot_mapping=self.views["slot_mapping"],
             query_start_loc=self.views["query_start_loc"],
             seq_lens=self.views["seq_lens"],
             block_table=self.dev_table,
         )
+        self.stage()
+
+    def _cut(self, flat):
+        out, offset = {}, 0
+        for name, size in self.sizes.items():
+            out[name] = flat[offset : offset + size]
+            offset += size
+        return out
+
+    def stage(self) -> None:
+        """Fresh host arrays (`np`, `np_table`) for the next step's inputs."""
+        if self.on_host:
+            self.host, self.host_table = self.dev, self.dev_table
+        else:
+            self.host = torch.empty(self.dev.shape, dtype=torch.int32, pin_memory=True)
+            self.host_table = torch.empty(
+                self.max_seqs, self.max_blocks, dtype=torch.int32, pin_memory=True
+            )
+        self.np = {k: v.numpy() for k, v in self._cut(self.host).items()}
+        self.np_table = self.host_table.numpy()
 
     def pad_decode(self, num_seqs: int, padded: int) -> None:
         """Fill rows [num_seqs, padded) of a one-token-per-sequence step as harmless padding:
@@ -93,8 +111,7 @@ class InputBuffers:
         b["seq_lens"][num_seqs:padded] = 1
 
     def to_device(self, num_seqs: int, block_width: int) -> None:
-        """Copy the step's inputs (the whole flat array, and the used corner of the table)."""
-        if self.dev is self.host:
+        if self.on_host:
             return
         self.dev.copy_(self.host, non_blocking=True)
         self.dev_table[:num_seqs, :block_width].copy_(
@@ -175,6 +192,7 @@ class InputBatch:
 
     def prepare(self, so: SchedulerOutput, buffers: InputBuffers) -> StepInputs:
         """Write the step's flat inputs into `buffers`' host arrays; see the module docstring."""
+        buffers.stage()
         request_ids = list(so.num_scheduled_tokens)
         rows = np.fromiter((self.rows[r] for r in request_ids), np.int64, len(request_ids))
         counts = np.fromiter(so.num_scheduled_tokens.values(), np.int64, len(request_ids))
@@ -187,14 +205,18 @@ class InputBatch:
         positions = starts[seq_of_token] + np.arange(total) - cu[:-1][seq_of_token]
         token_rows = rows[seq_of_token]
         seq_lens = starts + counts
-        if np.any(seq_lens > self.num_known[rows]):
+        known = self.num_known[rows]
+        if np.any(seq_lens > known + 1):
             raise ValueError("a step schedules tokens the worker does not hold")
-        sample = np.flatnonzero(seq_lens == self.num_known[rows])
+        # A sequence scheduled one token past what it holds takes its last sampled token,
+        # still on the device, as that token (async scheduling).
+        ph_seqs = np.flatnonzero(seq_lens == known + 1)
+        sample = np.flatnonzero(seq_lens >= known)
         logits_indices = cu[1:][sample] - 1
         width = cdiv(int(seq_lens.max()), bs)
 
         b = buffers.np
-        b["input_ids"][:total] = self.token_ids[token_rows, positions]
+        b["input_ids"][:total] = self.token_ids[token_rows, positions]  # placeholders: stale
         b["positions"][:total] = positions
         b["slot_mapping"][:total] = (
             self.block_table[token_rows, positions // bs] * bs + positions % bs
@@ -203,6 +225,7 @@ class InputBatch:
         b["seq_lens"][:num_seqs] = seq_lens
         b["logits_indices"][: len(sample)] = logits_indices
         buffers.np_table[:num_seqs, :width] = self.block_table[rows, :width]
+        prompt_lens = np.fromiter((len(self.prompt_ids[r]) for r in rows[sample]), np.int64)
         return StepInputs(
             request_ids=request_ids,
             num_tokens=total,
@@ -211,4 +234,7 @@ class InputBatch:
             block_width=width,
             sample_rows=sample.tolist(),
             logits_indices=logits_indices.tolist(),
+            num_outputs=(seq_lens[sample] - prompt_lens).tolist(),
+            placeholder_tokens=(cu[1:][ph_seqs] - 1).tolist(),
+            placeholder_requests=[request_ids[i] for i in ph_seqs],
         )

@@ -11,6 +11,7 @@ from llm_inference.core.outputs import ModelRunnerOutput, SchedulerOutput
 from llm_inference.distributed.parallel_state import get_tp_rank
 from llm_inference.executor.cuda_graph import DecodeGraphs
 from llm_inference.executor.input_batch import InputBatch, InputBuffers, StepInputs
+from llm_inference.executor.pending import PendingOutput
 from llm_inference.kernels import get_ops
 from llm_inference.layers.sampler import Sampler, SamplingMetadata
 from llm_inference.models.loader import load_model
@@ -39,6 +40,9 @@ class ModelRunner:
         )
         self.num_blocks = 0
         self.graphs: DecodeGraphs | None = None
+        # The last sampling step's tokens, on the device, and each request's row in them.
+        self.prev_tokens = torch.zeros(0, dtype=torch.long, device=device)
+        self.prev_index: dict[str, int] = {}
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -110,9 +114,11 @@ class ModelRunner:
             bucket = self.graphs.bucket(num_seqs)
         if bucket is not None:
             self.buffers.pad_decode(num_seqs, bucket)
-            self.buffers.to_device(num_seqs, width)
-            return self.graphs.replay(num_seqs, bucket)
+        self._stage_placeholders(step)
         self.buffers.to_device(num_seqs, width)
+        self._fill_placeholders(len(step.placeholder_tokens))
+        if bucket is not None:
+            return self.graphs.replay(num_seqs, bucket)
         md = self.model.attn_backend.metadata(
             self.buffers.attention, step.num_tokens, step.query_start_loc, step.seq_lens, width
         )
@@ -120,17 +126,42 @@ class ModelRunner:
         n = step.num_tokens
         return self.model(views["input_ids"][:n], views["positions"][:n], md)
 
+    def _stage_placeholders(self, step: StepInputs) -> None:
+        """Where each in-flight sample goes (its flat token index) and where it is (its row
+        in the previous step's sampled tokens), into the host buffers."""
+        if not step.placeholder_tokens:
+            return
+        try:
+            src = [self.prev_index[rid] for rid in step.placeholder_requests]
+        except KeyError as e:
+            raise RuntimeError(f"no sampled token of request {e} is on the device") from None
+        m = len(src)
+        self.buffers.np["placeholder_dst"][:m] = step.placeholder_tokens
+        self.buffers.np["placeholder_src"][:m] = src
+
+    def _fill_placeholders(self, m: int) -> None:
+        """On the device: input_ids[dst] = previous step's sampled tokens[src]."""
+        if not m:
+            return
+        views = self.buffers.views
+        dst = views["placeholder_dst"][:m].long()
+        tokens = self.prev_tokens.index_select(0, views["placeholder_src"][:m].long())
+        views["input_ids"].index_copy_(0, dst, tokens.to(torch.int32))
+
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(self, so: SchedulerOutput, sync: bool = True) -> PendingOutput | None:
+        """Run one step. The sampled tokens stay on the device for the next step (async
+        scheduling) and come to the host by one non-blocking copy: `result()` of the
+        returned PendingOutput waits for them. Ranks other than 0 return None."""
         self.input_batch.apply(so)
         req_ids = so.request_ids
-        sampled: list[list[int]] = [[] for _ in req_ids]
         if so.is_empty:
-            return ModelRunnerOutput(req_ids, sampled)
+            return PendingOutput.done(ModelRunnerOutput(req_ids, [[] for _ in req_ids]))
         step = self.input_batch.prepare(so, self.buffers)
         hidden = self._forward(step)
         if not step.sample_rows:
-            return ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids))
+            empty = ModelRunnerOutput(req_ids, [[] for _ in req_ids], [None] * len(req_ids))
+            return PendingOutput.done(empty)
         rows_idx = self.buffers.views["logits_indices"][: len(step.sample_rows)]
         logits = self.model.compute_logits(hidden.index_select(0, rows_idx))
         if get_tp_rank() != 0:
@@ -146,12 +177,9 @@ class ModelRunner:
             self.config.model.eos_token_ids,
             self.config.model.vocab_size,
             self.device,
+            num_output_tokens=step.num_outputs,
         )
-        out = self.sampler(logits, smd)
-        tokens = out.token_ids.tolist()
-        logprobs: list[object | None] = [None] * len(req_ids)
-        for k, i in enumerate(step.sample_rows):
-            sampled[i] = [tokens[k]]
-            if out.logprobs is not None:
-                logprobs[i] = out.logprobs[k]
-        return ModelRunnerOutput(req_ids, sampled, logprobs)
+        out = self.sampler(logits, smd, sync=sync)
+        self.prev_tokens = out.token_ids
+        self.prev_index = {req_ids[i]: k for k, i in enumerate(step.sample_rows)}
+        return PendingOutput.launch(req_ids, step.sample_rows, out)

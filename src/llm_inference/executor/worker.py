@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from llm_inference.config import EngineConfig
-from llm_inference.core.outputs import ModelRunnerOutput, SchedulerOutput
+from llm_inference.core.outputs import SchedulerOutput
 from llm_inference.executor.model_runner import ModelRunner
 
 
@@ -28,8 +28,8 @@ class Worker:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.allocate_kv_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.model_runner.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput, sync: bool = True):
+        return self.model_runner.execute_model(scheduler_output, sync)
 
     def shutdown(self) -> None:
         self.model_runner.release()

@@ -81,6 +81,22 @@ def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64
     logprobs: list[Logprobs | None] | None  # per row; None when no row asked for logprobs
+    status: torch.Tensor | None = None  # [B] int64: the token, or STATUS_BAD / STATUS_EMPTY
+
+
+def report_status(status: list[int]) -> None:
+    """Host side of `Sampler(sync=False)`: raise for NaN/+inf rows, warn for emptied rows."""
+    bad = [i for i, s in enumerate(status) if s == STATUS_BAD]
+    if bad:
+        raise ValueError(f"sampler: NaN or +inf logits (after penalties) in rows {bad}")
+    empty = [i for i, s in enumerate(status) if s == STATUS_EMPTY]
+    if empty:
+        warnings.warn(
+            f"sampler: rows {empty} had every token masked (min_tokens and stop tokens, or "
+            "penalties): took the argmax of the raw logits",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -191,7 +207,10 @@ class Sampler(torch.nn.Module):
             return device.type == "cuda" and triton_available()
         return self.use_triton
 
-    def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+    def forward(self, logits: torch.Tensor, md: SamplingMetadata, sync: bool = True):
+        """`sync=False` leaves broken rows for the caller to report from `status` (after
+        its own device-to-host copy), so that sampling never waits for the device unless
+        logprobs are asked for."""
         assert logits.dim() == 2 and logits.shape[1] == md.vocab_size, logits.shape
         raw = logits
         logits = logits.to(torch.float32, copy=True)  # never change the caller's tensor
@@ -212,9 +231,13 @@ class Sampler(torch.nn.Module):
             )  # fmt: skip
         else:
             token_ids = sample_reference(logits, md)
-        token_ids = _resolve_status(token_ids, raw)
+        status = token_ids
+        if sync:
+            token_ids = _resolve_status(token_ids, raw)
+        else:  # no host sync: take the raw argmax on emptied rows, report statuses
+            token_ids = torch.where(token_ids == STATUS_EMPTY, raw.argmax(dim=-1), token_ids)
         logprobs = None if raw_logprobs is None else self._logprobs(raw_logprobs, token_ids, md)
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs, status=status)
 
     @staticmethod
     def probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

@@ -56,13 +56,13 @@ def padded_token_ids(rows: list[list[int]], vocab_size: int, device) -> torch.Te
 
 
 def _min_tokens_pairs(
-    params: list[SamplingParams], outputs: list[list[int]], eos: tuple[int, ...], V: int
+    params: list[SamplingParams], num_outputs: list[int], eos: tuple[int, ...], V: int
 ) -> tuple[list[int], list[int]]:
     """(rows, token ids) to mask while len(output) < min_tokens: stop_token_ids, and EOS
     unless ignore_eos."""
     rows, cols = [], []
-    for b, (p, out) in enumerate(zip(params, outputs, strict=True)):
-        if len(out) < p.min_tokens:
+    for b, (p, num_out) in enumerate(zip(params, num_outputs, strict=True)):
+        if num_out < p.min_tokens:
             ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
             ids = sorted(t for t in ids if 0 <= t < V)
             rows += [b] * len(ids)
@@ -109,7 +109,11 @@ class SamplingMetadata:
         eos_token_ids: tuple[int, ...],
         vocab_size: int,
         device,
+        num_output_tokens: list[int] | None = None,
     ) -> SamplingMetadata:
+        """`num_output_tokens` (default: the lengths of `output_token_ids`) counts each row's
+        output tokens before this sample, in-flight ones included (async scheduling: the
+        lists may lack the last sampled token; rows with penalties never run that way)."""
         V = vocab_size
         greedy = [p.temperature < GREEDY_EPS for p in params]
         temps, ks, top_ps, min_ps = [], [], [], []
@@ -122,9 +126,9 @@ class SamplingMetadata:
         no_pen = not use_rep and all(
             p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 for p in params
         )
-        rows, cols = _min_tokens_pairs(params, output_token_ids, eos_token_ids, V)
+        steps = num_output_tokens or [len(out) for out in output_token_ids]
+        rows, cols = _min_tokens_pairs(params, steps, eos_token_ids, V)
         lp_rows = [b for b, p in enumerate(params) if p.logprobs is not None]
-        steps = [len(out) for out in output_token_ids]
 
         def floats(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
