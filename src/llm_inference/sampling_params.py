@@ -42,6 +42,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only, no text (as vLLM's; no stop strings)
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -91,6 +92,8 @@ class SamplingParams:
             fail("stop_token_ids", "a list of non-negative integers")
         if not all(isinstance(s, str) and s for s in self.stop_strings):
             fail("stop", "a non-empty string or a list of non-empty strings")
+        if self.stop_strings and not self.detokenize:
+            fail("stop", "empty when detokenize=False (stop strings need the text)")
 
     @property
     def greedy(self) -> bool:

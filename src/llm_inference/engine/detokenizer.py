@@ -1,10 +1,12 @@
 """Incremental detokenization with stop strings.
 
-Text grows by decoding a short window of tokens twice (the prefix/read offsets of
-vLLM and TGI): `decode(ids[prefix:])` minus `decode(ids[prefix:read])` is the new text,
-taken only when it does not end in U+FFFD, i.e. when no UTF-8 character is still split
-across tokens. The window starts in the prompt's last tokens so tokenizers whose decoding
-depends on context (leading spaces) decode the first output token right.
+With a fast (Rust) tokenizer, text grows through `tokenizers`' DecodeStream, primed with the
+prompt's last tokens: one cheap call per token, which holds back bytes of a UTF-8 character
+split across tokens. Otherwise a short window of tokens is decoded twice (the prefix/read
+offsets of vLLM and TGI): `decode(ids[prefix:])` minus `decode(ids[prefix:read])` is the new
+text, taken only when it does not end in U+FFFD. Either way the window starts in the prompt's
+last tokens so tokenizers whose decoding depends on context (leading spaces) decode the first
+output token right.
 
 Invariants: `_text` only grows until a stop string cuts it; `_sent <= len(output_text)`;
 text handed out by `get_delta` is never taken back, because the tail that could still
@@ -17,6 +19,22 @@ from llm_inference.sampling_params import SamplingParams
 
 # How many prompt tokens precede the first output token in the decoding window.
 _PROMPT_CONTEXT = 5
+
+
+def _decode_stream(tokenizer, context: list[int], params: SamplingParams):
+    """(DecodeStream primed with `context`, the Rust tokenizer), or (None, None)."""
+    rust = getattr(tokenizer, "_tokenizer", None)
+    try:
+        from tokenizers import Tokenizer
+        from tokenizers.decoders import DecodeStream
+    except ImportError:
+        return None, None
+    if not isinstance(rust, Tokenizer):
+        return None, None
+    stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+    if context:
+        stream.step(rust, list(context))
+    return stream, rust
 
 
 class IncrementalDetokenizer:
@@ -32,6 +50,7 @@ class IncrementalDetokenizer:
         self._read = len(self._ids)
         self._text = ""
         self._sent = 0  # characters of the text already returned by get_delta
+        self._stream, self._rust = _decode_stream(tokenizer, self._ids, params)
 
     @property
     def output_text(self) -> str:
@@ -49,8 +68,11 @@ class IncrementalDetokenizer:
             if self.stop_string is not None:
                 break
             self.token_ids.append(token_id)
-            self._ids.append(token_id)
-            new_text = self._decode_new()
+            if self._stream is not None:
+                new_text = self._stream.step(self._rust, token_id) or ""
+            else:
+                self._ids.append(token_id)
+                new_text = self._decode_new()
             if new_text:
                 self._text += new_text
                 if len(self.token_ids) > self.params.min_tokens:

@@ -99,8 +99,10 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        stream: bool = True,
     ) -> None:
-        """Queue a request (n > 1 becomes n core requests, one per completion)."""
+        """Queue a request (n > 1 becomes n core requests, one per completion). `step()`
+        reports it every step it advances, or with `stream=False` only when it finishes."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, not {type(request_id).__name__}")
         if request_id in self.output_processor:
@@ -109,7 +111,9 @@ class LLMEngine:
         # Every request gets a seed: its random stream never depends on its batch companions.
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
         children = [replace(params, n=1, seed=child_seed(seed, j)) for j in range(params.n)]
-        ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids, children)
+        ids = self.output_processor.add_request(
+            request_id, prompt, prompt_token_ids, children, stream
+        )
         max_len = self.config.scheduler.max_model_len
         for cid, child in zip(ids, children):
             request = Request(

@@ -29,7 +29,7 @@ def child_id(request_id: str, index: int, n: int) -> str:
 class _Completion:
     index: int
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: detokenize=False
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprobs] = field(default_factory=list)
@@ -56,6 +56,7 @@ class _RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     completions: list[_Completion]
+    stream: bool = True  # False: an output only once finished
 
     @property
     def finished(self) -> bool:
@@ -86,15 +87,23 @@ class OutputProcessor:
         prompt: str | None,
         prompt_token_ids: list[int],
         child_params: list[SamplingParams],
+        stream: bool = True,
     ) -> list[str]:
         """Register a user request with one SamplingParams per completion; returns the core
-        request ids of its completions."""
+        request ids of its completions. With `stream=False` its output is built only when it
+        finishes (an offline batch needs no per-step outputs)."""
         n = len(child_params)
         completions = [
-            _Completion(j, p, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, p))
+            _Completion(
+                j,
+                p,
+                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, p)
+                if p.detokenize
+                else None,
+            )
             for j, p in enumerate(child_params)
         ]
-        state = _RequestState(request_id, prompt, list(prompt_token_ids), completions)
+        state = _RequestState(request_id, prompt, list(prompt_token_ids), completions, stream)
         self.requests[request_id] = state
         ids = [child_id(request_id, j, n) for j in range(n)]
         for cid, completion in zip(ids, completions):
@@ -111,19 +120,15 @@ class OutputProcessor:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Forget a user request, marking its unfinished completions aborted; returns its
         final output (None if unknown)."""
+        for cid in self.core_ids(request_id):
+            self._owner.pop(cid, None)
         state = self.requests.pop(request_id, None)
         if state is None:
             return None
-        for cid in self.core_ids_of(state):
-            self._owner.pop(cid, None)
         for c in state.completions:
             if c.finish_reason is None:
                 c.finish_reason = "abort"
         return state.output()
-
-    def core_ids_of(self, state: _RequestState) -> list[str]:
-        n = len(state.completions)
-        return [child_id(state.request_id, j, n) for j in range(n)]
 
     def process_outputs(
         self, outputs: list[EngineCoreOutput]
@@ -140,7 +145,8 @@ class OutputProcessor:
                 stopped.append(out.request_id)
             if completion.finish_reason is not None:
                 self._owner.pop(out.request_id, None)
-            advanced[state.request_id] = state
+            if state.stream or state.finished:
+                advanced[state.request_id] = state
         results = []
         for rid, state in advanced.items():
             results.append(state.output())
@@ -153,6 +159,9 @@ class OutputProcessor:
         c.token_ids.extend(out.new_token_ids)
         if out.new_logprobs:
             c.logprobs.extend(out.new_logprobs)
+        if c.detokenizer is None:
+            c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+            return False
         text_ids = out.new_token_ids
         if isinstance(out.stop_reason, int) and not c.params.include_stop_str_in_output:
             text_ids = text_ids[:-1]  # a stop token's text is not part of the output

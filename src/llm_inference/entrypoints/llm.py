@@ -141,7 +141,7 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
         try:
             for rid, text, prompt_ids, p in zip(ids, texts, token_ids, params):
-                self.engine.add_request(rid, prompt_ids, p, prompt=text)
+                self.engine.add_request(rid, prompt_ids, p, prompt=text, stream=False)
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:

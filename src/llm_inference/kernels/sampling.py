@@ -39,6 +39,8 @@ STATUS_BAD = -1  # a NaN or +inf logit in the row
 STATUS_EMPTY = -2  # every logit of the row is -inf
 _BAD = tl.constexpr(STATUS_BAD)  # kernels may read globals only as constexpr (Triton 3.6)
 _EMPTY = tl.constexpr(STATUS_EMPTY)
+_C1 = tl.constexpr(0x7FEB352D)  # lowbias32's multipliers
+_C2 = tl.constexpr(0x846CA68B)
 
 
 @triton.jit
@@ -105,14 +107,19 @@ def _race(row_ptr, V, t, key, thr, min_p, m, NOISE: tl.constexpr, FILTER: tl.con
             h = cols.to(tl.uint32)
             for _ in tl.static_range(2):  # mix(mix(v) + key)
                 h = h ^ (h >> 16)
-                h = h * 0x7FEB352D
+                h = h * _C1
                 h = h ^ (h >> 15)
-                h = h * 0x846CA68B
+                h = h * _C2
                 h = h ^ (h >> 16)
                 if _ == 0:
                     h = h + key
+            # E = -log(u), exact enough where it decides the race: u near 1, where the
+            # GPU's fast log loses every digit of log(u), takes -log(1 - w) = w + w^2/2 + ..
+            # with w = 1 - u computed exactly from the bits.
             u = ((h >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08
-            s = x - tl.log(-tl.log(u))
+            w = ((16777215 - (h >> 8)).to(tl.float32) + 0.5) * 5.9604644775390625e-08
+            e = tl.where(w < 1e-3, w + w * w * (0.5 + w * 0.3333333333), -tl.log(u))
+            s = x - tl.log(e)
         if FILTER:
             s = tl.where((x >= thr) & (tl.exp(x - m) >= min_p), s, float("-inf"))
         s = tl.where(cols < V, s, float("-inf"))

@@ -37,6 +37,15 @@ def noise_keys(seeds: list[int], steps: list[int]) -> list[int]:
     ]
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device: CUDA copies go through pinned
+    memory, non-blocking (a plain copy from pageable memory would synchronize the stream,
+    which async scheduling cannot afford)."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def padded_token_ids(rows: list[list[int]], vocab_size: int, device) -> torch.Tensor:
     """[B, max(1, max len)] int64; padding and ids outside [0, vocab_size) become vocab_size.
 
@@ -131,15 +140,15 @@ class SamplingMetadata:
         lp_rows = [b for b, p in enumerate(params) if p.logprobs is not None]
 
         def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return to_device(torch.tensor(values, dtype=torch.float32), device)
 
         def ints(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
+            return to_device(torch.tensor(values, dtype=torch.int64), device)
 
         return cls(
             vocab_size=V,
             temperature=floats(temps),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            greedy=to_device(torch.tensor(greedy, dtype=torch.bool), device),
             all_greedy=all(greedy),
             all_random=not any(greedy),
             noise_keys=ints(noise_keys(seeds, steps)),
