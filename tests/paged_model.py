@@ -51,6 +51,7 @@ class FakePagedModel:
             if not item.needs_sample:
                 sampled.append([])
                 continue
+            assert item.token_ids, "a sample needs its last token computed (for its logits)"
             seq = item.prompt_token_ids + item.output_token_ids
             end = item.start_position + len(item.token_ids)
             assert end == len(seq)
