@@ -26,7 +26,7 @@ def compute(kv: KVCacheManager, r: Request) -> CacheHit:
     hit = kv.get_computed_blocks(r)
     assert kv.allocate_slots(r, r.num_tokens - hit.num_tokens, hit)
     r.num_computed_tokens = r.num_tokens
-    kv.cache_full_blocks(r)
+    kv.cache_full_blocks(r, r.num_computed_tokens)
     return hit
 
 

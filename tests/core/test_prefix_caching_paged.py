@@ -32,8 +32,10 @@ def weak_hash(parent: bytes, tokens) -> bytes:
 class Harness:
     """A scheduler, the fake model, the requests added, and the checks of every step."""
 
-    def __init__(self, num_blocks, block_size, max_num_seqs, budget, salt, vocab, hash_fn):
-        self.capacity = num_blocks * block_size
+    def __init__(
+        self, num_blocks, block_size, max_num_seqs, budget, salt, vocab, hash_fn, max_len=None
+    ):
+        self.capacity = max_len or num_blocks * block_size  # max_model_len
         config = SchedulerConfig(max_num_seqs, budget, max_model_len=self.capacity)
         self.sched = Scheduler(config, num_blocks, block_size, enable_prefix_caching=True)
         pool = self.sched.kv_cache_manager.block_pool
@@ -152,9 +154,7 @@ def test_shared_prefixes_never_change_outputs_leak_or_overwrite_blocks(
 
 def test_stress_512_requests_with_shared_prefixes_preemption_and_aborts():
     rng = random.Random(1234)
-    h = Harness(96, 4, 64, 128, salt=7, vocab=64, hash_fn=kv_cache_utils.hash_block_tokens)
-    h.capacity = 128  # max_model_len below the whole cache
-    h.sched.config = SchedulerConfig(64, 128, max_model_len=128)
+    h = Harness(96, 4, 64, 128, 7, 64, kv_cache_utils.hash_block_tokens, max_len=128)
     stems = [[rng.randrange(1, 64) for _ in range(rng.randint(8, 48))] for _ in range(8)]
     for _ in range(512):
         if h.reqs and rng.random() < 0.1:

@@ -148,11 +148,12 @@ class KVCacheManager:
             self.prefix_cache_hits += hit.num_tokens
         return True
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Enter the request's newly full, computed blocks into the prefix cache (no-op when
-        caching is off). Call after `num_computed_tokens` advanced."""
+    def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Enter the request's blocks that are full within its first `num_computed_tokens`
+        tokens into the prefix cache (no-op when caching is off). Pass only tokens whose K/V
+        are written: the step that computed them has finished."""
         if self.prefix_cache is not None:
-            self.prefix_cache.cache_full_blocks(request)
+            self.prefix_cache.cache_full_blocks(request, num_computed_tokens)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (tail first, so the tail is evicted first); cached

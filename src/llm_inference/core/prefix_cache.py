@@ -71,12 +71,13 @@ class PrefixCache:
         hit.num_tokens = len(hit.block_ids) * bs
         return hit
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Cache the request's blocks whose tokens are all computed, in order from the first
-        not yet keyed (see the module docstring for when it stops)."""
+    def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Cache the request's blocks full within its first `num_computed_tokens` (computed)
+        tokens, in order from the first not yet keyed (the module docstring says when it
+        stops)."""
         bs = self.block_size
         keys = request.cache_keys
-        num_full = min(request.num_computed_tokens // bs, len(request.block_ids))
+        num_full = min(num_computed_tokens // bs, len(request.block_ids))
         if len(keys) >= num_full:
             return
         hashes = block_hashes(request, num_full, bs)

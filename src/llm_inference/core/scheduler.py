@@ -226,7 +226,7 @@ class Scheduler:
                 continue  # finished (aborted) since schedule(), or an id reused since
             num_new = scheduler_output.num_scheduled_tokens[rid]
             request.num_computed_tokens += num_new
-            self.kv_cache_manager.cache_full_blocks(request)
+            self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens)
             new_tokens = sampled.get(rid) or []
             if request.num_computed_tokens == request.num_tokens and not new_tokens:
                 raise ValueError(f"request {rid!r} needed a sample but got none")
