@@ -159,6 +159,8 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    # Share the K/V of full blocks of equal token prefixes across requests (core/prefix_cache.py).
+    enable_prefix_caching: bool = True
 
 
 @dataclass(frozen=True)
@@ -253,6 +255,7 @@ def create_engine_config(
     kernel_backend: str = "auto",
     enforce_eager: bool = False,
     async_scheduling: bool = True,
+    enable_prefix_caching: bool = True,
 ) -> EngineConfig:
     """Every engine argument checked and resolved in one place (LLM, the CLI and the server
     call this): the model path (None: the default model), device, dtype, kernel backend and
@@ -275,6 +278,10 @@ def create_engine_config(
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"seed must be an integer, got {seed!r}")
+    if not isinstance(enable_prefix_caching, bool):
+        raise ValueError(
+            f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}"
+        )
     dev = resolve_device(device)
     backend = resolve_backend(kernel_backend, dev.split(":")[0])
     model_path = str(resolve_model(model))
@@ -286,7 +293,9 @@ def create_engine_config(
     return EngineConfig(
         model_path=model_path,
         model=model_config,
-        cache=CacheConfig(block_size, kv_cache_memory_bytes, gpu_memory_utilization),
+        cache=CacheConfig(
+            block_size, kv_cache_memory_bytes, gpu_memory_utilization, enable_prefix_caching
+        ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(8192, max_num_seqs),

@@ -1,4 +1,7 @@
-"""Scheduler driven by fake ModelRunnerOutputs: admission, budget, chunked prefill, preemption."""
+"""Scheduler driven by fake ModelRunnerOutputs: admission, budget, chunked prefill, preemption.
+
+These tests plan steps token by token, so they run with prefix caching off (their prompts
+share prefixes); tests/core/test_prefix_caching.py has the caching-on versions."""
 
 from __future__ import annotations
 
@@ -10,11 +13,15 @@ from llm_inference.core.request import Request, RequestStatus
 from llm_inference.sampling_params import SamplingParams
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, max_model_len=256):
+def make_scheduler(
+    num_blocks=64, block_size=4, max_num_seqs=8, budget=64, max_model_len=256, caching=False
+):
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len
     )
-    return Scheduler(config, num_blocks=num_blocks, block_size=block_size)
+    return Scheduler(
+        config, num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=caching
+    )
 
 
 def add(sched, rid, num_prompt, max_tokens=100, first_token=1000):

@@ -1,80 +1,20 @@
-"""The scheduler against a fake *paged* model, and a hypothesis property test.
-
-`FakePagedModel` writes each scheduled token into a dict-backed cache at its slot (as the
-real attention layer writes K/V) and, before sampling, reads the request's whole sequence
-back through its block table: a block shared by two owners, a stale block, or a recompute
-that skipped a token shows up as a mismatch. The next token is a pure function of the
-sequence, so preemption and recomputation must not change any request's output.
-"""
+"""The scheduler against a fake *paged* model (tests/paged_model.py), and a hypothesis
+property test, with prefix caching on and off: preemption, recomputation and cache hits must
+not change any request's output, leak a block or share one that is being written."""
 
 from __future__ import annotations
 
+import pytest
 from batch_replay import ReplayScheduler as Scheduler
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from paged_model import FakePagedModel, check_invariants, check_prefix_cache, next_token
 
 from llm_inference.config import SchedulerConfig
-from llm_inference.core.kv_cache_manager import slot_for_position, slot_mapping
-from llm_inference.core.outputs import ModelRunnerOutput
 from llm_inference.core.request import Request, RequestStatus
 from llm_inference.sampling_params import SamplingParams
 
 EOS = 0
-
-
-def next_token(seq: list[int], salt: int, vocab: int) -> int:
-    return hash((salt, tuple(seq))) % vocab
-
-
-class FakePagedModel:
-    def __init__(self, block_size: int, salt: int = 0, vocab: int = 1000) -> None:
-        self.block_size, self.salt, self.vocab = block_size, salt, vocab
-        self.cache: dict[int, int] = {}
-
-    def execute(self, out) -> ModelRunnerOutput:
-        bs = self.block_size
-        written: set[int] = set()
-        sampled = []
-        for item in out.scheduled:
-            slots = slot_mapping(item.block_ids, item.start_position, len(item.token_ids), bs)
-            assert written.isdisjoint(slots), "two tokens of one step share a slot"
-            written.update(slots)
-            self.cache.update(zip(slots, item.token_ids, strict=True))
-            if not item.needs_sample:
-                sampled.append([])
-                continue
-            seq = item.prompt_token_ids + item.output_token_ids
-            end = item.start_position + len(item.token_ids)
-            assert end == len(seq)
-            cached = [self.cache.get(slot_for_position(item.block_ids, p, bs)) for p in range(end)]
-            assert cached == seq, f"cache of {item.request_id} does not hold its sequence"
-            sampled.append([next_token(seq, self.salt, self.vocab)])
-        return ModelRunnerOutput([s.request_id for s in out.scheduled], sampled)
-
-
-def check_invariants(sched: Scheduler, finished: list[Request]) -> None:
-    pool = sched.kv_cache_manager.block_pool
-    owned = [b for r in sched.running for b in r.block_ids]
-    assert len(owned) == len(set(owned)), "a block has two owners"
-    used = {b.block_id for b in pool.blocks if b.ref_cnt > 0}
-    assert set(owned) == used, "leaked or unowned-but-used blocks"
-    assert all(pool.ref_cnt(b) == 1 for b in owned)
-    free = pool.free_block_ids()
-    assert len(free) == len(set(free)) and set(free).isdisjoint(used)
-    assert len(free) + len(used) == pool.num_blocks
-    assert len(sched.running) <= sched.config.max_num_seqs
-    bs = sched.kv_cache_manager.block_size
-    for r in sched.running:
-        assert r.status is RequestStatus.RUNNING
-        assert len(r.block_ids) * bs >= r.num_computed_tokens
-    for r in sched.waiting:
-        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        assert r.block_ids == [] and r.num_computed_tokens == 0
-    ids = [r.request_id for r in sched.running] + [r.request_id for r in sched.waiting]
-    assert sorted(ids) == sorted(sched.requests)
-    assert all(r.block_ids == [] and r.is_finished for r in finished)
-    if not sched.has_unfinished_requests():
-        assert pool.num_free_blocks == pool.num_blocks
 
 
 def reference_outputs(prompt: list[int], max_tokens: int, salt: int, vocab: int) -> list[int]:
@@ -84,10 +24,12 @@ def reference_outputs(prompt: list[int], max_tokens: int, salt: int, vocab: int)
     return seq[len(prompt) :]
 
 
-def run_workload(num_blocks: int, budget: int) -> tuple[list[Request], Scheduler]:
+def run_workload(
+    num_blocks: int, budget: int, caching: bool = False
+) -> tuple[list[Request], Scheduler]:
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=64)
-    sched = Scheduler(config, num_blocks=num_blocks, block_size=4)
-    model = FakePagedModel(block_size=4)
+    sched = Scheduler(config, num_blocks=num_blocks, block_size=4, enable_prefix_caching=caching)
+    model = FakePagedModel(block_size=4, pool=sched.kv_cache_manager.block_pool)
     reqs = []
     for i in range(6):
         prompt = [100 * (i + 1) + j for j in range(3 + 2 * i)]
@@ -100,14 +42,18 @@ def run_workload(num_blocks: int, budget: int) -> tuple[list[Request], Scheduler
         out = sched.schedule()
         sched.update_from_output(out, model.execute(out))
         check_invariants(sched, [r for r in reqs if r.is_finished])
+        check_prefix_cache(sched, model)
     return reqs, sched
 
 
-def test_preemption_and_recompute_do_not_change_outputs():
-    roomy, roomy_sched = run_workload(num_blocks=64, budget=32)
-    tight, tight_sched = run_workload(num_blocks=7, budget=5)
+@pytest.mark.parametrize("caching", [False, True])
+def test_preemption_and_recompute_do_not_change_outputs(caching):
+    roomy, roomy_sched = run_workload(num_blocks=64, budget=32, caching=caching)
+    tight, tight_sched = run_workload(num_blocks=7, budget=5, caching=caching)
     assert roomy_sched.num_preemptions == 0
     assert tight_sched.num_preemptions > 0
+    if caching:  # preempted requests re-match their prefix when readmitted
+        assert tight_sched.kv_cache_manager.prefix_cache_hits > 0
     for a, b in zip(roomy, tight, strict=True):
         expected = reference_outputs(a.prompt_token_ids, 8, salt=0, vocab=1000)
         assert a.output_token_ids == expected
@@ -133,14 +79,16 @@ op = st.one_of(
     salt=st.integers(0, 10**6),
     first_adds=st.lists(add_op, min_size=1, max_size=6),
     ops=st.lists(op, max_size=60),
+    caching=st.booleans(),
 )
 def test_random_operations_never_leak_or_share_blocks(
-    num_blocks, block_size, max_num_seqs, budget, salt, first_adds, ops
+    num_blocks, block_size, max_num_seqs, budget, salt, first_adds, ops, caching
 ):
     capacity = num_blocks * block_size
     config = SchedulerConfig(max_num_seqs, budget, max_model_len=capacity)
-    sched = Scheduler(config, num_blocks=num_blocks, block_size=block_size)
-    model = FakePagedModel(block_size, salt=salt, vocab=16)  # EOS comes 1 time in 16
+    sched = Scheduler(config, num_blocks, block_size, enable_prefix_caching=caching)
+    pool = sched.kv_cache_manager.block_pool
+    model = FakePagedModel(block_size, salt=salt, vocab=16, pool=pool)  # EOS 1 time in 16
     reqs: list[Request] = []
 
     def step(abort_index: int | None = None) -> None:
@@ -165,6 +113,7 @@ def test_random_operations_never_leak_or_share_blocks(
         elif kind == "abort_mid_step":
             step(abort_index=a)
         check_invariants(sched, [r for r in reqs if r.is_finished])
+        check_prefix_cache(sched, model)
 
     for _ in range(2000):  # drain: everything finishes, nothing hangs
         if not sched.has_unfinished_requests():

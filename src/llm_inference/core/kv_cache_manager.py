@@ -11,12 +11,20 @@ slots:
     |<---- num_computed_tokens ---->|<--- num_new_tokens --->|
     [ block 0 ][ block 1 ][ block 2 ][ block 3 ][ new block ]
     |<-- already in request.block_ids -------->|<- allocated ->|
+
+With prefix caching, a request being admitted first looks up its longest cached prefix
+(`get_computed_blocks`, whole full blocks, never its last token) and `allocate_slots` puts
+those shared blocks (ref counts + 1, revived from the free queue when unreferenced) at the
+head of its table, then new blocks of its own for the rest: computation starts at a block
+edge, so nothing is ever written into a shared block. `cache_full_blocks` enters each block
+into the cache once its tokens are computed (see core/prefix_cache.py).
 """
 
 from __future__ import annotations
 
 from llm_inference.config import cdiv
 from llm_inference.core.block_pool import BlockPool
+from llm_inference.core.prefix_cache import CacheHit, PrefixCache
 from llm_inference.core.request import Request
 
 
@@ -53,13 +61,28 @@ def slot_mapping(
 
 
 class KVCacheManager:
-    """Allocates and frees the blocks of requests; the only writer of `request.block_ids`."""
+    """Allocates and frees the blocks of requests; the only writer of `request.block_ids`.
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    `prefix_cache_queries` / `prefix_cache_hits` count tokens of admitted requests: all of
+    their tokens, and those found in the cache (as vLLM's metrics of the same names).
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.block_size = block_size
         self.block_pool = BlockPool(num_blocks)
+        self.prefix_cache = (
+            PrefixCache(self.block_pool, block_size) if enable_prefix_caching else None
+        )
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.prefix_cache is not None
 
     @property
     def num_blocks(self) -> int:
@@ -86,19 +109,55 @@ class KVCacheManager:
         total = self.blocks_for_tokens(request.num_computed_tokens + num_new_tokens)
         return max(0, total - len(request.block_ids))
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Grow `request.block_ids` to cover its next `num_new_tokens` tokens.
+    def get_computed_blocks(self, request: Request) -> CacheHit:
+        """The longest cached prefix of a request that holds no blocks (empty when caching is
+        off); changes nothing. Pass it to `allocate_slots` to admit the request."""
+        if self.prefix_cache is None or request.block_ids:
+            return CacheHit()
+        return self.prefix_cache.find_longest_hit(request)
 
-        Returns False, changing nothing, when the pool has too few free blocks.
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, hit: CacheHit | None = None
+    ) -> bool:
+        """Grow `request.block_ids` to cover its next `num_new_tokens` tokens; with `hit` (on
+        admission: the request holds no blocks), after the hit's `num_tokens`, whose shared
+        blocks head its table. The caller then sets `num_computed_tokens = hit.num_tokens`.
+
+        Returns False, changing nothing, when the pool has too few free blocks (hit blocks
+        nobody holds count: they leave the free queue).
         """
-        needed = self.num_blocks_needed(request, num_new_tokens)
-        if needed > self.block_pool.num_free_blocks:
-            return False
-        if needed:
-            request.block_ids.extend(self.block_pool.allocate(needed))
+        pool = self.block_pool
+        if hit is None or not hit.block_ids:
+            needed = self.num_blocks_needed(request, num_new_tokens)
+            if needed > pool.num_free_blocks:
+                return False
+            if needed:
+                request.block_ids.extend(pool.allocate(needed))
+        else:
+            if request.block_ids or request.num_computed_tokens:
+                raise ValueError(f"request {request.request_id!r} already has blocks")
+            needed = self.blocks_for_tokens(hit.num_tokens + num_new_tokens) - len(hit.block_ids)
+            revived = sum(1 for b in hit.block_ids if pool.ref_cnt(b) == 0)
+            if needed + revived > pool.num_free_blocks:
+                return False
+            pool.touch(hit.block_ids)  # before allocate, which could evict them
+            request.block_ids = list(hit.block_ids) + pool.allocate(needed)
+            request.cache_keys = list(hit.cache_keys)
+        if hit is not None and self.prefix_cache is not None:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += hit.num_tokens
         return True
 
+    def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Enter the request's blocks that are full within its first `num_computed_tokens`
+        tokens into the prefix cache (no-op when caching is off). Pass only tokens whose K/V
+        are written: the step that computed them has finished."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.cache_full_blocks(request, num_computed_tokens)
+
     def free(self, request: Request) -> None:
-        """Release the request's blocks (tail first, so the tail is reused first)."""
+        """Release the request's blocks (tail first, so the tail is evicted first); cached
+        ones stay cached in the free queue until evicted."""
         self.block_pool.free(reversed(request.block_ids))
         request.block_ids = []
+        request.cache_keys = []

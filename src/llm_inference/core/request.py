@@ -6,9 +6,16 @@ Invariants (kept by the scheduler and the KV cache manager):
   them (of them plus `num_output_placeholders` samples still in flight) have their K/V written
   in the paged cache once the scheduled steps ran, in `block_ids` (logical block i -> physical
   block `block_ids[i]`), so `len(block_ids) * block_size >= num_computed_tokens`.
-- A WAITING or PREEMPTED request owns no blocks and has `num_computed_tokens == 0`; preemption
-  discards the cache, so a readmitted request recomputes prompt + outputs. It also discards
-  the workers' copy (`num_sent_tokens is None`): it is sent whole again when readmitted.
+- A WAITING or PREEMPTED request owns no blocks and has `num_computed_tokens == 0`;
+  preemption frees its blocks (the full ones stay in the prefix cache until evicted), so a
+  readmitted request starts from its longest cached prefix (admission sets
+  `num_computed_tokens` to it, whole blocks, always short of the last token) and recomputes
+  the rest. Preemption also discards the workers' copy (`num_sent_tokens is None`): it is
+  sent whole again when readmitted.
+- Prefix caching: `block_hashes[i]` is the chained hash of full block i of `all_token_ids`
+  (filled on demand, valid forever since tokens are append-only); `cache_keys[i]` is the
+  cache key of the cached block holding the same contents as its block i, for its first
+  `len(cache_keys) <= len(block_ids)` blocks (cleared with the block table).
 - A finished request owns no blocks.
 """
 
@@ -69,6 +76,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.cache_keys: list[int] = []
         self.stop_reason: int | str | None = None
         # What the workers hold of this request (their copy is dropped on preemption): the
         # first `num_sent_tokens` token ids and `num_sent_blocks` block ids. `None` until the

@@ -10,7 +10,11 @@ step's budget of `max_num_batched_tokens`:
    reset, put at the front of the waiting queue) and allocation is retried; if the request
    being scheduled is itself the newest, it is preempted and the step stops there.
 2. If nobody was preempted, WAITING requests are admitted in FIFO order while budget and
-   `max_num_seqs` allow; admission stops at the first request that cannot get blocks.
+   `max_num_seqs` allow; admission stops at the first request that cannot get blocks. With
+   prefix caching, an admitted (or readmitted) request starts from its longest cached prefix:
+   `num_computed_tokens` = the hit, whole shared blocks (sent to the workers as already
+   computed), and only the rest counts against the budget. Blocks are entered into the
+   cache in `update_from_output`, once their tokens are computed.
 
 Ownership: `running` and `waiting` are disjoint, and `requests` holds exactly the requests
 in either; only running requests own blocks.
@@ -34,9 +38,15 @@ from llm_inference.core.request import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+    ) -> None:
         self.config = scheduler_config
-        self.kv_cache_manager = KVCacheManager(num_blocks, block_size)
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -44,7 +54,8 @@ class Scheduler:
         self.num_steps = 0
         self._step_id = 0
         # Requests of each step not yet passed to update_from_output (by step id).
-        self._in_flight: dict[int, list[tuple[Request, bool]]] = {}  # and whether it samples
+        # Per step: each request, whether it samples, and its computed tokens once it ran.
+        self._in_flight: dict[int, list[tuple[Request, bool, int]]] = {}
         # Ids the workers hold state for that finished since the last SchedulerOutput.
         self._finished_ids: list[str] = []
 
@@ -119,10 +130,12 @@ class Scheduler:
         """Move waiting requests to running in FIFO order; returns the budget left."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(self._num_pending(request), budget)
-            self._check_fits(request, request.num_computed_tokens + num_new)
-            if not self.kv_cache_manager.allocate_slots(request, num_new):
+            hit = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = min(request.num_tokens - hit.num_tokens, budget)
+            self._check_fits(request, hit.num_tokens + num_new)
+            if not self.kv_cache_manager.allocate_slots(request, num_new, hit):
                 break
+            request.num_computed_tokens = hit.num_tokens
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -152,7 +165,7 @@ class Scheduler:
         until `update_from_output` brings them."""
         new: list[NewRequestData] = []
         cached: list[CachedRequestData] = []
-        in_flight: list[tuple[Request, bool]] = []
+        in_flight: list[tuple[Request, bool, int]] = []
         for request, num_new in scheduled:
             if request.num_sent_tokens is None:
                 new.append(
@@ -183,7 +196,7 @@ class Scheduler:
             samples = request.num_computed_tokens >= known
             if samples:
                 request.num_output_placeholders += 1
-            in_flight.append((request, samples))
+            in_flight.append((request, samples, request.num_computed_tokens))
         self._step_id += 1
         self._in_flight[self._step_id] = in_flight
         finished, self._finished_ids = self._finished_ids, []
@@ -233,10 +246,12 @@ class Scheduler:
         lp_by_id = dict(zip(out.request_ids, out.logprobs or [None] * len(out.request_ids)))
         sampled = dict(zip(out.request_ids, out.sampled_token_ids, strict=True))
         results: list[EngineCoreOutput] = []
-        for request, samples in scheduled:
+        for request, samples, computed in scheduled:
             rid = request.request_id
             if self.requests.get(rid) is not request:
                 continue  # finished (aborted) since schedule(), or an id reused since
+            if request.status is RequestStatus.RUNNING:  # not preempted since
+                self.kv_cache_manager.cache_full_blocks(request, computed)
             new_tokens = sampled.get(rid) or []
             if samples and not new_tokens:
                 raise ValueError(f"request {rid!r} needed a sample but got none")

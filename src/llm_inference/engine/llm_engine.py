@@ -53,7 +53,12 @@ class LLMEngine:
         num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
         self.config = self._fit_max_model_len(config, num_blocks)
         self.executor.collective_rpc("allocate_kv_cache", num_blocks)
-        self.scheduler = Scheduler(self.config.scheduler, num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(
+            self.config.scheduler,
+            num_blocks,
+            config.cache.block_size,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+        )
         self.output_processor = OutputProcessor(tokenizer)
         self.rng = random.Random(config.seed)
         self._pending = None  # (SchedulerOutput, PendingOutput) of the step in flight
@@ -187,6 +192,9 @@ class LLMEngine:
             "num_unfinished_requests": self.scheduler.get_num_unfinished_requests(),
             "num_running_requests": len(self.scheduler.running),
             "num_waiting_requests": len(self.scheduler.waiting),
+            # tokens of admitted requests, and those of them found in the prefix cache
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
         }
 
     def waiting_request_ids(self) -> set[str]:

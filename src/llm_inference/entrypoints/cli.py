@@ -17,6 +17,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share the KV cache of common prompt prefixes across requests (default: on)",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -36,6 +42,7 @@ def _llm(args):
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 
