@@ -8,9 +8,10 @@ import torch
 
 from llm_inference.config import EngineConfig, cdiv
 from llm_inference.core.outputs import ModelRunnerOutput, SchedulerOutput
-from llm_inference.distributed.parallel_state import get_tp_rank
+from llm_inference.distributed.parallel_state import get_tp_rank, get_tp_size
 from llm_inference.executor.cuda_graph import DecodeGraphs
 from llm_inference.executor.input_batch import InputBatch, InputBuffers, StepInputs
+from llm_inference.executor.tp_sampling import sample_tensor_parallel
 from llm_inference.kernels import get_ops
 from llm_inference.layers.sampler import Sampler, SamplingMetadata
 from llm_inference.models.loader import load_model
@@ -132,6 +133,9 @@ class ModelRunner:
         if not step.sample_rows:
             return ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids))
         rows_idx = self.buffers.views["logits_indices"][: len(step.sample_rows)]
+        if get_tp_size() > 1:  # tensor parallel: sample across the vocabulary shards
+            hidden_rows = hidden.index_select(0, rows_idx)
+            return sample_tensor_parallel(self, req_ids, step.sample_rows, hidden_rows)
         logits = self.model.compute_logits(hidden.index_select(0, rows_idx))
         if get_tp_rank() != 0:
             return None  # sampling happens on rank 0 only

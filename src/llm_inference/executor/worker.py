@@ -1,4 +1,7 @@
-"""A rank: owns its device, model shard, KV cache and ModelRunner. Workers never schedule."""
+"""A rank: owns its device, model shard, KV cache and ModelRunner. Workers never schedule.
+
+At tensor_parallel_size 1 the worker lives in the engine's process; above, each lives in its
+own process (executor/multiproc.py), which joins the process group before building it."""
 
 from __future__ import annotations
 
@@ -9,12 +12,19 @@ from llm_inference.core.outputs import ModelRunnerOutput, SchedulerOutput
 from llm_inference.executor.model_runner import ModelRunner
 
 
+def worker_device(config: EngineConfig, rank: int) -> torch.device:
+    """Rank r's device: the CPU, or CUDA device (index of config.device, default 0) + r."""
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        return torch.device("cuda", (device.index or 0) + rank)
+    return device
+
+
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.rank = rank
-        device = torch.device(config.device)
+        device = worker_device(config, rank)
         if device.type == "cuda":
-            device = torch.device("cuda", rank if device.index is None else device.index)
             torch.cuda.set_device(device)
         torch.manual_seed(config.seed)
         self.model_runner = ModelRunner(config, device)
