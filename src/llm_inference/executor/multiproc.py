@@ -67,7 +67,6 @@ class WorkerError(RuntimeError):
 def check_parallel_config(config: EngineConfig) -> None:
     """Raise ValueError when tensor_parallel_size does not fit the model or the machine."""
     n = config.parallel.tensor_parallel_size
-    check_heads_divide(config.model, n)
     device = torch.device(config.device)
     if device.type == "cuda":
         count = torch.cuda.device_count()
@@ -84,6 +83,7 @@ def check_parallel_config(config: EngineConfig) -> None:
                 f"tensor_parallel_size={n} on the CPU: at most {cap} ranks here "
                 f"({CPU_RANKS_PER_CORE} per core, {os.cpu_count()} cores)"
             )
+    check_heads_divide(config.model, n)
 
 
 def check_heads_divide(model: ModelConfig, n: int) -> None:
