@@ -38,6 +38,9 @@ class Worker:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.allocate_kv_cache(num_blocks)
 
+    def uses_cuda_graphs(self) -> bool:
+        return self.model_runner.graphs is not None
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.model_runner.execute_model(scheduler_output)
 
