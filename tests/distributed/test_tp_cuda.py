@@ -58,20 +58,14 @@ def generate(folder, dtype, tp, eager):
         max_num_seqs=8,
     ) as llm:
         assert llm.engine.executor.collective_rpc("uses_cuda_graphs") == [not eager] * tp
-        greedy = llm.generate(prompts(), params, use_tqdm=False)
-        seeded = llm.generate(
-            prompts(),
-            [SamplingParams(temperature=0.8, seed=i, max_tokens=20) for i in range(6)],
-            use_tqdm=False,
-        )
-    return greedy, [o.token_ids for o in seeded]
+        return llm.generate(prompts(), params, use_tqdm=False)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_tp2_greedy_equals_tp1(folder, dtype):
-    ref, ref_seeded = generate(folder, dtype, 1, eager=False)
+    ref = generate(folder, dtype, 1, eager=False)
     for eager in (False, True):
-        got, seeded = generate(folder, dtype, 2, eager)
+        got = generate(folder, dtype, 2, eager)
         for i, (a, b) in enumerate(zip(got, ref)):
             x, y = a.token_ids, b.token_ids
             if dtype == "float16":
@@ -81,6 +75,4 @@ def test_tp2_greedy_equals_tp1(folder, dtype):
             if j is not None:
                 top = b.outputs[0].logprobs[j].top
                 assert x[j] in top and top[y[j]] - top[x[j]] < NEAR_TIE, f"prompt {i} step {j}"
-        if dtype == "float16":
-            assert seeded == ref_seeded
     assert child_processes() == []
