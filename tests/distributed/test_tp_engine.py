@@ -149,6 +149,10 @@ def test_interrupt_keeps_ranks_in_step_and_finalizer_stops_workers(tiny_ckpt, ru
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert all(is_running(p) for p in pids)
+    monkeypatch.setattr(multiproc, "wait_connections", real_wait)
+    # An exception on the ranks comes back with its traceback; the ranks stay usable.
+    with pytest.raises(multiproc.WorkerError, match=r"rank 0 raised in no_such_method(.|\n)*"):
+        llm.engine.executor.collective_rpc("no_such_method")
     again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in again] == runs[1]["greedy"]
     del llm, again
@@ -217,3 +221,21 @@ def _config(path, tp):
     from llm_inference.config import create_engine_config
 
     return create_engine_config(str(path), device="cpu", tensor_parallel_size=tp)
+
+
+def test_worker_start_up_error_is_reported_and_cleaned_up(tiny_ckpt, tmp_path):
+    """A checkpoint that fails in the workers (a tensor missing): the worker's own error text,
+    and no process left."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_ckpt, broken)
+    path = broken / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path)
+    with pytest.raises(multiproc.WorkerError, match=r"(?s)start-up.*missing tensors"):
+        LLM(str(broken), tensor_parallel_size=2, device="cpu", max_model_len=64)
+    assert child_processes() == []

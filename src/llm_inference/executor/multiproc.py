@@ -136,6 +136,7 @@ def worker_main(
         worker = Worker(config, rank)
     except BaseException:
         _send(conn, 0, False, traceback.format_exc())
+        destroy_distributed()
         return
     if not _send(conn, 0, True, os.getpid()):
         return
@@ -285,9 +286,13 @@ class MultiprocWorkers:
             for conn in wait_connections(list(waiting), POLL_S):
                 rank = waiting[conn]
                 try:
-                    reply_seq, ok, payload = pickle.loads(conn.recv_bytes())
+                    data = conn.recv_bytes()
                 except (EOFError, OSError):
                     self._died(rank, method)
+                except BaseException:  # interrupted inside a message: the stream is lost
+                    self._unusable = f"reading the reply to {method} was interrupted"
+                    raise
+                reply_seq, ok, payload = pickle.loads(data)
                 if reply_seq != seq:
                     continue  # cannot happen: replies come in order, one per call
                 self._outstanding.discard(rank)
@@ -325,7 +330,9 @@ class MultiprocWorkers:
         if self._closed:
             return
         try:
-            if self._unusable is None and self._procs:
+            # Workers also exit when their pipe closes: the call only releases their memory
+            # first, so it is skipped when they are unusable or still owe a reply.
+            if self._unusable is None and not self._outstanding and self._procs:
                 try:
                     self.collective_rpc("shutdown", timeout=SHUTDOWN_TIMEOUT_S)
                 except Exception:
