@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -136,10 +137,14 @@ def worker_main(
         worker = Worker(config, rank)
     except BaseException:
         _send(conn, 0, False, traceback.format_exc())
-        destroy_distributed()
+        try:
+            destroy_distributed()
+        except Exception:
+            pass
         return
     if not _send(conn, 0, True, os.getpid()):
         return
+    exit_code = 1  # unless the loop ends normally
     try:
         while True:
             try:
@@ -154,12 +159,16 @@ def worker_main(
                 ok, result = False, traceback.format_exc()
             if not _send(conn, seq, ok, result) or method == "shutdown":
                 break
+        exit_code = 0
     finally:
-        try:
-            destroy_distributed()
-        except Exception:
-            pass
         conn.close()
+        if device.type == "cuda":
+            # destroy_process_group can hang after NCCL work was captured in CUDA graphs
+            # (pytorch#115388): leave the communicators to the process exit.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(exit_code)
+        destroy_distributed()
 
 
 # ---- the parent -----------------------------------------------------------------------------
