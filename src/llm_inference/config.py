@@ -308,5 +308,6 @@ def create_engine_config(
         kernel_backend=backend,
         enforce_eager=bool(enforce_eager),
         seed=seed,
-        async_scheduling=bool(async_scheduling),
+        # Placeholder tokens live on rank 0's device only: tensor parallel runs synchronously.
+        async_scheduling=bool(async_scheduling) and tensor_parallel_size == 1,
     )

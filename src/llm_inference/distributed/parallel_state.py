@@ -1,10 +1,20 @@
 """Tensor-parallel process group state: rank, world size and collectives.
 
-A single rank (world size 1) until process groups exist: the layers are shard-shaped and call
-these helpers, which are then no-ops.
+One process per rank. `init_distributed(rank, world_size, port, device)` joins the default
+process group (NCCL on CUDA, gloo on CPU) through a TCP rendezvous on 127.0.0.1 at `port`,
+which the parent picked with `free_port()`; the layers, built after it, read the rank and size
+at construction. In a single rank (world size 1, no process group) every helper is a no-op.
+
+The collectives are plain `torch.distributed` calls on the default group: with NCCL they are
+capturable in CUDA graphs once the communicator exists (the first, eager forward creates it).
 """
 
 from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -21,10 +31,69 @@ def get_tp_size() -> int:
     return _TP_SIZE
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it; never a fixed number)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(
+    rank: int,
+    world_size: int,
+    port: int,
+    device: torch.device | str = "cpu",
+    timeout_s: float = 600.0,
+) -> None:
+    """Join the tensor-parallel group as `rank` of `world_size` (rendezvous at 127.0.0.1:port).
+
+    World size 1 sets the globals and creates no group."""
+    global _TP_RANK, _TP_SIZE
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world size {world_size}")
+    device = torch.device(device)
+    if world_size > 1:
+        if dist.is_initialized():
+            raise RuntimeError("torch.distributed is already initialized in this process")
+        if device.type == "cuda":
+            backend, kw = "nccl", {"device_id": device}
+        else:
+            backend, kw = "gloo", {}
+            if sys.platform.startswith("linux"):
+                # One host: keep gloo on the loopback whatever the hostname resolves to.
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            **kw,
+        )
+    _TP_RANK, _TP_SIZE = rank, world_size
+
+
+def destroy_distributed() -> None:
+    global _TP_RANK, _TP_SIZE
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _TP_RANK, _TP_SIZE = 0, 1
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum `x` over the ranks, in place; every rank gets the sum."""
     if _TP_SIZE > 1:
         dist.all_reduce(x)
     return x
+
+
+def all_gather(x: torch.Tensor) -> torch.Tensor:
+    """Stack every rank's `x` (same shape on all ranks): [world_size, *x.shape] on every rank."""
+    if _TP_SIZE == 1:
+        return x[None]
+    parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.stack(parts)
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
@@ -34,3 +103,13 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
+
+
+def gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
+    """Concatenate each rank's shard along the last dim on rank 0; None on the other ranks."""
+    if _TP_SIZE == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(_TP_SIZE)] if _TP_RANK == 0 else None
+    dist.gather(x, parts, dst=0)
+    return torch.cat(parts, dim=-1) if parts is not None else None

@@ -50,9 +50,13 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.executor = Executor(config)
-        num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
-        self.config = self._fit_max_model_len(config, num_blocks)
-        self.executor.collective_rpc("allocate_kv_cache", num_blocks)
+        try:
+            num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
+            self.config = self._fit_max_model_len(config, num_blocks)
+            self.executor.collective_rpc("allocate_kv_cache", num_blocks)
+        except BaseException:  # stop the worker processes of a half-built engine
+            self.executor.shutdown()
+            raise
         self.scheduler = Scheduler(
             self.config.scheduler,
             num_blocks,

@@ -1,32 +1,48 @@
 """Executor: one interface over the ranks, `collective_rpc(method, *args)`.
 
-For tensor_parallel_size 1 the single worker lives in this process."""
+For tensor_parallel_size 1 the single worker lives in this process (no extra overhead); above,
+each rank is a worker process (executor/multiproc.py) and the calls go over pipes."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from llm_inference.config import EngineConfig
-from llm_inference.core.outputs import SchedulerOutput
+from llm_inference.core.outputs import ModelRunnerOutput, SchedulerOutput
+from llm_inference.executor.pending import PendingOutput
 from llm_inference.executor.worker import Worker
 
 
 class Executor:
     def __init__(self, config: EngineConfig) -> None:
-        if config.parallel.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={config.parallel.tensor_parallel_size} is not supported "
-                "yet: only 1"
-            )
-        self.workers = [Worker(config, rank=0)]
+        self.world_size = config.parallel.tensor_parallel_size
+        self.workers: list[Worker] = []
+        self.processes = None  # MultiprocWorkers when tensor_parallel_size > 1
+        if self.world_size == 1:
+            self.workers = [Worker(config, rank=0)]
+        else:
+            from llm_inference.executor.multiproc import MultiprocWorkers
+
+            self.processes = MultiprocWorkers(config)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The worker processes' ids (empty when the single worker is in this process)."""
+        return [] if self.processes is None else list(self.processes.pids)
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        if self.processes is not None:
+            return self.processes.collective_rpc(method, *args)
         return [getattr(w, method)(*args) for w in self.workers]
 
     def execute_model(self, scheduler_output: SchedulerOutput, sync: bool = True):
         """Launch a step on every rank; rank 0's PendingOutput (`.result()` waits)."""
-        return self.collective_rpc("execute_model", scheduler_output, sync)[0]
+        out = self.collective_rpc("execute_model", scheduler_output, sync)[0]
+        return PendingOutput.done(out) if isinstance(out, ModelRunnerOutput) else out
 
     def shutdown(self) -> None:
-        self.collective_rpc("shutdown")
+        if self.processes is not None:
+            self.processes.shutdown()
+        else:
+            self.collective_rpc("shutdown")
         self.workers = []

@@ -8,10 +8,14 @@ import torch
 
 from llm_inference.config import EngineConfig, cdiv
 from llm_inference.core.outputs import ModelRunnerOutput, SchedulerOutput
-from llm_inference.distributed.parallel_state import get_tp_rank
+from llm_inference.distributed.parallel_state import get_tp_rank, get_tp_size
 from llm_inference.executor.cuda_graph import DecodeGraphs
 from llm_inference.executor.input_batch import InputBatch, InputBuffers, StepInputs
+<<<<<<< HEAD
 from llm_inference.executor.pending import PendingOutput
+=======
+from llm_inference.executor.tp_sampling import sample_tensor_parallel
+>>>>>>> tp
 from llm_inference.kernels import get_ops
 from llm_inference.layers.sampler import Sampler, SamplingMetadata
 from llm_inference.models.loader import load_model
@@ -163,6 +167,10 @@ class ModelRunner:
             empty = ModelRunnerOutput(req_ids, [[] for _ in req_ids], [None] * len(req_ids))
             return PendingOutput.done(empty)
         rows_idx = self.buffers.views["logits_indices"][: len(step.sample_rows)]
+        if get_tp_size() > 1:  # tensor parallel: sample across the vocabulary shards
+            hidden_rows = hidden.index_select(0, rows_idx)
+            out = sample_tensor_parallel(self, req_ids, step.sample_rows, hidden_rows)
+            return None if out is None else PendingOutput.done(out)
         logits = self.model.compute_logits(hidden.index_select(0, rows_idx))
         if get_tp_rank() != 0:
             return None  # sampling happens on rank 0 only

@@ -1,4 +1,7 @@
-"""A rank: owns its device, model shard, KV cache and ModelRunner. Workers never schedule."""
+"""A rank: owns its device, model shard, KV cache and ModelRunner. Workers never schedule.
+
+At tensor_parallel_size 1 the worker lives in the engine's process; above, each lives in its
+own process (executor/multiproc.py), which joins the process group before building it."""
 
 from __future__ import annotations
 
@@ -6,15 +9,23 @@ import torch
 
 from llm_inference.config import EngineConfig
 from llm_inference.core.outputs import SchedulerOutput
+from llm_inference.distributed.parallel_state import get_tp_size
 from llm_inference.executor.model_runner import ModelRunner
+
+
+def worker_device(config: EngineConfig, rank: int) -> torch.device:
+    """Rank r's device: the CPU, or CUDA device (index of config.device, default 0) + r."""
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        return torch.device("cuda", (device.index or 0) + rank)
+    return device
 
 
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.rank = rank
-        device = torch.device(config.device)
+        device = worker_device(config, rank)
         if device.type == "cuda":
-            device = torch.device("cuda", rank if device.index is None else device.index)
             torch.cuda.set_device(device)
         torch.manual_seed(config.seed)
         self.model_runner = ModelRunner(config, device)
@@ -28,8 +39,16 @@ class Worker:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.allocate_kv_cache(num_blocks)
 
+    def uses_cuda_graphs(self) -> bool:
+        return self.model_runner.graphs is not None
+
     def execute_model(self, scheduler_output: SchedulerOutput, sync: bool = True):
-        return self.model_runner.execute_model(scheduler_output, sync)
+        """Rank 0: a PendingOutput in process, its ModelRunnerOutput from a worker process
+        (what crosses a pipe must be plain data); other ranks: None."""
+        out = self.model_runner.execute_model(scheduler_output, sync)
+        if out is not None and get_tp_size() > 1:
+            return out.result()
+        return out
 
     def shutdown(self) -> None:
         self.model_runner.release()

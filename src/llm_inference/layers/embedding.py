@@ -1,5 +1,12 @@
 """Vocabulary-parallel token embedding and LM head: each rank holds a contiguous slice of the
-vocabulary."""
+vocabulary (the last one padded with zero rows).
+
+The embedding looks up the ids of its slice (zeros elsewhere) and one all-reduce sums the
+ranks. The LM head's `compute_logits` all-gathers the full vocabulary; `compute_local_logits`
+gives only this rank's slice, padding columns at -inf, for the distributed sampler.
+
+Weight loaders take the full checkpoint tensor or anything with `.narrow(dim, start, length)`
+(models/loader.py passes lazy safetensors slices, so a rank reads only its rows)."""
 
 from __future__ import annotations
 
@@ -27,9 +34,10 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        shard = loaded[self.vocab_start : self.vocab_start + self.shard_size]
+        rows = max(0, min(self.shard_size, self.vocab_size - self.vocab_start))
         param.data.zero_()
-        param.data[: shard.shape[0]].copy_(shard)
+        if rows:
+            param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -47,3 +55,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = all_gather_last_dim(F.linear(hidden, self.weight))
         return logits[..., : self.vocab_size]
+
+    def compute_local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary slice of the logits [B, shard_size]: column j is token
+        `vocab_start + j`; padding columns (beyond the vocabulary) are -inf."""
+        logits = F.linear(hidden, self.weight)
+        pad = self.vocab_start + self.shard_size - self.vocab_size
+        if pad > 0:
+            logits[..., max(0, self.shard_size - pad) :] = float("-inf")
+        return logits

@@ -1,6 +1,12 @@
 """Tensor-parallel linear layers. Parameters are created at shard size; each carries a
 `weight_loader(param, loaded_weight[, shard_id])` that narrows the full checkpoint tensor to
-this rank's shard. No bias: Llama checkpoints we support are bias-free."""
+this rank's shard. `loaded_weight` is a tensor or anything with `.narrow(dim, start, length)`
+that returns one (models/loader.py passes lazy safetensors slices, so a rank reads only its
+own part of each tensor); `copy_` converts the dtype. No bias: Llama checkpoints we support
+are bias-free.
+
+Column-parallel layers (qkv_proj, gate_up_proj) keep their output sharded; the row-parallel
+ones (o_proj, down_proj) take it sharded and sum the partial outputs with one all-reduce."""
 
 from __future__ import annotations
 

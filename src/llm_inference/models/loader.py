@@ -2,7 +2,10 @@
 
 Weights are streamed one tensor at a time (safetensors are memory-mapped) and copied straight
 into the shard-sized parameters on the target device through each parameter's
-`weight_loader`; the whole checkpoint is never held in host memory. Before any tensor is read,
+`weight_loader`; the whole checkpoint is never held in host memory. Under tensor parallelism
+each safetensors tensor reaches the loaders as a `LazySlice`: a rank's loader narrows it to its
+own part, and only that part is read from the file (GGUF tensors are dequantized whole, then
+narrowed). Before any tensor is read,
 the names and shapes in the checkpoint headers are checked against what the config implies,
 and every problem is reported in one error.
 """
@@ -129,21 +132,43 @@ def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+class LazySlice:
+    """A checkpoint tensor not read yet: `narrow(dim, start, length)` reads only that part
+    (through safetensors' `get_slice`), `materialize()` reads it all."""
+
+    def __init__(self, sf_slice) -> None:
+        self._slice = sf_slice
+        self.shape = tuple(sf_slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        dim = dim % len(self.shape)
+        if not (0 <= start and start + length <= self.shape[dim]):
+            raise IndexError(f"narrow({dim}, {start}, {length}) outside shape {self.shape}")
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self._slice[index]
+
+    def materialize(self) -> torch.Tensor:
+        return self._slice[:]
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, LazySlice]]:
     from safetensors import safe_open
 
     for f in files:
         with safe_open(f, framework="pt") as sf:
             for name in sf.keys():
-                yield name, sf.get_tensor(name)
+                yield name, LazySlice(sf.get_slice(name))
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy Hugging Face-named tensors into the model's (fused, sharded) parameters."""
+def load_weights(
+    model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor | LazySlice]]
+) -> None:
+    """Copy Hugging Face-named tensors (or lazy slices of them) into the model's (fused,
+    sharded) parameters; a sharded parameter's loader reads only its rank's part."""
     params = dict(model.named_parameters())
     for hf_name, tensor in weights:
         if _ignored(hf_name, model.config):
@@ -155,8 +180,13 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
                 name, shard_id = name.replace(ckpt_part, fused), sid
                 break
         param = params[name]
-        loader = getattr(param, "weight_loader", default_weight_loader)
-        tensor = tensor.to(param.dtype)
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:  # replicated (norms): read whole
+            loader = default_weight_loader
+            if isinstance(tensor, LazySlice):
+                tensor = tensor.materialize()
+        if isinstance(tensor, torch.Tensor):
+            tensor = tensor.to(param.dtype)
         loader(param, tensor) if shard_id is None else loader(param, tensor, shard_id)
 
 

@@ -1,0 +1,78 @@
+"""On 2+ GPUs: TP=2 (one process per GPU, NCCL; collectives captured in the decode CUDA
+graphs, or eager) gives the same greedy tokens as TP=1 on a small random half-precision model.
+
+The LM head is sharpened (as in tests/engine/test_triton_engine.py) so that near-ties, where
+the different summation order of the all-reduce may legitimately flip an argmax, are rare:
+float16 must agree exactly; bfloat16 (8x coarser rounding) may part only at a near-tie."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_checkpoint
+from safetensors.torch import load_file, save_file
+from tp_helpers import child_processes
+
+from llm_inference import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+]
+
+NEAR_TIE = 0.3  # bfloat16: log-probability gap under which the argmax may flip
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    folder = make_checkpoint(
+        tmp_path_factory.mktemp("tp_cuda"),
+        hidden_size=512,
+        intermediate_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_hidden_layers=3,
+    )
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    tensors["lm_head.weight"] *= 4.0
+    save_file(tensors, path)
+    return folder
+
+
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(2, 320, (n,), generator=g).tolist() for n in (1, 7, 33, 120, 250, 64)]
+
+
+def generate(folder, dtype, tp, eager):
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=5)
+    with LLM(
+        str(folder),
+        device="cuda",
+        dtype=dtype,
+        tensor_parallel_size=tp,
+        kv_cache_memory_bytes=64 << 20,
+        enforce_eager=eager,
+        max_num_seqs=8,
+    ) as llm:
+        assert llm.engine.executor.collective_rpc("uses_cuda_graphs") == [not eager] * tp
+        return llm.generate(prompts(), params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tp2_greedy_equals_tp1(folder, dtype):
+    ref = generate(folder, dtype, 1, eager=False)
+    for eager in (False, True):
+        got = generate(folder, dtype, 2, eager)
+        for i, (a, b) in enumerate(zip(got, ref)):
+            x, y = a.token_ids, b.token_ids
+            if dtype == "float16":
+                assert x == y, f"prompt {i} (eager={eager})"
+                continue
+            j = next((k for k in range(len(x)) if x[k] != y[k]), None)
+            if j is not None:
+                top = b.outputs[0].logprobs[j].top
+                assert x[j] in top and top[y[j]] - top[x[j]] < NEAR_TIE, f"prompt {i} step {j}"
+    assert child_processes() == []

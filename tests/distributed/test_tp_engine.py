@@ -1,0 +1,241 @@
+"""Tensor parallelism end to end on the CPU (gloo), tiny random model (4 heads, 2 KV heads):
+TP=2 equals TP=1 (greedy under preemption, seeded sampling, a mixed batch with logprobs and
+penalties); worker processes never outlive the LLM (context manager, exceptions, a killed
+worker, Ctrl-C, an LLM never closed, a parent that dies); clear errors for sizes that do not
+fit. Engine instances are few: each start spawns processes that import torch."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+from tp_helpers import child_processes, is_running, wait_gone
+
+from llm_inference import LLM
+from llm_inference.executor import multiproc
+from llm_inference.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+PROMPTS = [
+    [1, 5, 9, 20],
+    [3, 4],
+    list(range(10, 50)),
+    [7] * 13,
+    list(range(100, 300, 7)),
+    [42],
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+# Per rank: TP=2 holds half the KV heads, so the same bytes give twice the blocks: TP=1 gets
+# 4 blocks (one 64-token request), TP=2 gets 8; both preempt on this batch.
+BLOCK_BYTES_TP1 = 2 * 2 * 16 * 2 * 16 * 4  # layers * (K, V) * block * kv heads * head_dim * 4
+ENGINE = dict(device="cpu", kv_cache_memory_bytes=4 * BLOCK_BYTES_TP1, max_model_len=64)
+
+
+def seeded(i: int) -> SamplingParams:
+    return SamplingParams(temperature=0.8, seed=1000 + i, max_tokens=24, ignore_eos=True)
+
+
+MIXED = [
+    GREEDY,
+    seeded(1),
+    SamplingParams(temperature=0.0, max_tokens=12, logprobs=3),
+    SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=5, max_tokens=16),
+    SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=16),
+    SamplingParams(temperature=0.0, min_tokens=8, max_tokens=16),
+]
+
+
+def run_all(llm: LLM) -> dict:
+    gen = lambda params: llm.generate(PROMPTS, params, use_tqdm=False)  # noqa: E731
+    out = {
+        "greedy": [o.token_ids for o in gen(GREEDY)],
+        "seeded": [o.token_ids for o in gen([seeded(i) for i in range(len(PROMPTS))])],
+    }
+    mixed = gen(MIXED)
+    out["mixed"] = [o.token_ids for o in mixed]
+    out["logprobs"] = [o.outputs[0].logprobs for o in mixed]
+    out["stats"] = llm.stats()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_ckpt):
+    results = {}
+    for tp in (1, 2):
+        with LLM(str(tiny_ckpt), tensor_parallel_size=tp, **ENGINE) as llm:
+            results[tp] = run_all(llm)
+            results[tp]["pids"] = llm.engine.executor.worker_pids
+            results[tp]["alive"] = [is_running(p) for p in results[tp]["pids"]]
+        results[tp]["children_after"] = child_processes()
+    return results
+
+
+def test_greedy_under_preemption_matches_tp1(runs):
+    assert runs[2]["greedy"] == runs[1]["greedy"]
+    assert all(len(t) == 24 for t in runs[2]["greedy"])
+    assert runs[1]["stats"]["num_preemptions"] > 0
+    assert runs[2]["stats"]["num_preemptions"] > 0
+    assert runs[2]["stats"]["num_kv_blocks"] == 2 * runs[1]["stats"]["num_kv_blocks"]
+
+
+def test_seeded_sampling_matches_tp1(runs):
+    assert runs[2]["seeded"] == runs[1]["seeded"]
+    assert runs[2]["seeded"] != runs[2]["greedy"]
+
+
+def test_mixed_batch_matches_tp1(runs):
+    """Greedy rows with penalties, min_tokens or logprobs take the full-logits path."""
+    assert runs[2]["mixed"] == runs[1]["mixed"]
+    lp1, lp2 = runs[1]["logprobs"][2], runs[2]["logprobs"][2]
+    assert lp1 and len(lp1) == len(lp2)
+    for a, b in zip(lp1, lp2):
+        assert a.token_id == b.token_id and set(a.top) == set(b.top)
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+def test_context_manager_leaves_no_process(runs):
+    assert len(runs[2]["pids"]) == 2 and all(runs[2]["alive"])
+    assert not any(is_running(p) for p in runs[2]["pids"])
+    assert runs[2]["children_after"] == []
+
+
+def test_worker_killed_mid_generate_raises_quickly(tiny_ckpt):
+    killed_at = []
+
+    def kill_later(pid):
+        time.sleep(1.0)
+        killed_at.append(time.monotonic())
+        os.kill(pid, signal.SIGKILL)
+
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    with pytest.raises(multiproc.WorkerError, match=r"rank 1 .*died.*SIGKILL") as info:
+        with LLM(str(tiny_ckpt), tensor_parallel_size=2, device="cpu", max_model_len=512) as llm:
+            pids = llm.engine.executor.worker_pids
+            threading.Thread(target=kill_later, args=(pids[1],), daemon=True).start()
+            llm.generate(PROMPTS * 4, long, use_tqdm=False)
+    assert killed_at and time.monotonic() - killed_at[0] < 10.0
+    del info
+    assert wait_gone(pids, 1.0) == []
+    assert child_processes() == []
+
+
+def test_interrupt_keeps_ranks_in_step_and_finalizer_stops_workers(tiny_ckpt, runs, monkeypatch):
+    """Ctrl-C: workers ignore SIGINT; a KeyboardInterrupt while the parent waits for a step
+    leaves the engine usable (the next call collects the late replies). An LLM never closed
+    stops its workers when collected."""
+    llm = LLM(str(tiny_ckpt), tensor_parallel_size=2, **ENGINE)
+    pids = llm.engine.executor.worker_pids
+    for pid in pids:
+        os.kill(pid, signal.SIGINT)
+    real_wait, calls = multiproc.wait_connections, []
+
+    def interrupted_wait(conns, timeout):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real_wait(conns, timeout)
+
+    monkeypatch.setattr(multiproc, "wait_connections", interrupted_wait)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert all(is_running(p) for p in pids)
+    monkeypatch.setattr(multiproc, "wait_connections", real_wait)
+    # An exception on the ranks comes back with its traceback; the ranks stay usable.
+    with pytest.raises(multiproc.WorkerError, match=r"rank 0 raised in no_such_method(.|\n)*"):
+        llm.engine.executor.collective_rpc("no_such_method")
+    again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in again] == runs[1]["greedy"]
+    del llm, again
+    gc.collect()
+    assert wait_gone(pids, 1.0) == []
+    assert child_processes() == []
+
+
+def test_exception_inside_with_leaves_no_process(tiny_ckpt):
+    with pytest.raises(ZeroDivisionError):
+        with LLM(str(tiny_ckpt), tensor_parallel_size=2, **ENGINE) as llm:
+            pids = llm.engine.executor.worker_pids
+            llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+            1 / 0  # noqa: B018
+    assert wait_gone(pids, 1.0) == []
+    assert child_processes() == []
+
+
+SCRIPT = """
+import json, sys, time
+from llm_inference import LLM
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, device="cpu", max_model_len=64)
+    print(json.dumps(llm.engine.executor.worker_pids), flush=True)
+    if sys.argv[2] == "hang":
+        time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("how", ["exit_without_close", "parent_killed"])
+def test_workers_never_outlive_their_parent(tiny_ckpt, tmp_path, how):
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    mode = "exit" if how == "exit_without_close" else "hang"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tiny_ckpt), mode], stdout=subprocess.PIPE, env=env
+    )
+    try:
+        pids = json.loads(proc.stdout.readline())
+        assert len(pids) == 2
+        if how == "parent_killed":
+            proc.kill()
+        assert proc.wait(30) in (0, -signal.SIGKILL)
+        assert wait_gone(pids, 10.0) == []
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_sizes_that_do_not_fit_give_clear_errors(tiny_ckpt, monkeypatch):
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible"):
+        LLM(str(tiny_ckpt), tensor_parallel_size=3, device="cpu")
+    cap = multiproc.CPU_RANKS_PER_CORE * os.cpu_count()
+    with pytest.raises(ValueError, match=rf"at most {cap} ranks"):
+        LLM(str(tiny_ckpt), tensor_parallel_size=cap + 4, device="cpu")
+    # CUDA: the visible GPU count (checked without a GPU here)
+    llm_config = replace(_config(tiny_ckpt, 2), device="cuda")  # nothing touches CUDA
+    monkeypatch.setattr(multiproc.torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="needs 2 CUDA devices .* only 1 are visible"):
+        multiproc.check_parallel_config(llm_config)
+    assert child_processes() == []
+
+
+def _config(path, tp):
+    from llm_inference.config import create_engine_config
+
+    return create_engine_config(str(path), device="cpu", tensor_parallel_size=tp)
+
+
+def test_worker_start_up_error_is_reported_and_cleaned_up(tiny_ckpt, tmp_path):
+    """A checkpoint that fails in the workers (a tensor missing): the worker's own error text,
+    and no process left."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_ckpt, broken)
+    path = broken / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path)
+    with pytest.raises(multiproc.WorkerError, match=r"(?s)start-up.*missing tensors"):
+        LLM(str(broken), tensor_parallel_size=2, device="cpu", max_model_len=64)
+    assert child_processes() == []
