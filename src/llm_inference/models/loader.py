@@ -229,7 +229,7 @@ def load_model(
     if is_gguf(path):
         from llm_inference.models.gguf import iter_gguf_weights
 
-        weights = iter_gguf_weights(path, dtype)
+        weights = iter_gguf_weights(path, dtype, config)  # checks the tensors first
     else:
         files = safetensors_files(path)
         check_shapes(safetensors_shapes(files), config, str(path))
