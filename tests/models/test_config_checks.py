@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from bounded import run_bounded
 from helpers import make_checkpoint
 
 from llm_inference.config import CheckpointError, ModelConfig
+from llm_inference.models import loader
 from llm_inference.models.loader import load_model, load_tokenizer, safetensors_files
 
 BASE = {
@@ -120,11 +122,20 @@ def test_config_that_is_not_an_object(tmp_path):
 
 def test_huge_layer_count_fails_fast_before_allocation(folder):
     _edit(folder / "config.json", lambda c: c.update(num_hidden_layers=10**9))
-    with pytest.raises(CheckpointError, match="num_hidden_layers"):
-        load_model(folder)
+    (result,) = run_bounded([("model", folder)], timeout=60)  # memory-bounded subprocess
+    assert result["outcome"] == "CheckpointError" and result["seconds"] < 10, result
+    assert "num_hidden_layers (1000000000) is at most 1024 here" in result["detail"]
 
 
-def test_config_inconsistent_with_weights_is_refused_before_allocation(folder):
+@pytest.fixture
+def no_allocation(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was allocated before the checkpoint was checked")
+
+    monkeypatch.setattr(loader, "LlamaForCausalLM", refuse)
+
+
+def test_config_inconsistent_with_weights_is_refused_before_allocation(folder, no_allocation):
     # Sane on its own, but the weight headers hold 2 layers of hidden size 64.
     _edit(folder / "config.json", lambda c: c.update(num_hidden_layers=3, vocab_size=1000))
     with pytest.raises(CheckpointError, match=r"missing tensors: model\.layers\.2\..*\(1000, 64\)"):

@@ -288,7 +288,10 @@ def _open(path: str | os.PathLike):
         raise
     except Exception as e:  # the reader fails in numpy (reshape, view, index) on short data
         raise CheckpointError(f"{p}: truncated or corrupt GGUF file ({e})") from e
-    arch = _value(reader, "general.architecture", None, str)
+    try:
+        arch = _value(reader, "general.architecture", None, str)
+    except CheckpointError as e:
+        raise CheckpointError(f"{p}: {e}") from None
     if arch != "llama":
         raise CheckpointError(
             f"{p}: GGUF architecture {arch!r} is not supported; only 'llama' is "
