@@ -1,18 +1,39 @@
 """Frozen configuration dataclasses, built once and never mutated.
 
-`ModelConfig` comes from a checkpoint's `config.json` (or GGUF metadata, see models/gguf.py);
-the others describe the engine: cache, scheduler, parallelism.
+`ModelConfig` comes from a checkpoint's `config.json` (plus the end-of-sequence ids of its
+`generation_config.json`), or from GGUF metadata (see models/gguf.py); the others describe the
+engine: cache, scheduler, parallelism. Every `ModelConfig` is validated when built (types,
+ranges, consistency), so that nothing is sized from an absurd value.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+
+# Inclusive ranges of the size fields: generous for every released Llama-architecture model
+# (Llama 3.1 405B: hidden 16384, intermediate 53248, 126 layers, 128 heads; vocabularies up to
+# a few hundred thousand), small enough that no bogus value sizes a huge allocation.
+# max_position_embeddings also sizes the rotary cos/sin table ([positions, head_dim] float32).
+SIZE_LIMITS = {
+    "hidden_size": (1, 1 << 17),
+    "num_hidden_layers": (1, 1024),
+    "num_attention_heads": (1, 1024),
+    "num_key_value_heads": (1, 1024),
+    "head_dim": (2, 1024),
+    "intermediate_size": (1, 1 << 20),
+    "vocab_size": (1, 1 << 22),
+    "max_position_embeddings": (1, 1 << 20),
+}
+# JSON side files (config.json, generation_config.json, the safetensors index) larger than
+# this are refused before they are read.
+MAX_JSON_BYTES = 64 << 20
 
 
 def cdiv(a: int, b: int) -> int:
@@ -24,6 +45,39 @@ class CheckpointError(ValueError):
     """A checkpoint folder or file that cannot be loaded: the message names the problem."""
 
 
+def is_int(value: Any) -> bool:
+    """An integer proper (JSON 2, not 2.0, "2" or true)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def read_json_file(path: Path, what: str = "") -> Any:
+    """The JSON value in `path`; CheckpointError (naming the file) if it is too large, not
+    UTF-8 or not JSON."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_JSON_BYTES:
+            raise CheckpointError(f"{path} is too large ({size} bytes) for a {what or 'JSON'} file")
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from e
+
+
+def _token_ids(value: Any, key: str) -> tuple[int, ...]:
+    """`eos_token_id` as JSON spells it (null, an id, or a list of ids) as a tuple."""
+    if value is None:
+        return ()
+    ids = value if isinstance(value, list) else [value]
+    if not all(is_int(i) for i in ids):
+        raise CheckpointError(f"{key} must be an integer or a list of integers, not {value!r}")
+    return tuple(ids)
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Llama 3.x ("llama3") frequency scaling of RoPE."""
@@ -33,6 +87,23 @@ class RopeScaling:
     high_freq_factor: float
     original_max_position_embeddings: int
     rope_type: str = "llama3"
+
+    def __post_init__(self) -> None:
+        problems = []
+        for key in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, key)
+            if not is_number(value) or not math.isfinite(value) or value <= 0:
+                problems.append(f"{key} must be a positive finite number, not {value!r}")
+        if not problems and self.high_freq_factor <= self.low_freq_factor:
+            problems.append(
+                f"high_freq_factor ({self.high_freq_factor}) must be greater than "
+                f"low_freq_factor ({self.low_freq_factor})"
+            )
+        orig = self.original_max_position_embeddings
+        if not is_int(orig) or not 1 <= orig <= SIZE_LIMITS["max_position_embeddings"][1]:
+            problems.append(f"original_max_position_embeddings is out of range: {orig!r}")
+        if problems:
+            raise CheckpointError("invalid llama3 rope scaling: " + "; ".join(problems))
 
 
 @dataclass(frozen=True)
@@ -55,11 +126,9 @@ class ModelConfig:
     model_type: str = "llama"
 
     def __post_init__(self) -> None:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise CheckpointError(
-                f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
+        problems = _problems(self)
+        if problems:
+            raise CheckpointError("invalid model configuration: " + "; ".join(problems))
 
     @property
     def q_size(self) -> int:
@@ -71,87 +140,204 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> ModelConfig:
+        """The config of a Hugging Face folder: `config.json`, with the `eos_token_id` of
+        `generation_config.json` (when present) added to `eos_token_ids` after config.json's
+        own, as transformers' generate() and vLLM do (Llama 3 Instruct lists <|eot_id|> only
+        there)."""
         folder = Path(path)
         if not folder.exists():
             raise CheckpointError(f"checkpoint path does not exist: {folder}")
         cfg_file = folder / "config.json"
         if not cfg_file.is_file():
             raise CheckpointError(f"no config.json in checkpoint folder {folder}")
-        try:
-            data = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from e
+        data = read_json_file(cfg_file, "config.json")
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{cfg_file}: config.json must hold a JSON object")
+        gen_file = folder / "generation_config.json"
+        if gen_file.is_file():
+            gen = read_json_file(gen_file, "generation_config.json")
+            if not isinstance(gen, dict):
+                raise CheckpointError(f"{gen_file} must hold a JSON object")
+            try:
+                extra = _token_ids(gen.get("eos_token_id"), "eos_token_id")
+            except CheckpointError as e:
+                raise CheckpointError(f"{gen_file}: {e}") from None
+            if extra:
+                try:
+                    own = _token_ids(data.get("eos_token_id"), "eos_token_id")
+                except CheckpointError as e:
+                    raise CheckpointError(f"{cfg_file}: {e}") from None
+                merged = list(dict.fromkeys(own + extra))
+                data = {**data, "eos_token_id": merged}
         return cls.from_dict(data, source=str(cfg_file))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> ModelConfig:
+        """A ModelConfig from a transformers config dict; CheckpointError naming the key for
+        any missing, mistyped, out-of-range or inconsistent value."""
+        try:
+            return cls._from_dict(d, source)
+        except CheckpointError as e:
+            if str(e).startswith(source):
+                raise
+            raise CheckpointError(f"{source}: {e}") from None
+
+    @classmethod
+    def _from_dict(cls, d: dict[str, Any], source: str) -> ModelConfig:
+        if not isinstance(d, dict):
+            raise CheckpointError(f"the config must be a JSON object, not {type(d).__name__}")
         model_type = d.get("model_type")
         if model_type != "llama":
             raise CheckpointError(
-                f"{source}: unsupported model_type {model_type!r}; only 'llama' "
+                f"unsupported model_type {model_type!r}; only 'llama' "
                 f"({', '.join(SUPPORTED_ARCHITECTURES)}) is supported"
             )
         for key in ("attention_bias", "mlp_bias"):
             if d.get(key):
-                raise CheckpointError(f"{source}: {key}=true is not supported (bias-free only)")
+                raise CheckpointError(f"{key}=true is not supported (bias-free only)")
 
-        def req(key: str) -> Any:
-            if key not in d or d[key] is None:
-                raise CheckpointError(f"{source}: missing required config key {key!r}")
-            return d[key]
+        def integer(key: str, default: Any = None) -> int:
+            value = d.get(key)
+            if value is None:
+                if default is None:
+                    raise CheckpointError(f"missing required config key {key!r}")
+                return default
+            if not is_int(value):
+                raise CheckpointError(f"{key} must be an integer, not {value!r}")
+            return value
 
-        hidden = int(req("hidden_size"))
-        heads = int(req("num_attention_heads"))
-        kv_heads = int(d.get("num_key_value_heads") or heads)
-        head_dim = d.get("head_dim") or hidden // heads
+        def number(key: str, default: float) -> float:
+            value = d.get(key)
+            if value is None:
+                return default
+            if not is_number(value):
+                raise CheckpointError(f"{key} must be a number, not {value!r}")
+            try:
+                return float(value)
+            except OverflowError:
+                raise CheckpointError(f"{key} is out of range: {value!r}") from None
+
+        hidden = integer("hidden_size")
+        heads = integer("num_attention_heads")
+        if d.get("head_dim") is None:
+            if heads < 1:
+                raise CheckpointError(f"num_attention_heads must be at least 1, not {heads}")
+            if hidden % heads:
+                raise CheckpointError(
+                    f"hidden_size ({hidden}) is not divisible by num_attention_heads ({heads}) "
+                    "and the config has no head_dim"
+                )
+        head_dim = integer("head_dim", hidden // max(heads, 1))
         rope_theta, rope_scaling = _parse_rope(d, source)
-        eos = d.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        tie = d.get("tie_word_embeddings", False)
+        if not isinstance(tie, bool):
+            raise CheckpointError(f"tie_word_embeddings must be true or false, not {tie!r}")
+        bos = d.get("bos_token_id")
+        if bos is not None and not is_int(bos):
+            raise CheckpointError(f"bos_token_id must be an integer or null, not {bos!r}")
         dtype = d.get("torch_dtype") or d.get("dtype") or "float32"
+        if not isinstance(dtype, str):
+            raise CheckpointError(f"torch_dtype must be a string, not {dtype!r}")
         return cls(
             hidden_size=hidden,
-            num_hidden_layers=int(req("num_hidden_layers")),
+            num_hidden_layers=integer("num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=int(head_dim),
-            intermediate_size=int(req("intermediate_size")),
-            vocab_size=int(req("vocab_size")),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            num_key_value_heads=integer("num_key_value_heads", heads),
+            head_dim=head_dim,
+            intermediate_size=integer("intermediate_size"),
+            vocab_size=integer("vocab_size"),
+            rms_norm_eps=number("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=tuple(int(e) for e in eos_ids),
-            torch_dtype=str(dtype),
+            tie_word_embeddings=tie,
+            max_position_embeddings=integer("max_position_embeddings", 2048),
+            bos_token_id=bos,
+            eos_token_ids=_token_ids(d.get("eos_token_id"), "eos_token_id"),
+            torch_dtype=dtype,
         )
+
+
+def _problems(c: ModelConfig) -> list[str]:
+    """Every type, range and consistency problem of a ModelConfig's fields."""
+    problems = []
+    for key, (low, high) in SIZE_LIMITS.items():
+        value = getattr(c, key)
+        if not is_int(value):
+            problems.append(f"{key} must be an integer, not {value!r}")
+        elif value < low:
+            problems.append(f"{key} ({value}) must be at least {low}")
+        elif value > high:
+            problems.append(f"{key} ({value}) is at most {high} here")
+    if not problems:
+        if c.head_dim % 2:
+            problems.append(f"head_dim ({c.head_dim}) must be even (rotary embeddings)")
+        if c.num_attention_heads % c.num_key_value_heads:
+            problems.append(
+                f"num_attention_heads ({c.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({c.num_key_value_heads})"
+            )
+    for key in ("rms_norm_eps", "rope_theta"):
+        value = getattr(c, key)
+        if not is_number(value) or not math.isfinite(value) or value <= 0:
+            problems.append(f"{key} must be a positive finite number, not {value!r}")
+    if not isinstance(c.tie_word_embeddings, bool):
+        problems.append(f"tie_word_embeddings must be true or false: {c.tie_word_embeddings!r}")
+    if c.bos_token_id is not None and (not is_int(c.bos_token_id) or c.bos_token_id < 0):
+        problems.append(f"bos_token_id must be a non-negative integer, not {c.bos_token_id!r}")
+    eos = c.eos_token_ids
+    if not isinstance(eos, tuple) or not all(is_int(i) and i >= 0 for i in eos):
+        problems.append(f"eos_token_id must be non-negative integers, not {eos!r}")
+    if c.rope_scaling is not None and not isinstance(c.rope_scaling, RopeScaling):
+        problems.append(f"rope_scaling must be a RopeScaling, not {c.rope_scaling!r}")
+    if not isinstance(c.torch_dtype, str):
+        problems.append(f"torch_dtype must be a string, not {c.torch_dtype!r}")
+    return problems
 
 
 def _parse_rope(d: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
     """Read rope_theta and scaling from `rope_scaling` (transformers 4) or `rope_parameters` (5)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if d.get(key) is not None and not isinstance(d[key], dict):
+            raise CheckpointError(f"{key} must be an object (or null), not {d[key]!r}")
     params = d.get("rope_parameters") or {}
     scaling = d.get("rope_scaling") or None
-    theta = float(d.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    theta = d.get("rope_theta")
+    if theta is None:
+        theta = params.get("rope_theta")
+    if theta is None:
+        theta = 10000.0
+    if not is_number(theta) or not math.isfinite(theta) or theta <= 0:
+        raise CheckpointError(f"rope_theta must be a positive finite number, not {theta!r}")
+    theta = float(theta)
     if scaling is None and params.get("rope_type", "default") != "default":
         scaling = params
     if not scaling:
         return theta, None
+    where = "rope_scaling" if scaling is d.get("rope_scaling") else "rope_parameters"
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if not isinstance(kind, str):
+        raise CheckpointError(f"{where}.rope_type must be a string, not {kind!r}")
     if kind == "default":
         return theta, None
     if kind != "llama3":
+        raise CheckpointError(f"unsupported rope scaling type {kind!r}; supported: none, 'llama3'")
+    values = {}
+    for key in ("factor", "low_freq_factor", "high_freq_factor"):
+        if key not in scaling:
+            raise CheckpointError(f"llama3 rope scaling is missing key {key!r}")
+        if not is_number(scaling[key]):
+            raise CheckpointError(f"{where}.{key} must be a number, not {scaling[key]!r}")
+        values[key] = float(scaling[key])
+    orig = scaling.get("original_max_position_embeddings")
+    if orig is None:
         raise CheckpointError(
-            f"{source}: unsupported rope scaling type {kind!r}; supported: none, 'llama3'"
+            "llama3 rope scaling is missing key 'original_max_position_embeddings'"
         )
-    try:
-        return theta, RopeScaling(
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling["low_freq_factor"]),
-            high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+    if not is_int(orig):
+        raise CheckpointError(
+            f"{where}.original_max_position_embeddings must be an integer, not {orig!r}"
         )
-    except KeyError as e:
-        raise CheckpointError(f"{source}: llama3 rope scaling is missing key {e}") from e
+    return theta, RopeScaling(original_max_position_embeddings=orig, **values)
 
 
 @dataclass(frozen=True)

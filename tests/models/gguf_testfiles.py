@@ -79,11 +79,13 @@ def write_llama_gguf(
     arch: str = "llama",
     metadata: dict | None = None,
     tokenizer: bool = True,
+    drop: tuple[str, ...] = (),
 ) -> Path:
     """Write the checkpoint in `folder` (transformers format) as a llama GGUF at `path`.
 
     qtypes: HF name -> quantization type (default F32); raw: HF name -> (already quantized
-    bytes, type), replacing that weight; extra_tensors: GGUF name -> float32 array.
+    bytes, type), replacing that weight; extra_tensors: GGUF name -> float32 array; drop: HF
+    names of tensors left out.
     """
     config, state = read_checkpoint(folder)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -111,6 +113,8 @@ def write_llama_gguf(
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
     for name, tensor in state.items():
+        if name in drop:
+            continue
         if name.endswith("q_proj.weight"):
             tensor = llama_cpp_permute(tensor, heads)
         elif name.endswith("k_proj.weight"):
@@ -169,3 +173,41 @@ def constant_k_blocks(qtype: Q, rows: int, cols: int, seed: int = 0):
     data = np.stack([b for b, _ in blocks]).reshape(rows, -1)
     values = np.repeat(np.array([v for _, v in blocks], np.float32), 256).reshape(rows, cols)
     return data, values
+
+
+# ---- raw GGUF headers, for malformed files --------------------------------------------------
+
+
+def u32(n: int) -> bytes:
+    return int(n).to_bytes(4, "little")
+
+
+def u64(n: int) -> bytes:
+    return int(n).to_bytes(8, "little")
+
+
+def gguf_str(text: str | bytes) -> bytes:
+    data = text.encode() if isinstance(text, str) else text
+    return u64(len(data)) + data
+
+
+def raw_gguf(kvs: list[bytes], tensors: list[bytes] = (), tensor_count=None, kv_count=None):
+    """GGUF v3 header bytes: magic, version, counts (the real ones unless given), the
+    already-encoded key/value entries and tensor infos; no data."""
+    n_t = len(tensors) if tensor_count is None else tensor_count
+    n_kv = len(kvs) if kv_count is None else kv_count
+    return b"GGUF" + u32(3) + u64(n_t) + u64(n_kv) + b"".join(kvs) + b"".join(tensors)
+
+
+def kv_string(key: str, value: str | bytes) -> bytes:
+    return gguf_str(key) + u32(8) + gguf_str(value)
+
+
+def kv_array(key: str, item_type: int, count: int, payload: bytes = b"") -> bytes:
+    return gguf_str(key) + u32(9) + u32(item_type) + u64(count) + payload
+
+
+def tensor_info(name: str, dims: list[int], qtype: int, offset: int) -> bytes:
+    return (
+        gguf_str(name) + u32(len(dims)) + b"".join(u64(d) for d in dims) + u32(qtype) + u64(offset)
+    )

@@ -313,6 +313,10 @@ def test_explicit_model_wins(monkeypatch, tmp_path):
     assert dm.resolve_model("some/folder") == "some/folder"
 
 
+def _cache_entries(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name != ".locks")
+
+
 def test_default_model_converted_once_then_cached(monkeypatch, tmp_path, fake_default):
     calls = []
     real = gguf_mod.convert_gguf_to_hf
@@ -323,12 +327,15 @@ def test_default_model_converted_once_then_cached(monkeypatch, tmp_path, fake_de
     assert folder.parent == tmp_path / "cache" / "llm_inference"
     assert folder.name.startswith("SmolLM2-135M-Instruct-")
     assert ModelConfig.from_pretrained(folder).torch_dtype == "float32"
-    assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no temporaries left
+    assert _cache_entries(folder.parent) == [folder.name]  # no temporaries left
     assert dm.resolve_model(None) == str(folder) and len(calls) == 1
-    os.utime(fake_default, ns=(1, 1))  # as a new package version would: convert again
+    os.utime(fake_default, ns=(1, 1))  # the same file reinstalled: the key is its content
+    assert dm.resolve_model(None) == str(folder) and len(calls) == 1
+    monkeypatch.setattr(dm, "_FORMAT_VERSION", dm._FORMAT_VERSION + 1)  # a new converter
     again = Path(dm.resolve_model(None))
     assert len(calls) == 2 and again != folder
-    assert [p.name for p in again.parent.iterdir()] == [again.name]  # the old one removed
+    # The old folder stays: another environment may use it (pruned after days unused).
+    assert _cache_entries(again.parent) == sorted([folder.name, again.name])
 
 
 def test_failed_conversion_leaves_no_folder(monkeypatch, tmp_path, fake_default):
@@ -339,7 +346,7 @@ def test_failed_conversion_leaves_no_folder(monkeypatch, tmp_path, fake_default)
     monkeypatch.setattr(gguf_mod, "convert_gguf_to_hf", broken)
     with pytest.raises(RuntimeError, match="disk full"):
         dm.resolve_model(None)
-    assert list((tmp_path / "cache" / "llm_inference").iterdir()) == []
+    assert _cache_entries(tmp_path / "cache" / "llm_inference") == []
 
 
 def test_missing_package_names_the_pip_command(monkeypatch, tmp_path):

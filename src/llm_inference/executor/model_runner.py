@@ -11,11 +11,8 @@ from llm_inference.core.outputs import ModelRunnerOutput, SchedulerOutput
 from llm_inference.distributed.parallel_state import get_tp_rank, get_tp_size
 from llm_inference.executor.cuda_graph import DecodeGraphs
 from llm_inference.executor.input_batch import InputBatch, InputBuffers, StepInputs
-<<<<<<< HEAD
 from llm_inference.executor.pending import PendingOutput
-=======
 from llm_inference.executor.tp_sampling import sample_tensor_parallel
->>>>>>> tp
 from llm_inference.kernels import get_ops
 from llm_inference.layers.sampler import Sampler, SamplingMetadata
 from llm_inference.models.loader import load_model

@@ -13,6 +13,11 @@ package expects from a Hugging Face checkpoint:
   divisors, is recovered as `RopeScaling` (and checked to reproduce that tensor).
 
 Shapes: GGUF lists dimensions fastest-first (`[in, out]`); tensors here are `[out, in]`.
+
+Before the gguf package's reader sees a file, `scan_gguf_header` walks its header and checks
+every count, length and tensor extent against the file size (a tiny file declaring an array of
+2**40 elements would otherwise make the reader grow without bound); before any tensor data is
+read, the tensors' names and shapes are checked against the metadata's `ModelConfig`.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import mmap
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,6 +57,201 @@ _LAYER_NAMES = {
 _NOT_PARAMETERS = {"rope_freqs.weight"}
 _MISSING = object()
 
+# GGUF value types (gguf.GGUFValueType): fixed sizes of the scalar ones, STRING and ARRAY.
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_INT_TYPES = {0, 1, 2, 3, 4, 5, 10, 11}
+_FLOAT_TYPES = {6, 12}
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_MAX_ARRAY_DEPTH = 3
+# The gguf reader makes a few Python objects per array element: more than this many elements
+# (8M; vocabularies have a few hundred thousand) is refused, whatever the file size.
+_MAX_ARRAY_ITEMS = 1 << 23
+_VERSIONS = (2, 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    dims: tuple[int, ...]  # GGUF order: fastest-varying first
+    qtype: int
+    offset: int  # from the start of the file
+    nbytes: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """PyTorch order ([out, in] for a matrix)."""
+        return tuple(reversed(self.dims))
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFHeader:
+    version: int
+    keys: tuple[str, ...]
+    tensors: tuple[GGUFTensorInfo, ...]
+    alignment: int
+    data_offset: int
+
+
+class _Cursor:
+    """Bounds-checked little-endian reads from the file's bytes."""
+
+    def __init__(self, buf, path: Path):
+        self.buf, self.pos, self.end, self.path = buf, 0, len(buf), path
+
+    def fail(self, what: str):
+        raise CheckpointError(f"{self.path}: truncated or corrupt GGUF file: {what}")
+
+    def need(self, n: int, what: str) -> None:
+        if n > self.end - self.pos:
+            self.fail(
+                f"{what} at offset {self.pos} needs {n} bytes, but the file has "
+                f"{self.end - self.pos} left (file size {self.end} bytes)"
+            )
+
+    def uint(self, size: int, what: str) -> int:
+        self.need(size, what)
+        value = int.from_bytes(self.buf[self.pos : self.pos + size], "little")
+        self.pos += size
+        return value
+
+    def string(self, what: str) -> bytes:
+        n = self.uint(8, what)
+        if n > self.end - self.pos:
+            self.fail(
+                f"{what}: a string of {n} bytes at offset {self.pos} runs past the end of the "
+                f"file ({self.end} bytes)"
+            )
+        data = bytes(self.buf[self.pos : self.pos + n])
+        self.pos += n
+        return data
+
+    def text(self, what: str) -> str:
+        data = self.string(what)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            self.fail(f"{what} is not UTF-8: {data[:40]!r}")
+
+    def value(self, vtype: int, what: str, depth: int = 0) -> None:
+        """Skip one metadata value of type `vtype`, checking every length on the way."""
+        if vtype in _SCALAR_SIZES:
+            self.need(_SCALAR_SIZES[vtype], what)
+            self.pos += _SCALAR_SIZES[vtype]
+        elif vtype == _STRING:
+            self.string(what)
+        elif vtype == _ARRAY:
+            if depth >= _MAX_ARRAY_DEPTH:
+                self.fail(f"{what}: arrays nested more than {_MAX_ARRAY_DEPTH} deep")
+            itype = self.uint(4, what)
+            count = self.uint(8, what)
+            if itype not in _SCALAR_SIZES and itype not in (_STRING, _ARRAY):
+                self.fail(f"{what}: an array of unknown value type {itype}")
+            least = _SCALAR_SIZES.get(itype, 8 if itype == _STRING else 12)
+            if count > _MAX_ARRAY_ITEMS or count * least > self.end - self.pos:
+                self.fail(
+                    f"{what}: an array of {count} elements (at least {least} bytes each) at "
+                    f"offset {self.pos} does not fit in the file ({self.end} bytes) or exceeds "
+                    f"{_MAX_ARRAY_ITEMS} elements"
+                )
+            if itype in _SCALAR_SIZES:
+                self.pos += count * least
+            else:
+                for _ in range(count):
+                    self.value(itype, what, depth + 1)
+        else:
+            self.fail(f"{what} has an unknown value type {vtype}")
+
+
+def scan_gguf_header(path: str | os.PathLike) -> GGUFHeader:
+    """Walk the GGUF header of `path` without trusting any count: every length is checked
+    against the bytes that remain, every tensor's extent against the file size. CheckpointError
+    naming the first problem; nothing is allocated in proportion to a declared count."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    p = Path(path)
+    with open(p, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:
+            raise CheckpointError(f"{p}: truncated or corrupt GGUF file: only {size} bytes")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            c = _Cursor(buf, p)
+            if c.uint(4, "magic") != int.from_bytes(GGUF_MAGIC, "little"):
+                c.fail("bad magic")
+            version = c.uint(4, "version")
+            if version & 0xFFFF == 0:
+                raise CheckpointError(f"{p}: big-endian GGUF files are not supported")
+            if version not in _VERSIONS:
+                raise CheckpointError(
+                    f"{p}: GGUF version {version} is not supported (versions 2 and 3 are)"
+                )
+            n_tensors = c.uint(8, "tensor count")
+            n_kv = c.uint(8, "metadata count")
+            # A key/value takes at least 13 bytes, a tensor info at least 24.
+            if n_kv * 13 > size:
+                c.fail(f"metadata count {n_kv} is impossible in a file of {size} bytes")
+            if n_tensors * 24 > size:
+                c.fail(f"tensor count {n_tensors} is impossible in a file of {size} bytes")
+            keys: dict[str, None] = {}
+            alignment = 32
+            for _ in range(n_kv):
+                key = c.text("metadata key")
+                if key in keys:
+                    c.fail(f"metadata key {key!r} appears twice")
+                keys[key] = None
+                vtype = c.uint(4, f"metadata {key!r}")
+                if key == "general.alignment":
+                    if vtype != _UINT32:
+                        c.fail(f"general.alignment has value type {vtype}, not uint32")
+                    alignment = c.uint(4, "general.alignment")
+                    if alignment == 0 or alignment & (alignment - 1) or alignment > 1 << 20:
+                        c.fail(f"general.alignment {alignment} is not a power of two")
+                else:
+                    c.value(vtype, f"metadata {key!r}")
+            infos = []
+            for _ in range(n_tensors):
+                name = c.text("tensor name")
+                n_dims = c.uint(4, f"tensor {name!r}")
+                if not 1 <= n_dims <= _MAX_DIMS:
+                    c.fail(f"tensor {name!r} has {n_dims} dimensions (1 to {_MAX_DIMS} allowed)")
+                dims = tuple(c.uint(8, f"tensor {name!r}") for _ in range(n_dims))
+                qtype = c.uint(4, f"tensor {name!r}")
+                offset = c.uint(8, f"tensor {name!r}")
+                infos.append((name, dims, qtype, offset))
+            data_offset = -(-c.pos // alignment) * alignment
+    tensors, names = [], set()
+    for name, dims, qtype, offset in infos:
+        where = f"{p}: GGUF tensor {name!r}"
+        if name in names:
+            raise CheckpointError(f"{where} appears twice")
+        names.add(name)
+        try:
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+        except (ValueError, KeyError):
+            raise CheckpointError(f"{where} has an unknown type {qtype}") from None
+        if min(dims) < 1:
+            raise CheckpointError(f"{where} has a zero dimension: {list(dims)}")
+        if dims[0] % block:
+            raise CheckpointError(
+                f"{where}: its first dimension {dims[0]} is not a multiple of the block size "
+                f"{block} of type {GGMLQuantizationType(qtype).name}"
+            )
+        if offset % alignment:
+            raise CheckpointError(f"{where}: data offset {offset} is not {alignment}-aligned")
+        n = 1
+        for d in dims:
+            n *= d
+        nbytes = n // block * type_size
+        start = data_offset + offset
+        if start + nbytes > size:
+            raise CheckpointError(
+                f"{p}: truncated or corrupt GGUF file: tensor {name!r} of shape "
+                f"{list(reversed(dims))} ({nbytes} bytes at offset {start}) extends beyond "
+                f"the end of the file ({size} bytes)"
+            )
+        tensors.append(GGUFTensorInfo(name, dims, qtype, start, nbytes))
+    return GGUFHeader(version, tuple(keys), tuple(tensors), alignment, data_offset)
+
 
 def is_gguf_file(path: str | os.PathLike) -> bool:
     """True if `path` is a file starting with the GGUF magic bytes."""
@@ -68,7 +269,10 @@ def _read(path: str, size: int, mtime_ns: int):
     # iter_gguf_weights drops when it is done. Keyed by size and mtime.
     from gguf import GGUFReader
 
-    return GGUFReader(path)
+    header = scan_gguf_header(path)  # first: the reader trusts every count it reads
+    reader = GGUFReader(path)
+    reader.checked_header = header
+    return reader
 
 
 def _open(path: str | os.PathLike):
@@ -80,9 +284,14 @@ def _open(path: str | os.PathLike):
     st = p.stat()
     try:
         reader = _read(str(p.resolve()), st.st_size, st.st_mtime_ns)
+    except CheckpointError:
+        raise
     except Exception as e:  # the reader fails in numpy (reshape, view, index) on short data
         raise CheckpointError(f"{p}: truncated or corrupt GGUF file ({e})") from e
-    arch = _value(reader, "general.architecture", None)
+    try:
+        arch = _value(reader, "general.architecture", None, str)
+    except CheckpointError as e:
+        raise CheckpointError(f"{p}: {e}") from None
     if arch != "llama":
         raise CheckpointError(
             f"{p}: GGUF architecture {arch!r} is not supported; only 'llama' is "
@@ -91,8 +300,9 @@ def _open(path: str | os.PathLike):
     return reader
 
 
-def _value(reader, key: str, default=_MISSING):
-    """A scalar or string metadata value; `default` if absent (required if none given)."""
+def _value(reader, key: str, default=_MISSING, kind: type = int):
+    """A metadata value of `kind` (int, float or str); `default` if absent (required if none
+    given). CheckpointError naming the key for an array or a value of another type."""
     from gguf import GGUFValueType
 
     field = reader.fields.get(key)
@@ -100,12 +310,22 @@ def _value(reader, key: str, default=_MISSING):
         if default is _MISSING:
             raise CheckpointError(f"GGUF metadata lacks the required key {key!r}")
         return default
-    if field.types[0] == GGUFValueType.ARRAY:
+    vtype = int(field.types[0])
+    if vtype == GGUFValueType.ARRAY:
         raise CheckpointError(f"GGUF metadata {key!r} is an array; a single value was expected")
+    allowed = {int: _INT_TYPES, float: _INT_TYPES | _FLOAT_TYPES, str: {_STRING}}[kind]
+    if vtype not in allowed:
+        name = {int: "an integer", float: "a number", str: "a string"}[kind]
+        raise CheckpointError(
+            f"GGUF metadata {key!r} must be {name}, not a {GGUFValueType(vtype).name.lower()}"
+        )
     part = field.parts[field.data[0]]
-    if field.types[0] == GGUFValueType.STRING:
-        return bytes(part).decode("utf-8")
-    return part[0].item()
+    if vtype == GGUFValueType.STRING:
+        try:
+            return bytes(part).decode("utf-8")
+        except UnicodeDecodeError:
+            raise CheckpointError(f"GGUF metadata {key!r} is not UTF-8") from None
+    return kind(part[0].item())
 
 
 def _f32(value: float) -> float:
@@ -120,51 +340,92 @@ def load_gguf_config(path: str | os.PathLike) -> ModelConfig:
 
 
 def _config(reader, path: str) -> ModelConfig:
-    def llama(key: str, default=_MISSING):
-        return _value(reader, "llama." + key, default)
+    try:
+        return _config_unchecked(reader, path)
+    except CheckpointError as e:
+        if str(e).startswith(path):
+            raise
+        raise CheckpointError(f"{path}: {e}") from None
 
-    hidden = int(llama("embedding_length"))
-    heads = int(llama("attention.head_count"))
-    kv_heads = int(llama("attention.head_count_kv", heads))
-    head_dim = int(llama("attention.key_length", hidden // heads))
-    if int(llama("rope.dimension_count", head_dim)) != head_dim:
-        raise CheckpointError(f"{path}: partial rotary embeddings are not supported")
-    tensors = {t.name: t for t in reader.tensors}
+
+def _config_unchecked(reader, path: str) -> ModelConfig:
+    def llama(key: str, default=_MISSING, kind: type = int):
+        return _value(reader, "llama." + key, default, kind)
+
+    hidden = llama("embedding_length")
+    heads = llama("attention.head_count")
+    if heads < 1:
+        raise CheckpointError(f"llama.attention.head_count must be at least 1, not {heads}")
+    kv_heads = llama("attention.head_count_kv", heads)
+    head_dim = llama("attention.key_length", None)
+    if head_dim is None:
+        if hidden % heads:
+            raise CheckpointError(
+                f"llama.embedding_length ({hidden}) is not divisible by "
+                f"llama.attention.head_count ({heads})"
+            )
+        head_dim = hidden // heads
+    if llama("rope.dimension_count", head_dim) != head_dim:
+        raise CheckpointError("partial rotary embeddings are not supported")
+    tensors = {t.name: t for t in reader.checked_header.tensors}
     vocab = llama("vocab_size", None)
     if vocab is None:  # older files: the vocabulary length, or the embedding's rows
         tokens = reader.fields.get("tokenizer.ggml.tokens")
-        vocab = len(tokens.data) if tokens else int(tensors["token_embd.weight"].shape[1])
-    theta = _f32(llama("rope.freq_base", 10000.0))
+        embedding = tensors.get("token_embd.weight")
+        if tokens is not None:
+            vocab = len(tokens.data)
+        elif embedding is not None and len(embedding.dims) == 2:
+            vocab = embedding.dims[1]
+        else:
+            raise CheckpointError(
+                "the vocabulary size is unknown: no llama.vocab_size, tokenizer.ggml.tokens "
+                "or two-dimensional token_embd.weight"
+            )
+    theta = _f32(llama("rope.freq_base", 10000.0, float))
     eos = _value(reader, "tokenizer.ggml.eos_token_id", None)
     return ModelConfig(
         hidden_size=hidden,
-        num_hidden_layers=int(llama("block_count")),
+        num_hidden_layers=llama("block_count"),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        intermediate_size=int(llama("feed_forward_length")),
-        vocab_size=int(vocab),
-        rms_norm_eps=_f32(llama("attention.layer_norm_rms_epsilon", 1e-5)),
+        intermediate_size=llama("feed_forward_length"),
+        vocab_size=vocab,
+        rms_norm_eps=_f32(llama("attention.layer_norm_rms_epsilon", 1e-5, float)),
         rope_theta=theta,
-        rope_scaling=_rope_scaling(reader, tensors, theta, head_dim, str(path)),
+        rope_scaling=_rope_scaling(reader, tensors, theta, head_dim),
         tie_word_embeddings="output.weight" not in tensors,
-        max_position_embeddings=int(llama("context_length", 2048)),
+        max_position_embeddings=llama("context_length", 2048),
         bos_token_id=_value(reader, "tokenizer.ggml.bos_token_id", None),
-        eos_token_ids=() if eos is None else (int(eos),),
+        eos_token_ids=() if eos is None else (eos,),
         torch_dtype="float32",  # what the dequantizer produces, exactly
     )
 
 
-def _rope_scaling(reader, tensors, theta: float, head_dim: int, source: str):
-    kind = _value(reader, "llama.rope.scaling.type", "none")
-    factor = float(_value(reader, "llama.rope.scaling.factor", 1.0))
+def _rope_scaling(reader, tensors, theta: float, head_dim: int):
+    from gguf import GGMLQuantizationType as Q
+
+    kind = _value(reader, "llama.rope.scaling.type", "none", str)
+    factor = _value(reader, "llama.rope.scaling.factor", 1.0, float)
     if kind not in ("none", "") and factor != 1.0:
-        raise CheckpointError(f"{source}: RoPE scaling {kind!r} is not supported (only llama3)")
-    if "rope_freqs.weight" not in tensors:
+        raise CheckpointError(f"RoPE scaling {kind!r} is not supported (only llama3)")
+    info = tensors.get("rope_freqs.weight")
+    if info is None:
         return None
-    divisors = np.asarray(_dequantize(tensors["rope_freqs.weight"], torch.float32), np.float64)
+    want = (head_dim // 2,)
+    if info.shape != want or info.qtype not in (Q.F32, Q.F16, Q.BF16):
+        raise CheckpointError(
+            f"GGUF tensor rope_freqs.weight: shape {info.shape} of type "
+            f"{Q(info.qtype).name}, expected {want} of a float type"
+        )
+    t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    divisors = np.asarray(_dequantize(t, torch.float32), np.float64)
+    if not np.all(np.isfinite(divisors)) or divisors.min() <= 0:
+        raise CheckpointError(
+            "GGUF tensor rope_freqs.weight holds non-positive or non-finite values"
+        )
     orig = _value(reader, "llama.rope.scaling.original_context_length", None)
-    return _llama3_from_divisors(divisors, theta, head_dim, orig, source)
+    return _llama3_from_divisors(divisors, theta, head_dim, orig)
 
 
 def _llama3_divisors(s: RopeScaling, theta: float, head_dim: int) -> np.ndarray:
@@ -175,7 +436,7 @@ def _llama3_divisors(s: RopeScaling, theta: float, head_dim: int) -> np.ndarray:
     return 1 / ((1 - smooth) / s.factor + smooth)
 
 
-def _llama3_from_divisors(d: np.ndarray, theta, head_dim, orig, source) -> RopeScaling | None:
+def _llama3_from_divisors(d: np.ndarray, theta, head_dim, orig) -> RopeScaling | None:
     """Recover Llama 3 scaling from llama.cpp's divisors, assuming low_freq_factor = 1 (as in
     every Llama 3.x release) and solving the smooth region for high_freq_factor and the
     original context; the result must reproduce the divisors, else the file is refused."""
@@ -185,14 +446,18 @@ def _llama3_from_divisors(d: np.ndarray, theta, head_dim, orig, source) -> RopeS
     freqs = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     mid = (d > 1 + 1e-6) & (d < factor * (1 - 1e-6))
     smooth = (1 / d[mid] - 1 / factor) / (1 - 1 / factor)
-    if mid.sum() >= 2:  # smooth * (high - 1) + 1 = orig * freq / (2 pi): linear in (high, orig)
-        a = np.stack([smooth, -freqs[mid] / (2 * np.pi)], axis=1)
-        high, orig = np.linalg.lstsq(a, smooth - 1, rcond=None)[0]
-        candidate = RopeScaling(factor, 1.0, round(float(high), 4), round(float(orig)))
-    else:  # too little smooth region to solve: Llama 3's own values
-        candidate = RopeScaling(factor, 1.0, 4.0, int(orig or 8192))
+    mismatch = CheckpointError("rope_freqs does not match Llama 3 RoPE scaling")
+    try:
+        if mid.sum() >= 2:  # smooth * (high - 1) + 1 = orig * freq / (2 pi): linear in (high, orig)
+            a = np.stack([smooth, -freqs[mid] / (2 * np.pi)], axis=1)
+            high, orig = np.linalg.lstsq(a, smooth - 1, rcond=None)[0]
+            candidate = RopeScaling(factor, 1.0, round(float(high), 4), round(float(orig)))
+        else:  # too little smooth region to solve: Llama 3's own values
+            candidate = RopeScaling(factor, 1.0, 4.0, int(orig or 8192))
+    except (CheckpointError, ValueError, OverflowError, np.linalg.LinAlgError):
+        raise mismatch from None
     if not np.allclose(_llama3_divisors(candidate, theta, head_dim), d, rtol=1e-4):
-        raise CheckpointError(f"{source}: rope_freqs does not match Llama 3 RoPE scaling")
+        raise mismatch
     return candidate
 
 
@@ -203,7 +468,14 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     parts = gguf_name.split(".")
     if len(parts) == 2 and parts[1] == "weight" and parts[0] in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[parts[0]]}.weight"
-    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _LAYER_NAMES:
+    if (
+        len(parts) == 4
+        and parts[0] == "blk"
+        and parts[1].isdecimal()
+        and parts[1] == str(int(parts[1]))  # blk.01 would alias blk.1
+        and parts[3] == "weight"
+        and parts[2] in _LAYER_NAMES
+    ):
         return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}.weight"
     raise CheckpointError(
         f"unexpected GGUF tensor {gguf_name!r}: only bias-free Llama tensors are supported"
@@ -243,14 +515,60 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     )
 
 
-def iter_gguf_weights(
-    path: str | os.PathLike, dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, tensor) for each parameter in the file, dequantized to `dtype`
-    on CPU, one at a time (the file is memory-mapped). `lm_head.weight` only if the file has
-    `output.weight` (otherwise the embedding is tied)."""
+def _dequantizable(qtype: int) -> bool:
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    traits = getattr(quants, "_type_traits", None)
+    return qtype in (Q.F32, Q.F16, Q.BF16) or traits is None or Q(qtype) in traits
+
+
+def check_gguf_tensors(path: str | os.PathLike, config: ModelConfig | None = None) -> None:
+    """Check the GGUF file's tensors (Hugging Face names, shapes, types) against `config`
+    (default: the file's own metadata) from the header alone: one CheckpointError listing
+    every missing, unexpected, wrongly shaped or undequantizable tensor."""
     reader = _open(path)
-    config = _config(reader, str(path))
+    _check_tensors(reader, config or _config(reader, str(path)), str(path))
+
+
+def _check_tensors(reader, config: ModelConfig, path: str) -> None:
+    from gguf import GGMLQuantizationType as Q
+
+    from llm_inference.models.loader import check_shapes
+
+    found: dict[str, tuple[int, ...]] = {}
+    problems = []
+    for t in reader.checked_header.tensors:
+        try:
+            name = hf_tensor_name(t.name)
+        except CheckpointError:
+            name = t.name  # listed as unexpected
+        if name is None:
+            continue
+        if name in found:
+            problems.append(f"tensor {t.name} maps to {name}, which is already present")
+        found[name] = t.shape
+        if not _dequantizable(t.qtype):
+            problems.append(f"tensor {t.name} has type {Q(t.qtype).name}, which is not supported")
+    check_shapes(found, config, path, problems)
+
+
+def iter_gguf_weights(
+    path: str | os.PathLike, dtype: torch.dtype, config: ModelConfig | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) for each parameter in the file, dequantized to `dtype` on
+    CPU, one at a time (the file is memory-mapped). `lm_head.weight` only if the file has
+    `output.weight` (otherwise the embedding is tied).
+
+    The tensors are checked against `config` (default: the file's metadata) when this is
+    called, before any data is read: CheckpointError for any missing or misshaped one."""
+    reader = _open(path)
+    config = config or _config(reader, str(path))
+    _check_tensors(reader, config, str(path))
+    return _iter_weights(reader, config, dtype)
+
+
+def _iter_weights(reader, config: ModelConfig, dtype) -> Iterator[tuple[str, torch.Tensor]]:
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     for t in reader.tensors:
         name = hf_tensor_name(t.name)

@@ -12,18 +12,22 @@ and every problem is reported in one error.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from llm_inference.config import CheckpointError, ModelConfig
+from llm_inference.config import CheckpointError, ModelConfig, read_json_file
 from llm_inference.kernels import KernelOps
 from llm_inference.models.llama import LlamaForCausalLM
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+# Weight dtypes that are loaded (cast to the model dtype); anything else (integers, bools,
+# FP8 without its scales) is refused.
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+_LISTED = 20  # names listed per kind of problem in one error message
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -75,7 +79,19 @@ def _ignored(name: str, c: ModelConfig) -> bool:
     )
 
 
-def check_shapes(found: dict[str, tuple[int, ...]], c: ModelConfig, source: str) -> None:
+def _listing(items: list[str], sep: str = ", ") -> str:
+    shown = sep.join(items[:_LISTED])
+    return shown if len(items) <= _LISTED else f"{shown}{sep}... ({len(items)} in all)"
+
+
+def check_shapes(
+    found: dict[str, tuple[int, ...]],
+    c: ModelConfig,
+    source: str,
+    other_problems: Iterable[str] = (),
+) -> None:
+    """Raise one CheckpointError listing every missing, unexpected and wrongly shaped tensor
+    (Hugging Face names, full shapes) plus `other_problems`; nothing if all is as `c` says."""
     want = expected_shapes(c)
     missing = sorted(set(want) - set(found))
     unexpected = sorted(n for n in set(found) - set(want) if not _ignored(n, c))
@@ -84,13 +100,13 @@ def check_shapes(found: dict[str, tuple[int, ...]], c: ModelConfig, source: str)
         for n in set(want) & set(found)
         if tuple(found[n]) != want[n]
     )
-    problems = []
+    problems = list(other_problems)
     if missing:
-        problems.append(f"missing tensors: {', '.join(missing)}")
+        problems.append(f"missing tensors: {_listing([f'{n} {want[n]}' for n in missing])}")
     if unexpected:
-        problems.append(f"unexpected tensors: {', '.join(unexpected)}")
+        problems.append(f"unexpected tensors: {_listing(unexpected)}")
     if wrong:
-        problems.append(f"wrongly shaped tensors: {'; '.join(wrong)}")
+        problems.append(f"wrongly shaped tensors: {_listing(wrong, '; ')}")
     if problems:
         raise CheckpointError(f"{source}: " + " | ".join(problems))
 
@@ -100,8 +116,26 @@ def safetensors_files(folder: Path) -> list[Path]:
         raise CheckpointError(f"checkpoint path does not exist or is not a folder: {folder}")
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        data = read_json_file(index, index.name)
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{index}: {index.name} must hold a JSON object")
+        if "weight_map" not in data:
+            raise CheckpointError(f"{index}: {index.name} has no 'weight_map'")
+        weight_map = data["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(
+                f"{index}: 'weight_map' must be an object (tensor name -> shard file), "
+                f"not {type(weight_map).__name__}"
+            )
+        for name, shard in weight_map.items():
+            if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
+                raise CheckpointError(
+                    f"{index}: 'weight_map' entry {name!r}: {shard!r} must be a file name "
+                    "in the checkpoint folder"
+                )
         files = [folder / f for f in sorted(set(weight_map.values()))]
+        if not files:
+            raise CheckpointError(f"{index}: 'weight_map' is empty")
         absent = [f.name for f in files if not f.is_file()]
         if absent:
             raise CheckpointError(f"{folder}: shards listed in {index.name} are missing: {absent}")
@@ -119,17 +153,38 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from the headers of `files` (no data is read); CheckpointError for
+    unreadable headers, non-float dtypes and tensors stored twice."""
+    shapes, problems = safetensors_header_check(files)
+    if problems:
+        raise CheckpointError(f"{files[0].parent}: " + " | ".join(problems))
+    return shapes
+
+
+def safetensors_header_check(files: list[Path]) -> tuple[dict[str, tuple[int, ...]], list[str]]:
     from safetensors import safe_open
 
-    shapes = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    where: dict[str, str] = {}
+    problems = []
     for f in files:
         try:
             with safe_open(f, framework="pt") as sf:
                 for name in sf.keys():
-                    shapes[name] = tuple(sf.get_slice(name).get_shape())
+                    part = sf.get_slice(name)
+                    dtype = part.get_dtype()
+                    if dtype not in FLOAT_DTYPES:
+                        problems.append(
+                            f"{f.name}: tensor {name} has dtype {dtype}; "
+                            f"only {', '.join(FLOAT_DTYPES)} are supported"
+                        )
+                    if name in where:
+                        problems.append(f"tensor {name} is stored twice ({where[name]}, {f.name})")
+                    shapes[name] = tuple(part.get_shape())
+                    where[name] = f.name
         except Exception as e:  # safetensors raises its own error types
             raise CheckpointError(f"cannot read safetensors file {f}: {e}") from e
-    return shapes
+    return shapes, problems
 
 
 class LazySlice:
@@ -204,7 +259,7 @@ def load_model(
     if is_gguf(path):
         from llm_inference.models.gguf import iter_gguf_weights
 
-        weights = iter_gguf_weights(path, dtype)
+        weights = iter_gguf_weights(path, dtype, config)  # checks the tensors first
     else:
         files = safetensors_files(path)
         check_shapes(safetensors_shapes(files), config, str(path))
@@ -230,4 +285,11 @@ def load_tokenizer(path: str | Path):
         from llm_inference.models.gguf import load_gguf_tokenizer
 
         return load_gguf_tokenizer(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint path does not exist or is not a folder: {path}")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise CheckpointError(
+            f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) were found in the checkpoint "
+            f"folder {path}"
+        )
     return AutoTokenizer.from_pretrained(path)
