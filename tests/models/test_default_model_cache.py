@@ -93,6 +93,7 @@ def test_only_old_unlocked_folders_are_pruned(cache):
 _WORKER = r"""
 import json, sys
 from pathlib import Path
+from llm_inference.kernels import reference
 from llm_inference.models import default_model as dm
 from llm_inference.models.loader import load_model, load_tokenizer
 gguf, version, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])

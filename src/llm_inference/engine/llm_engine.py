@@ -147,6 +147,8 @@ class LLMEngine:
             out = self.output_processor.abort(rid)
             if out is not None:
                 outputs.append(out)
+        if self._pending is not None and not self.scheduler.has_unfinished_requests():
+            self._finish_pending()  # only aborted requests were in flight: nothing to report
         return outputs
 
     # ---- stepping --------------------------------------------------------------------------

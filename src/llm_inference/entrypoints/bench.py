@@ -133,6 +133,48 @@ def decode_latency(llm, batches=BATCHES, prompt_len: int = 128, seed: int = 0) -
     return out
 
 
+def profile_decode(llm, bs: int, prompt_len: int = 128, new: int = 64, seed: int = 0) -> dict:
+    """Wall and GPU-kernel milliseconds per decode step at batch `bs` (torch profiler over a
+    64-token difference): wall minus kernel time is host time the GPU waits for."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from llm_inference import SamplingParams
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(VOCAB - 256) for _ in range(prompt_len)] for _ in range(bs)]
+    res = {}
+    for n in (8, 8, 8 + new):  # the first run warms up
+        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            wall = _timed_generate(llm, prompts, sp)
+        kernels = sum(
+            e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+        )
+        res[n] = (wall * 1e3, kernels / 1e3)
+    (w0, k0), (w1, k1) = res[8], res[8 + new]
+    return {"wall_ms_per_step": (w1 - w0) / new, "gpu_ms_per_step": (k1 - k0) / new}
+
+
+def prefill(llm, seed: int = 0) -> dict:
+    """ms to prefill one 8,000-token prompt, and 64 prompts of 512 tokens (each generating one
+    token): median of 5 after 2 warm-ups, as vLLM's comparison script times it."""
+    from llm_inference import SamplingParams
+
+    rng = random.Random(seed)
+    cases = {"1x8000": [[rng.randrange(10000) for _ in range(8000)]],
+             "64x512": [[rng.randrange(10000) for _ in range(512)] for _ in range(64)]}  # fmt: skip
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    out = {}
+    for name, prompts in cases.items():
+        for _ in range(2):
+            _timed_generate(llm, prompts, sp)
+        out[f"prefill_{name}_ms"] = 1e3 * statistics.median(
+            _timed_generate(llm, prompts, sp) for _ in range(5)
+        )
+    return out
+
+
 def throughput(llm, num_prompts: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0):
     from llm_inference import SamplingParams
 
@@ -156,8 +198,13 @@ def throughput(llm, num_prompts: int = 256, lo: int = 100, hi: int = 1024, seed:
     }
 
 
-def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("kind", choices=["latency", "throughput"])
+def add_bench_args(p: argparse.ArgumentParser, kind: str | None = None) -> None:
+    """The options of `bench latency|throughput` (`kind` fixed by the subcommand, else an
+    argument as when this file runs as a script)."""
+    if kind is None:
+        p.add_argument("kind", choices=["latency", "throughput", "prefill"])
+    else:
+        p.set_defaults(kind=kind)
     p.add_argument("--model", default="llama-3.2-1b",
                    help=f"checkpoint folder or a named shape: {', '.join(SHAPES)}")  # fmt: skip
     p.add_argument("--num-prompts", type=int, default=256, help="throughput requests")
@@ -166,6 +213,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--kernel-backend", default="auto", help="auto, triton or reference")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--sync", action="store_true", help="no async scheduling (one step at a time)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs to shard over")
+    p.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="off by default here: repeated prompts would measure cache hits",
+    )
+    p.add_argument("--profile", default="", help="latency: also profile these batch sizes")
     p.add_argument("--json", default=None, help="also write the results to this file")
 
 
@@ -174,13 +229,21 @@ def run_bench(args) -> dict:
 
     folder = random_checkpoint(args.model) if args.model in SHAPES else Path(args.model)
     config = json.loads((Path(folder) / "config.json").read_text())
-    res: dict = {"model": args.model, "kind": args.kind}
+    res: dict = {"model": args.model, "kind": args.kind, "tp": args.tensor_parallel_size}
     kw = dict(dtype="bfloat16", max_model_len=args.max_model_len,
               gpu_memory_utilization=args.gpu_memory_utilization,
               kernel_backend=args.kernel_backend, enforce_eager=args.enforce_eager)  # fmt: skip
+    if args.sync:
+        kw["async_scheduling"] = False
+    if args.tensor_parallel_size > 1:
+        kw["tensor_parallel_size"] = args.tensor_parallel_size
+    if not args.enable_prefix_caching:
+        kw["enable_prefix_caching"] = False
     with LLM(str(folder), **kw) as llm:
         if args.kind == "throughput":
             res.update(throughput(llm, args.num_prompts))
+        elif args.kind == "prefill":
+            res.update(prefill(llm))
         else:
             bw = copy_bandwidth()
             res["copy_bandwidth_TBps"] = bw / 1e12
@@ -188,6 +251,8 @@ def run_bench(args) -> dict:
             for bs, ms in decode_latency(llm, batches).items():
                 floor = step_bytes(config, bs, 128 + 72) / bw * 1e3  # the mean context
                 res[f"bs{bs}"] = {"ms_per_step": ms, "floor_ms": floor}
+            for bs in [int(b) for b in args.profile.split(",") if b]:
+                res[f"profile_bs{bs}"] = profile_decode(llm, bs)
     print(format_result(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
@@ -195,6 +260,12 @@ def run_bench(args) -> dict:
 
 
 def format_result(res: dict) -> str:
+    if res["kind"] == "prefill":
+        return f"{res['model']}: " + ", ".join(
+            f"{k.removeprefix('prefill_').removesuffix('_ms')} {v:.1f} ms"
+            for k, v in res.items()
+            if k.startswith("prefill_")
+        )
     if res["kind"] == "throughput":
         return (
             f"{res['model']}: {res['requests_per_s']:.2f} requests/s, "
@@ -206,6 +277,11 @@ def format_result(res: dict) -> str:
     for key, v in res.items():
         if key.startswith("bs"):
             lines.append(f"| {key[2:]} | {v['ms_per_step']:.3f} | {v['floor_ms']:.3f} |")
+        elif key.startswith("profile_bs"):
+            lines.append(
+                f"profile batch {key[10:]}: wall {v['wall_ms_per_step']:.3f} ms/step, GPU "
+                f"kernels {v['gpu_ms_per_step']:.3f} ms/step"
+            )
     return "\n".join(lines)
 
 

@@ -1,4 +1,5 @@
-"""The `llm-inference` command line: generate | chat | convert | serve | bench serve."""
+"""The `llm-inference` command line: generate | chat | convert | serve | bench serve|latency|
+throughput."""
 
 from __future__ import annotations
 
@@ -140,6 +141,24 @@ def _add_serve_parsers(sub) -> None:
     bs = b.add_parser("serve", help="load-test an OpenAI-compatible server (as vllm bench serve)")
     add_cli_args(bs)
     bs.set_defaults(func=cmd_bench_serve)
+    from llm_inference.entrypoints.bench import add_bench_args
+
+    kinds = {
+        "latency": "decode ms per step at batch 1, 8, 64, 256 beside the floor",
+        "throughput": "N requests, in/out lengths uniform in [100, 1024]",
+        "prefill": "time to first token of one 8,000-token prompt and of 64 x 512",
+    }
+    for kind, text in kinds.items():
+        bo = b.add_parser(kind, help=text)
+        add_bench_args(bo, kind)
+        bo.set_defaults(func=cmd_bench_offline)
+
+
+def cmd_bench_offline(args) -> int:
+    from llm_inference.entrypoints.bench import run_bench
+
+    run_bench(args)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
