@@ -149,6 +149,23 @@ class ModelRunner:
         tokens = self.prev_tokens.index_select(0, views["placeholder_src"][:m].long())
         views["input_ids"].index_copy_(0, dst, tokens.to(torch.int32))
 
+    def sampling_metadata(
+        self, rows: list[int], num_outputs: list[int] | None = None
+    ) -> SamplingMetadata:
+        """Sampling inputs of the input batch's `rows`, in that order."""
+        batch = self.input_batch
+        params = [batch.params[r] for r in rows]
+        return SamplingMetadata.build(
+            params,
+            [batch.prompt_ids[r] for r in rows],
+            [batch.output_ids[r] for r in rows],
+            [p.seed for p in params],
+            self.config.model.eos_token_ids,
+            self.config.model.vocab_size,
+            self.device,
+            num_output_tokens=num_outputs,
+        )
+
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput, sync: bool = True) -> PendingOutput | None:
         """Run one step. The sampled tokens stay on the device for the next step (async
@@ -171,19 +188,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, rows_idx))
         if get_tp_rank() != 0:
             return None  # sampling happens on rank 0 only
-        batch = self.input_batch
-        rows = [batch.rows[req_ids[i]] for i in step.sample_rows]
-        params = [batch.params[r] for r in rows]
-        smd = SamplingMetadata.build(
-            params,
-            [batch.prompt_ids[r] for r in rows],
-            [batch.output_ids[r] for r in rows],
-            [p.seed for p in params],
-            self.config.model.eos_token_ids,
-            self.config.model.vocab_size,
-            self.device,
-            num_output_tokens=step.num_outputs,
-        )
+        rows = [self.input_batch.rows[req_ids[i]] for i in step.sample_rows]
+        smd = self.sampling_metadata(rows, step.num_outputs)
         out = self.sampler(logits, smd, sync=sync)
         self.prev_tokens = out.token_ids
         self.prev_index = {req_ids[i]: k for k, i in enumerate(step.sample_rows)}

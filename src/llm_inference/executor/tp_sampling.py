@@ -20,7 +20,6 @@ import torch
 
 from llm_inference.core.outputs import ModelRunnerOutput
 from llm_inference.distributed.parallel_state import all_gather, gather_last_dim, get_tp_rank
-from llm_inference.layers.sampler import SamplingMetadata
 from llm_inference.sampling_params import SamplingParams
 
 
@@ -80,17 +79,7 @@ def sample_tensor_parallel(
         pick = torch.tensor(full, device=local.device)
         logits = gather_last_dim(local.index_select(0, pick))
         if logits is not None:  # rank 0
-            sub = [rows[k] for k in full]
-            sub_params = [params[k] for k in full]
-            smd = SamplingMetadata.build(
-                sub_params,
-                [batch.prompt_ids[r] for r in sub],
-                [batch.output_ids[r] for r in sub],
-                [p.seed for p in sub_params],
-                runner.config.model.eos_token_ids,
-                runner.config.model.vocab_size,
-                runner.device,
-            )
+            smd = runner.sampling_metadata([rows[k] for k in full])
             out = runner.sampler(logits[:, : lm_head.vocab_size], smd)
             for j, (k, t) in enumerate(zip(full, out.token_ids.tolist())):
                 tokens[k] = t

@@ -218,11 +218,13 @@ def choose_splits(
     return _cdiv(tiles, tiles_per_split), tiles_per_split * block_n
 
 
-def _check(q, k_cache, v_cache, block_tables, seq_lens, out) -> None:
+def check_cache(q, k_cache, v_cache) -> None:
+    """The checks every paged-attention launcher shares: q [*, Hq, D] against the caches
+    [N, BS, Hkv, D] (shapes, strides, GQA ratio, power-of-two sizes, dtypes)."""
     if q.dim() != 3 or k_cache.dim() != 4:
         shapes = f"{tuple(q.shape)}, {tuple(k_cache.shape)}"
-        raise ValueError(f"q must be [B, Hq, D] and caches [N, BS, Hkv, D]; got {shapes}")
-    num_seqs, num_heads, head_dim = q.shape
+        raise ValueError(f"q must be [T, Hq, D] and caches [N, BS, Hkv, D]; got {shapes}")
+    num_heads, head_dim = q.shape[1], q.shape[2]
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
     if v_cache.shape != k_cache.shape or cache_dim != head_dim:
         raise ValueError(f"cache shapes {k_cache.shape}/{v_cache.shape} do not fit q {q.shape}")
@@ -238,6 +240,11 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, out) -> None:
         raise ValueError(f"dtypes differ: q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"unsupported dtype {q.dtype}")
+
+
+def _check(q, k_cache, v_cache, block_tables, seq_lens, out) -> None:
+    check_cache(q, k_cache, v_cache)
+    num_seqs = q.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables must be [{num_seqs}, max_blocks], got {block_tables.shape}")
     if seq_lens.shape != (num_seqs,):

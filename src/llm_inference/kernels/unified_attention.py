@@ -160,25 +160,7 @@ def default_tiles(group: int, head_dim: int, max_query_len: int) -> tuple[int, i
 
 
 def _check(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out) -> None:
-    if q.dim() != 3 or k_cache.dim() != 4:
-        shapes = f"{tuple(q.shape)}, {tuple(k_cache.shape)}"
-        raise ValueError(f"q must be [T, Hq, D] and caches [N, BS, Hkv, D]; got {shapes}")
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    _, block_size, num_kv_heads, cache_dim = k_cache.shape
-    if v_cache.shape != k_cache.shape or cache_dim != head_dim:
-        raise ValueError(f"cache shapes {k_cache.shape}/{v_cache.shape} do not fit q {q.shape}")
-    if v_cache.stride() != k_cache.stride():
-        raise ValueError(f"k/v cache strides differ: {k_cache.stride()}, {v_cache.stride()}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
-        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
-    if block_size & (block_size - 1):
-        raise ValueError(f"block size must be a power of two, got {block_size}")
-    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"dtypes differ: q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"unsupported dtype {q.dtype}")
+    pa.check_cache(q, k_cache, v_cache)
     if block_table.dim() != 2:
         raise ValueError(f"block_table must be [S, max_blocks], got {tuple(block_table.shape)}")
     num_seqs = block_table.shape[0]
