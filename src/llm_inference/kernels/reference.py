@@ -78,7 +78,8 @@ def unified_attention(
 
     One sequence at a time (no padding to the longest), K/V gathered once through its block
     table, float32, the G = Hq / Hkv query heads of a KV head as one reshaped group, and query
-    rows in chunks so that a long prompt's scores stay near SCORE_BUDGET floats.
+    rows in chunks so that a long prompt's scores stay near SCORE_BUDGET floats; a chunk reads
+    only the keys its last row can see (about half the work of a long prompt).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -96,12 +97,14 @@ def unified_attention(
         step = max(1, SCORE_BUDGET // (num_heads * n))
         for r0 in range(begin, end, step):
             r1 = min(r0 + step, end)
+            seen = context + r1 - begin  # keys the chunk's last row sees: skip the rest
             qs = q[r0:r1].float().view(r1 - r0, num_kv_heads, group, head_dim)
-            scores = torch.einsum("lhgd,nhd->hgln", qs, k) * scale
+            scores = torch.einsum("lhgd,nhd->hgln", qs, k[:seen]) * scale
             pos = context + torch.arange(r0 - begin, r1 - begin, device=q.device)
-            hidden = torch.arange(n, device=q.device)[None, :] > pos[:, None]
+            hidden = torch.arange(seen, device=q.device)[None, :] > pos[:, None]
             probs = scores.masked_fill_(hidden, float("-inf")).softmax(dim=-1)
-            rows = torch.einsum("hgln,nhd->lhgd", probs, v).reshape(r1 - r0, num_heads, head_dim)
+            rows = torch.einsum("hgln,nhd->lhgd", probs, v[:seen])
+            rows = rows.reshape(r1 - r0, num_heads, head_dim)
             result[r0:r1] = rows.to(result.dtype)
     return result
 
