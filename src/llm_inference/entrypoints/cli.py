@@ -15,6 +15,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         text = action.help or ""
         if "default" in text or action.default is None:
             return text
+        if action.default == "":
+            return text + " (default: none)"
         return super()._get_help_string(action)
 
 
