@@ -175,12 +175,16 @@ def prefill(llm, seed: int = 0) -> dict:
     return out
 
 
-def throughput(llm, num_prompts: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0):
+def throughput(
+    llm, num_prompts: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0, ids: int = 10000
+):
+    """The 256-request workload: prompt ids in [0, ids), lengths and max_tokens uniform in
+    [lo, hi], temperature 0.6, ignore_eos; after a warm-up on the first 8."""
     from llm_inference import SamplingParams
 
     rng = random.Random(seed)
     lengths = [rng.randint(lo, hi) for _ in range(num_prompts)]
-    prompts = [[rng.randrange(10000) for _ in range(n)] for n in lengths]
+    prompts = [[rng.randrange(ids) for _ in range(n)] for n in lengths]
     params = [
         SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(lo, hi), seed=i)
         for i in range(num_prompts)
@@ -220,6 +224,10 @@ def add_bench_args(p: argparse.ArgumentParser, kind: str | None = None) -> None:
         action="store_true",
         help="off by default here: repeated prompts would measure cache hits",
     )
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences per step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget")
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size")
+    p.add_argument("--seed", type=int, default=0, help="engine seed")
     p.add_argument("--profile", default="", help="latency: also profile these batch sizes")
     p.add_argument("--json", default=None, help="also write the results to this file")
 
@@ -232,7 +240,9 @@ def run_bench(args) -> dict:
     res: dict = {"model": args.model, "kind": args.kind, "tp": args.tensor_parallel_size}
     kw = dict(dtype="bfloat16", max_model_len=args.max_model_len,
               gpu_memory_utilization=args.gpu_memory_utilization,
-              kernel_backend=args.kernel_backend, enforce_eager=args.enforce_eager)  # fmt: skip
+              kernel_backend=args.kernel_backend, enforce_eager=args.enforce_eager,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              block_size=args.block_size, seed=args.seed)  # fmt: skip
     if args.sync:
         kw["async_scheduling"] = False
     if args.tensor_parallel_size > 1:

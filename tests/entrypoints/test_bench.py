@@ -1,0 +1,45 @@
+"""`llm-inference bench latency|throughput|prefill`: the workload functions on the tiny model
+(CPU), the floor's byte count, and the command line's wiring."""
+
+from __future__ import annotations
+
+import pytest
+
+from llm_inference import LLM
+from llm_inference.entrypoints import bench
+from llm_inference.entrypoints.cli import build_parser
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt):
+    with LLM(str(tiny_ckpt), device="cpu", enable_prefix_caching=False) as llm:
+        yield llm
+
+
+def test_throughput_counts_every_requested_token(llm):
+    res = bench.throughput(llm, num_prompts=5, lo=3, hi=9, ids=300)
+    assert res["output_tokens"] >= 5 * 3 and res["output_tok_per_s"] > 0
+    assert res["total_tok_per_s"] > res["output_tok_per_s"]
+    assert llm.stats()["num_free_kv_blocks"] == llm.stats()["num_kv_blocks"]
+
+
+def test_decode_latency_is_positive_per_batch(llm, monkeypatch):
+    monkeypatch.setattr(bench, "VOCAB", 320)  # the tiny tokenizer's vocabulary
+    res = bench.decode_latency(llm, batches=(1, 2), prompt_len=4)
+    assert set(res) == {1, 2} and all(ms > 0 for ms in res.values())
+
+
+def test_step_bytes_counts_weights_once_and_kv_per_token():
+    c = dict(hidden_size=4, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2)
+    c |= dict(num_key_value_heads=1, head_dim=2, vocab_size=10, tie_word_embeddings=True)
+    per_layer = 4 * (4 + 2 * 2) + 4 * 4 + 3 * 4 * 8  # qkv, o, gate/up/down
+    weights = 2 * (2 * per_layer + 10 * 4)  # bf16; the tied head counted once
+    assert bench.step_bytes(c, batch=3, context=5) == weights + 3 * 5 * 2 * 2 * 2 * 2
+    assert bench.step_bytes({**c, "tie_word_embeddings": False}, 1, 0) == weights + 2 * 10 * 4
+
+
+@pytest.mark.parametrize("kind", ["latency", "throughput", "prefill"])
+def test_cli_wires_each_kind(kind):
+    args = build_parser().parse_args(["bench", kind, "--model", "llama-3.2-3b", "--sync"])
+    assert (args.kind, args.model, args.sync) == (kind, "llama-3.2-3b", True)
+    assert args.func.__name__ == "cmd_bench_offline"
