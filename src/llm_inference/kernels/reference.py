@@ -11,6 +11,8 @@ unified_attention takes q [num_tokens, num_heads, head_dim] for a mixed batch an
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -100,11 +102,12 @@ def unified_attention(
         for r0 in range(begin, end, step):
             r1 = min(r0 + step, end)
             seen = context + r1 - begin  # keys the chunk's last row sees: skip the rest
-            qs = q[r0:r1].float().view(r1 - r0, num_kv_heads, group, head_dim)
-            scores = torch.einsum("lhgd,nhd->hgln", qs, k[:seen]) * scale
-            pos = context + torch.arange(r0 - begin, r1 - begin, device=q.device)
-            hidden = torch.arange(seen, device=q.device)[None, :] > pos[:, None]
-            probs = scores.masked_fill_(hidden, float("-inf")).softmax(dim=-1)
+            qs = q[r0:r1].float().view(r1 - r0, num_kv_heads, group, head_dim) * scale
+            scores = torch.einsum("lhgd,nhd->hgln", qs, k[:seen])
+            # Only the chunk's own keys (the last r1 - r0) are hidden from some of its rows.
+            own = torch.arange(r1 - r0, device=q.device)
+            scores[..., seen - (r1 - r0) :].masked_fill_(own[None, :] > own[:, None], -math.inf)
+            probs = scores.softmax(dim=-1)
             rows = torch.einsum("hgln,nhd->lhgd", probs, v[:seen])
             rows = rows.reshape(r1 - r0, num_heads, head_dim)
             result[r0:r1] = rows.to(result.dtype)
