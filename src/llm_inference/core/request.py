@@ -68,6 +68,7 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        self.num_tokens = len(self.prompt_token_ids)  # prompt + outputs, kept by append
         self.sampling_params = sampling_params
         self.eos_token_ids = tuple(eos_token_ids)
         if max_tokens is None:
@@ -102,10 +103,6 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -124,6 +121,7 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+        self.num_tokens += 1
 
     def __repr__(self) -> str:
         return (

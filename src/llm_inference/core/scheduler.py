@@ -243,7 +243,7 @@ class Scheduler:
         """
         out = model_runner_output
         scheduled = self._in_flight.pop(scheduler_output.step_id, [])
-        lp_by_id = dict(zip(out.request_ids, out.logprobs or [None] * len(out.request_ids)))
+        lp_by_id = dict(zip(out.request_ids, out.logprobs)) if out.logprobs else {}
         sampled = dict(zip(out.request_ids, out.sampled_token_ids, strict=True))
         results: list[EngineCoreOutput] = []
         for request, samples, computed in scheduled:

@@ -128,6 +128,8 @@ class OutputProcessor:
         for c in state.completions:
             if c.finish_reason is None:
                 c.finish_reason = "abort"
+                if c.detokenizer is not None:  # text not yet handed out (held or not streamed)
+                    c.text += c.detokenizer.get_delta(finished=True)
         return state.output()
 
     def process_outputs(
@@ -141,7 +143,7 @@ class OutputProcessor:
             if owner is None:
                 continue  # aborted in the front end since
             state, completion = owner
-            if self._advance(completion, out) and out.finish_reason is None:
+            if self._advance(completion, out, state.stream) and out.finish_reason is None:
                 stopped.append(out.request_id)
             if completion.finish_reason is not None:
                 self._owner.pop(out.request_id, None)
@@ -154,8 +156,9 @@ class OutputProcessor:
                 del self.requests[rid]
         return results, stopped
 
-    def _advance(self, c: _Completion, out: EngineCoreOutput) -> bool:
-        """Apply one record; True when a stop string ended the completion here."""
+    def _advance(self, c: _Completion, out: EngineCoreOutput, stream: bool = True) -> bool:
+        """Apply one record; True when a stop string ended the completion here. Without
+        `stream` the text is collected only when the completion finishes."""
         c.token_ids.extend(out.new_token_ids)
         if out.new_logprobs:
             c.logprobs.extend(out.new_logprobs)
@@ -170,5 +173,6 @@ class OutputProcessor:
             c.finish_reason, c.stop_reason = "stop", stop
         elif out.finish_reason is not None:
             c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
-        c.text += c.detokenizer.get_delta(finished=c.finish_reason is not None)
+        if stream or c.finish_reason is not None:
+            c.text += c.detokenizer.get_delta(finished=c.finish_reason is not None)
         return stop is not None
