@@ -15,6 +15,10 @@ group moves them to the device:
     slot_mapping[t] = block_table[row_s, p // block_size] * block_size + p % block_size
     query_start_loc[s] = first token of s; seq_lens[s] = computed + scheduled tokens of s
     logits_indices: the last token of every sequence whose chunk reaches its known tokens.
+
+With async scheduling a sequence may be scheduled one token past what the worker holds: that
+token is the sample of the step still in flight, which the model runner copies from the
+device into `input_ids` (its "placeholder"); the host value there is stale.
 """
 
 from __future__ import annotations

@@ -35,16 +35,14 @@ class AttentionMetadata:
     block_table: torch.Tensor | None  # [S, W] int32 (row stride may exceed W)
     max_query_len: int  # upper bounds, Python ints: kernel grids need no host sync
     max_seq_len: int
-    query_start_loc_cpu: tuple[int, ...]  # host copies, for paths that loop on the host
-    seq_lens_cpu: tuple[int, ...]
+    dense_starts: tuple[int, ...] = ()  # a dense forward's sequence offsets, on the host
 
     @classmethod
     def dense(cls, seq_lens: list[int]) -> AttentionMetadata:
         starts = [0]
         for n in seq_lens:
             starts.append(starts[-1] + n)
-        return cls(None, None, None, None, max(seq_lens), max(seq_lens), tuple(starts),
-                   tuple(seq_lens))  # fmt: skip
+        return cls(None, None, None, None, max(seq_lens), max(seq_lens), tuple(starts))
 
 
 @dataclass
@@ -83,8 +81,6 @@ class AttentionBackend:
             block_table=buffers.block_table[:num_seqs, :block_width],
             max_query_len=max_query,
             max_seq_len=max(seq_lens),
-            query_start_loc_cpu=tuple(query_start_loc),
-            seq_lens_cpu=tuple(seq_lens),
         )
 
     def graph_metadata(
@@ -93,8 +89,7 @@ class AttentionBackend:
         """Static metadata for a captured decode step of `num_seqs` rows (one token each).
 
         The grid depends only on `num_seqs` and `max_model_len`; the values in the buffers
-        change from replay to replay. The host copies are unknown at capture time: they
-        describe the bound, and only host-looping paths (never captured) read them."""
+        change from replay to replay."""
         width = buffers.block_table.shape[1]
         return AttentionMetadata(
             slot_mapping=buffers.slot_mapping[:num_seqs],
@@ -103,8 +98,6 @@ class AttentionBackend:
             block_table=buffers.block_table[:num_seqs, :width],
             max_query_len=1,
             max_seq_len=max_model_len,
-            query_start_loc_cpu=tuple(range(num_seqs + 1)),
-            seq_lens_cpu=(max_model_len,) * num_seqs,
         )
 
     # ---- attention -----------------------------------------------------------------------
@@ -123,9 +116,8 @@ class AttentionBackend:
     def _dense(self, layer: Attention, q, k, v, md: AttentionMetadata) -> torch.Tensor:
         """No cache (profiling, model tests): each sequence attends causally to itself."""
         out = torch.empty_like(q)
-        starts = md.query_start_loc_cpu
-        for s in range(len(md.seq_lens_cpu)):
-            a, b = starts[s], starts[s + 1]
+        starts = md.dense_starts
+        for a, b in zip(starts[:-1], starts[1:]):
             out[a:b] = _causal(q[a:b], k[a:b], v[a:b], layer)
         return out
 
