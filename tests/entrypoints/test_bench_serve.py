@@ -39,3 +39,16 @@ def test_bench_serve_poisson_concurrency_and_failures(live_server, tmp_path):
     rc, r = _bench(live_server, tmp_path, "--model", "no-such-model")
     assert rc == 1 and (r["completed"], r["failed"]) == (0, 6)
     assert "HTTP 404" in r["errors"][0]
+
+
+def test_bench_serve_multi_turn_resends_the_conversation(live_server, tmp_path):
+    """3 conversations of 3 turns, 2 at a time, behind a shared 30-word system prompt: 9
+    requests, and each turn's prompt holds the previous turn's prompt and reply."""
+    rc, r = _bench(live_server, tmp_path, "--num-prompts", "3", "--multi-turn", "3",
+                   "--max-concurrency", "2", "--shared-prefix-len", "30")  # fmt: skip
+    assert rc == 0 and (r["completed"], r["failed"]) == (9, 0)
+    assert (r["multi_turn"], r["shared_prefix_len"]) == (3, 30)
+    assert r["total_output_tokens"] == 9 * 5
+    rc, single = _bench(live_server, tmp_path, "--num-prompts", "3", "--shared-prefix-len", "30")
+    # Turn k resends turns 1..k-1: far more prompt tokens than three times a first turn.
+    assert r["total_input_tokens"] > 3 * single["total_input_tokens"] + 2 * 3 * 5

@@ -6,6 +6,12 @@ a local folder) or random words; lengths are `--input-len` / `--output-len`, or 
 from [len * (1 - r), len * (1 + r)] with `--range-ratio r`. Requests stream completions with
 `ignore_eos`; they arrive as a Poisson process at `--request-rate` (inf: all at once), at most
 `--max-concurrency` at a time. Times are reported in milliseconds, throughputs per second.
+
+`--multi-turn T` replays chats instead: each of `--num-prompts` conversations sends T requests
+one after another, each the whole conversation so far (an optional shared system prompt of
+`--shared-prefix-len` words, then every earlier message and reply) plus a new user message;
+`--max-concurrency` then bounds the conversations in flight. This is the traffic prefix
+caching is for: every turn resends what the last one computed.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    text: str = ""  # the completion's text (multi-turn replays feed it back)
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -51,6 +58,15 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here")
+    p.add_argument(
+        "--multi-turn",
+        type=int,
+        default=0,
+        metavar="T",
+        help="replay chats of T turns, each resending the conversation (0: off)",
+    )
+    p.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="words of a system prompt shared by every conversation")  # fmt: skip
 
 
 def _lengths(mean: int, ratio: float, n: int, rng: random.Random) -> list[int]:
@@ -60,16 +76,18 @@ def _lengths(mean: int, ratio: float, n: int, rng: random.Random) -> list[int]:
     return [rng.randint(lo, hi) for _ in range(n)]
 
 
-def make_prompts(args, rng: random.Random) -> list[tuple[str, int, int]]:
-    """(prompt text, approximate prompt tokens, max output tokens) per request."""
+def make_prompts(args, rng: random.Random, n: int | None = None) -> list[tuple[str, int, int]]:
+    """(prompt text, approximate prompt tokens, max output tokens) for `n` requests (default
+    `--num-prompts`)."""
+    n = args.num_prompts if n is None else n
     tokenizer = None
     source = args.tokenizer or (args.model if args.model and os.path.isdir(args.model) else None)
     if source:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(source)
-    ins = _lengths(args.input_len, args.range_ratio, args.num_prompts, rng)
-    outs = _lengths(args.output_len, args.range_ratio, args.num_prompts, rng)
+    ins = _lengths(args.input_len, args.range_ratio, n, rng)
+    outs = _lengths(args.output_len, args.range_ratio, n, rng)
     prompts = []
     if tokenizer is not None:
         special = set(tokenizer.all_special_ids)
@@ -104,7 +122,10 @@ async def send_request(client, url: str, payload: dict, headers: dict) -> Reques
                     result.output_len = chunk["usage"]["completion_tokens"]
                     result.prompt_len = chunk["usage"]["prompt_tokens"]
                 choices = chunk.get("choices") or []
-                if choices and (choices[0].get("text") or choices[0].get("delta")):
+                first = choices[0] if choices else {}
+                piece = first.get("text") or (first.get("delta") or {}).get("content")
+                if piece:
+                    result.text += piece
                     now = time.perf_counter()
                     if result.ttft == 0.0:
                         result.ttft = now - start
@@ -131,7 +152,9 @@ async def run_benchmark(args) -> dict:
     import httpx
 
     rng = random.Random(args.seed)
-    prompts = make_prompts(args, rng)
+    turns = max(1, args.multi_turn)
+    prompts = make_prompts(args, rng, args.num_prompts * turns)  # first turns, then the rest
+    prompts, later = prompts[: args.num_prompts], prompts[args.num_prompts :]
     base = args.base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -146,14 +169,36 @@ async def run_benchmark(args) -> dict:
             async with gate:
                 return await send_request(client, base + args.endpoint, payload, headers)
 
+        async def chat(first: tuple[str, int, int], follow_ups) -> list[RequestResult]:
+            """One conversation: each turn resends everything so far plus a new message."""
+            async with gate:
+                history, results = prefix + first[0], []
+                for turn, (text, n_in, n_out) in enumerate([first, *follow_ups]):
+                    if turn:
+                        history = f"{history}{results[-1].text}\n{text}"
+                    payload = {"model": model, "prompt": history, "max_tokens": n_out,
+                               "temperature": 0.0, "stream": True, "ignore_eos": True,
+                               "stream_options": {"include_usage": True},
+                               "_prompt_len": n_in}  # fmt: skip
+                    results.append(await send_request(client, base + args.endpoint, payload,
+                                                      headers))  # fmt: skip
+                return results
+
+        prefix = " ".join(rng.choice(WORDS) for _ in range(args.shared_prefix_len))
+        prefix = prefix + "\n" if prefix else ""
         start = time.perf_counter()
         tasks = []
         for i, p in enumerate(prompts):
             if i and args.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
-            tasks.append(asyncio.create_task(one(*p)))
-        results = await asyncio.gather(*tasks)
+            if turns == 1:
+                tasks.append(asyncio.create_task(one(*p)))
+            else:
+                follow = later[i * (turns - 1) : (i + 1) * (turns - 1)]
+                tasks.append(asyncio.create_task(chat(p, follow)))
+        done = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+    results = [r for d in done for r in (d if isinstance(d, list) else [d])]
     return summarize(results, duration, args, model)
 
 
@@ -174,6 +219,7 @@ def summarize(results: list[RequestResult], duration: float, args, model: str) -
         "model": model, "num_prompts": len(results), "completed": len(ok),
         "failed": len(results) - len(ok), "duration_s": duration,
         "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
+        "multi_turn": args.multi_turn, "shared_prefix_len": args.shared_prefix_len,
         "total_input_tokens": total_in, "total_output_tokens": total_out,
         "request_throughput": len(ok) / duration,
         "output_throughput": total_out / duration,
@@ -209,6 +255,8 @@ def print_report(r: dict) -> None:
 def main(args) -> int:
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be at least 1, got {args.num_prompts}")
+    if args.multi_turn < 0 or args.shared_prefix_len < 0:
+        raise ValueError("--multi-turn and --shared-prefix-len must be >= 0")
     if args.request_rate <= 0:
         raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}")
     report = asyncio.run(run_benchmark(args))
