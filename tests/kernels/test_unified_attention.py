@@ -57,6 +57,15 @@ def test_reference_long_sequence_among_short_is_chunked():
     checks.check_reference_dense([2000, 1, 1], [0, 40, 7], (4, 2, 16), 16, seed=5, budget=1 << 20)
 
 
+def test_reference_fused_path_with_cached_context_matches_dense():
+    """Prompt chunks of >= FUSED_MIN_ROWS rows on top of cached tokens take PyTorch's fused
+    attention with a mask, in row chunks (a small budget): still dense attention."""
+    from llm_inference.kernels import reference
+
+    assert 90 >= reference.FUSED_MIN_ROWS
+    checks.check_reference_dense([90, 300, 1], [150, 0, 60], (6, 2, 16), 16, seed=7, budget=4096)
+
+
 def test_unified_attention_rejects_bad_inputs():
     from llm_inference.kernels.triton_ops import unified_attention as op
 
