@@ -78,3 +78,17 @@ def hf_model(folder: Path, dtype=torch.float32):
     from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+
+
+def chat_prompt_ids(folder, questions: list[str]) -> list[list[int]]:
+    """Each question as one user turn through the checkpoint's chat template, as token ids
+    (what LLM.chat sends)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    conversations = [[{"role": "user", "content": q}] for q in questions]
+    texts = [
+        tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+        for c in conversations
+    ]
+    return [tok(t, add_special_tokens=False).input_ids for t in texts]

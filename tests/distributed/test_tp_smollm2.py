@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from helpers import chat_prompt_ids
 from tp_helpers import child_processes
 
 from llm_inference import LLM
@@ -35,18 +36,7 @@ SEEDED = [SamplingParams(temperature=0.8, seed=7 + i, max_tokens=MAX_NEW) for i 
 
 @pytest.fixture(scope="module")
 def prompts():
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(resolve_model(None))
-    return [
-        tok(
-            tok.apply_chat_template(
-                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
-            ),
-            add_special_tokens=False,
-        ).input_ids
-        for q in QUESTIONS
-    ]
+    return chat_prompt_ids(resolve_model(None), QUESTIONS)
 
 
 def run(prompts, tp: int, **kw) -> tuple[list, list, dict]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import chat_prompt_ids
 
 from llm_inference import LLM
 from llm_inference.models.default_model import resolve_model
@@ -30,18 +31,7 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def prompts(model_dir):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    return [
-        tok(
-            tok.apply_chat_template(
-                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
-            ),
-            add_special_tokens=False,
-        ).input_ids
-        for q in QUESTIONS
-    ]
+    return chat_prompt_ids(model_dir, QUESTIONS)
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,6 @@ batch, random non-contiguous block tables, block sizes 16 and 32, Llama 3 head s
 from __future__ import annotations
 
 import inspect
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +21,7 @@ pytest.importorskip("triton")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import triton_kernel_checks as checks  # noqa: E402
+from interpreter import run_checks  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 LLAMA_SHAPES = [(32, 8, 64), (24, 8, 128)]  # Llama 3.2 1B and 3B: (q heads, KV heads, head dim)
@@ -30,18 +29,7 @@ LLAMA_SHAPES = [(32, 8, 64), (24, 8, 128)]  # Llama 3.2 1B and 3B: (q heads, KV 
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> tuple[dict[str, str], str]:
-    src = str(HERE.parents[1] / "src")
-    path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "triton_kernel_checks.py")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    lines = [line.split() for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    return {kernel: status for _, kernel, status in lines}, proc.stdout + proc.stderr
+    return run_checks(HERE / "triton_kernel_checks.py")
 
 
 @pytest.mark.parametrize("kernel", checks.INTERPRETER_KERNELS)

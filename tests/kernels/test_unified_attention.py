@@ -12,8 +12,6 @@ tables; and CUDA-graph replays with new contents.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,24 +23,14 @@ pytest.importorskip("triton")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import unified_attention_checks as checks  # noqa: E402
+from interpreter import run_checks  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> tuple[dict[str, str], str]:
-    src = str(HERE.parents[1] / "src")
-    path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "unified_attention_checks.py")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    lines = [line.split() for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    return {case: status for _, case, status in lines}, proc.stdout + proc.stderr
+    return run_checks(HERE / "unified_attention_checks.py")
 
 
 @pytest.mark.parametrize("case", checks.INTERPRETER_CASES)

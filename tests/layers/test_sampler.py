@@ -6,33 +6,29 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from llm_inference.layers.sampler import (
     Sampler,
-    SamplingMetadata,
     apply_penalties,
     noise_keys,
     uniform_noise,
 )
 from llm_inference.sampling_params import SamplingParams
 
-EOS = 1
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sampler_checks as checks  # noqa: E402
+
+EOS = checks.EOS  # the EOS id checks.build passes
 
 
-def build(params, prompts=None, outputs=None, seeds=None, vocab=10, eos=(EOS,)):
-    n = len(params)
-    return SamplingMetadata.build(
-        params,
-        prompts if prompts is not None else [[]] * n,
-        outputs if outputs is not None else [[]] * n,
-        seeds if seeds is not None else list(range(n)),
-        eos,
-        vocab,
-        "cpu",
-    )
+def build(params, prompts=None, outputs=None, seeds=None, vocab=10):
+    """sampler_checks.build with this file's argument order and a 10-token vocabulary."""
+    return checks.build(params, vocab, seeds=seeds, outputs=outputs, prompts=prompts)
 
 
 def reference_probs(logits: list[float], p: SamplingParams) -> list[float]:
