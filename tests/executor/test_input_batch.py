@@ -20,14 +20,18 @@ INPUTS = ("input_ids", "positions", "slot_mapping")
 
 def snapshot(step, buffers: InputBuffers) -> dict:
     """The step's inputs as plain lists (the buffers are overwritten by the next step)."""
-    n, s = step.num_tokens, len(step.seq_lens)
+    n, s = step.num_tokens, step.num_seqs
     snap = {name: buffers.np[name][:n].tolist() for name in INPUTS}
     snap["query_start_loc"] = buffers.np["query_start_loc"][: s + 1].tolist()
     snap["seq_lens"] = buffers.np["seq_lens"][:s].tolist()
     snap["logits_indices"] = buffers.np["logits_indices"][: len(step.sample_rows)].tolist()
     snap["block_table"] = [
-        row[: -(-length // 4)].tolist() for row, length in zip(buffers.np_table[:s], step.seq_lens)
+        row[: -(-length // 4)].tolist()
+        for row, length in zip(buffers.np_table[:s], snap["seq_lens"])
     ]
+    qsl, lens = snap["query_start_loc"], snap["seq_lens"]
+    assert step.max_query_len == max(b - a for a, b in zip(qsl[:-1], qsl[1:]))
+    assert step.max_seq_len == max(lens)
     snap["request_ids"] = step.request_ids
     snap["placeholders"] = list(zip(step.placeholder_tokens, step.placeholder_requests))
     return snap

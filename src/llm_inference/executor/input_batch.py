@@ -40,8 +40,9 @@ class StepInputs:
 
     request_ids: list[str]  # batch order
     num_tokens: int  # T
-    query_start_loc: list[int]  # [S + 1]
-    seq_lens: list[int]  # [S]
+    num_seqs: int  # S
+    max_query_len: int  # the longest sequence's scheduled tokens
+    max_seq_len: int  # the longest sequence's tokens once this step ran
     block_width: int  # columns of the block table the step needs
     sample_rows: list[int]  # batch positions of the sequences that need a sample
     logits_indices: list[int]  # their last token in the flat batch
@@ -233,8 +234,9 @@ class InputBatch:
         return StepInputs(
             request_ids=request_ids,
             num_tokens=total,
-            query_start_loc=cu.tolist(),
-            seq_lens=seq_lens.tolist(),
+            num_seqs=num_seqs,
+            max_query_len=int(counts.max()),
+            max_seq_len=int(seq_lens.max()),
             block_width=width,
             sample_rows=sample.tolist(),
             logits_indices=logits_indices.tolist(),

@@ -109,7 +109,7 @@ class ModelRunner:
 
     def _forward(self, step: StepInputs) -> torch.Tensor:
         """Run the model on the step's tokens (inputs already in the host buffers)."""
-        num_seqs, width = len(step.seq_lens), step.block_width
+        num_seqs, width = step.num_seqs, step.block_width
         bucket = None
         if self.graphs is not None and step.num_tokens == num_seqs:  # one token per sequence
             bucket = self.graphs.bucket(num_seqs)
@@ -121,8 +121,9 @@ class ModelRunner:
         if bucket is not None:
             return self.graphs.replay(num_seqs, bucket)
         md = self.model.attn_backend.metadata(
-            self.buffers.attention, step.num_tokens, step.query_start_loc, step.seq_lens, width
-        )
+            self.buffers.attention, step.num_tokens, num_seqs, step.max_query_len,
+            step.max_seq_len, width,
+        )  # fmt: skip
         views = self.buffers.views
         n = step.num_tokens
         return self.model(views["input_ids"][:n], views["positions"][:n], md)

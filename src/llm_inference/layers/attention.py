@@ -67,20 +67,19 @@ class AttentionBackend:
         self,
         buffers: StepBuffers,
         num_tokens: int,
-        query_start_loc: list[int] | tuple[int, ...],
-        seq_lens: list[int] | tuple[int, ...],
+        num_seqs: int,
+        max_query_len: int,
+        max_seq_len: int,
         block_width: int,
     ) -> AttentionMetadata:
         """Views of `buffers` for a step whose host inputs were already copied into them."""
-        num_seqs = len(seq_lens)
-        max_query = max(b - a for a, b in zip(query_start_loc[:-1], query_start_loc[1:]))
         return AttentionMetadata(
             slot_mapping=buffers.slot_mapping[:num_tokens],
             query_start_loc=buffers.query_start_loc[: num_seqs + 1],
             seq_lens=buffers.seq_lens[:num_seqs],
             block_table=buffers.block_table[:num_seqs, :block_width],
-            max_query_len=max_query,
-            max_seq_len=max(seq_lens),
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
         )
 
     def graph_metadata(
