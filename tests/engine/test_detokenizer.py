@@ -142,3 +142,48 @@ def test_stop_strings_wait_for_min_tokens():
     assert detok.output_text == "The fox. "  # the first "The" came before min_tokens
     detok, _, _ = run(ids, stop="The")
     assert detok.output_text == ""
+
+
+def final_text(ids, prompt, deferred, **params):
+    detok = IncrementalDetokenizer(TOK, list(prompt), SamplingParams(**params), deferred=deferred)
+    for i in range(0, len(ids), 3):
+        detok.add_tokens(ids[i : i + 3])
+        if deferred:
+            assert detok.get_delta() == ""  # nothing before the end
+    return detok.get_delta(finished=True), detok
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_deferred_text_equals_token_by_token(skip):
+    """An offline completion's text, made once at the end, is the streamed text: on random
+    token sequences (dangling and split UTF-8 bytes, special tokens) and on real text."""
+    import random
+
+    rng = random.Random(0)
+    vocab = TOK.vocab_size + len(TOK.added_tokens_encoder)
+    cases = [(encode(UNICODE), encode("Hello")), (encode(FOX + UNICODE), [])]
+    cases += [
+        ([rng.randrange(vocab) for _ in range(rng.randrange(1, 40))],
+         [rng.randrange(vocab) for _ in range(rng.randrange(0, 8))])
+        for _ in range(300)
+    ]  # fmt: skip
+    fell_back = 0
+    for ids, prompt in cases:
+        want, _ = final_text(ids, prompt, False, skip_special_tokens=skip)
+        got, detok = final_text(ids, prompt, True, skip_special_tokens=skip)
+        assert got == want, (ids, prompt)
+        assert detok.token_ids == ids and detok.output_text == want
+        fell_back += detok._stream is not None
+    assert 0 < fell_back < len(cases)  # both ways were taken
+
+
+def test_deferred_is_off_with_stop_strings():
+    detok, deltas, stops = run(FOX, stop=["lazy"])
+    deferred = IncrementalDetokenizer(TOK, [], SamplingParams(stop=["lazy"]), deferred=True)
+    assert not deferred.deferred
+    assert deferred.add_tokens(encode(FOX)) == "lazy"
+    assert (
+        deferred.get_delta(finished=True)
+        == "".join(deltas)
+        == "The quick brown fox jumps over the "
+    )

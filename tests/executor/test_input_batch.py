@@ -34,6 +34,13 @@ def snapshot(step, buffers: InputBuffers) -> dict:
     assert step.max_seq_len == max(lens)
     snap["request_ids"] = step.request_ids
     snap["placeholders"] = list(zip(step.placeholder_tokens, step.placeholder_requests))
+    m = len(step.placeholder_tokens)
+    snap["placeholder_src"] = buffers.np["placeholder_src"][:m].tolist()
+    snap["sampling"] = step.sampling
+    if step.sampling is not None:  # the sampler's inputs, staged with the step's
+        k = len(step.sample_rows)
+        for name in ("sample_keys", "sample_top_k", "sample_greedy", "sample_temperature"):
+            snap[name] = buffers.np[name][:k].tolist()
     return snap
 
 
@@ -82,7 +89,8 @@ def run_recording(tiny_ckpt):
         assert len(runner.input_batch) == 0
         assert llm.stats()["num_preemptions"] > 0
         assert llm.stats()["num_free_kv_blocks"] == llm.stats()["num_kv_blocks"]
-    return wire, built
+        vocab = runner.config.model.vocab_size
+    return wire, built, vocab
 
 
 @pytest.fixture(scope="module")
@@ -91,23 +99,27 @@ def recording(tiny_ckpt):
 
 
 def test_replayed_stream_gives_the_runner_inputs(recording):
-    wire, built = recording
-    batch = InputBatch(max_num_reqs=6, max_model_len=96, block_size=4)
+    wire, built, vocab = recording
+    batch = InputBatch(max_num_reqs=6, max_model_len=96, block_size=4, vocab_size=vocab)
     buffers = InputBuffers(max_tokens=24, max_seqs=6, max_blocks=24, device="cpu")
     replayed = []
     for data in wire:
         so = pickle.loads(data)
         batch.apply(so)
         if not so.is_empty:
-            replayed.append(snapshot(batch.prepare(so, buffers), buffers))
+            step = batch.prepare(so, buffers)
+            replayed.append(snapshot(step, buffers))
+            if step.sample_rows:  # as the runner does once it has sampled
+                batch.set_sampled(step.sample_batch_rows)
     assert len(replayed) == len(built) > 20
     assert replayed == built
     assert any(snap["placeholders"] for snap in built)  # async scheduling was exercised
+    assert any(snap["sampling"] is not None for snap in built)  # the staged sampler inputs
     assert len(batch) == 0  # every request finished or aborted: the worker holds none
 
 
 def test_runner_inputs_agree_with_the_python_oracle(recording):
-    wire, built = recording
+    wire, built, _ = recording
     oracle = BatchReplay()
     steps = iter(built)
     for data in wire:

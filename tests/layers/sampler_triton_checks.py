@@ -111,6 +111,47 @@ def check_paths_agree(tri):
     assert (got == want).float().mean() >= 0.95, (got != want).nonzero()
 
 
+def staged_metadata(params, canonical: bool):
+    """Metadata of `params` (one row each, prompt of 3 tokens, first sample) the way the model
+    runner's fast path gets it: staged by the input batch into the step buffers."""
+    from llm_inference.core.outputs import NewRequestData, SchedulerOutput
+    from llm_inference.executor.input_batch import InputBatch, InputBuffers
+    from llm_inference.layers.sampler import SamplingMetadata
+
+    n = len(params)
+    batch = InputBatch(max_num_reqs=n, max_model_len=8, block_size=4, vocab_size=V)
+    buffers = InputBuffers(max_tokens=3 * n, max_seqs=n, max_blocks=2, device="cpu")
+    new = [NewRequestData(f"r{i}", [1, 2, 3], [], p, [i], 0) for i, p in enumerate(params)]
+    so = SchedulerOutput(1, new, [], {f"r{i}": 3 for i in range(n)}, 3 * n)
+    batch.apply(so)
+    step = batch.prepare(so, buffers)
+    assert step.sampling is not None
+    return SamplingMetadata.from_views(buffers.views, n, step.sampling, V, canonical)
+
+
+def check_staged_inputs(sampler):
+    """The runner's fast path (int32 keys, top-k and greedy flags staged by the input batch;
+    half-precision logits straight into the kernel) samples exactly what `build` and float32
+    logits give."""
+    n = 24
+    kinds = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.2, top_k=7),
+        SamplingParams(temperature=0.9, top_p=0.8),
+        SamplingParams(temperature=1.1, min_p=0.05),
+        SamplingParams(temperature=1.3, top_k=20, top_p=0.9, min_p=0.02),
+    ]
+    seeds = [(i * 7919) << 33 | i for i in range(n)]  # keys of every width
+    params = [kinds[i % len(kinds)].replace(seed=seeds[i]) for i in range(n)]
+    gen = torch.Generator().manual_seed(4)
+    half = (torch.randn(n, V, generator=gen) * 3).to(torch.float16)
+    want = sampler(half.float(), checks.build(params, V, seeds=seeds)).token_ids
+    triton = sampler.use_triton
+    got = sampler(half if triton else half.float(), staged_metadata(params, not triton))
+    assert got.token_ids.tolist() == want.tolist()
+
+
 def check_status_codes(tri):
     from llm_inference.kernels import sampling
 
@@ -156,6 +197,8 @@ CHECKS |= {
     "seed_independence": (check_seed_independence, None),
     "paths_agree": (check_paths_agree, None),
     "status_codes": (check_status_codes, None),
+    "staged_inputs": (check_staged_inputs, None),
+    "staged_inputs_torch": (check_staged_inputs, None),
     "broken_rows": (check_broken_rows, None),
     "broken_rows_torch": (check_broken_rows, None),
 }

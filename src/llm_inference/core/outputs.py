@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from llm_inference.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class NewRequestData:
     request_id: str
     prompt_token_ids: list[int]
@@ -34,7 +34,7 @@ class NewRequestData:
     num_computed_tokens: int
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestData:
     request_id: str
     new_token_ids: list[int]  # tokens appended since the request was last sent
@@ -62,7 +62,7 @@ class SchedulerOutput:
         return list(self.num_scheduled_tokens)
 
 
-@dataclass
+@dataclass(slots=True)
 class ModelRunnerOutput:
     """Sampled tokens per request, in the batch order of the step.
 
@@ -75,7 +75,7 @@ class ModelRunnerOutput:
     logprobs: list[object | None] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     """What the core reports for one request that advanced in a step: plain values only.
 

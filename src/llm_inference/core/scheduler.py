@@ -99,22 +99,32 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         preempted: list[str] = []
 
+        # The loop below runs for every running request every step: it inlines the common
+        # case (no new block needed, nothing in flight that ends the request).
+        kv = self.kv_cache_manager
+        block_size = kv.block_size
+        running = self.running
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(self._num_pending(request), budget)
-            if num_new <= 0 or self._surely_done(request):
+        while index < len(running) and budget > 0:
+            request = running[index]
+            in_flight = request.num_output_placeholders
+            num_new = request.num_tokens + in_flight - request.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
+            if num_new <= 0 or (in_flight and self._surely_done(request)):
                 index += 1  # nothing to compute until a sample arrives, or nothing more ever
                 continue
-            self._check_fits(request, request.num_computed_tokens + num_new)
-            while not self.kv_cache_manager.allocate_slots(request, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is request:
+            end = request.num_computed_tokens + num_new
+            if end > len(request.block_ids) * block_size:  # needs new blocks
+                self._check_fits(request, end)
+                while not kv.allocate_slots(request, num_new):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted.append(victim.request_id)
+                    if victim is request:
+                        break
+                if request.status is not RequestStatus.RUNNING:
                     break
-            if request.status is not RequestStatus.RUNNING:
-                break
             scheduled.append((request, num_new))
             budget -= num_new
             index += 1
@@ -142,11 +152,6 @@ class Scheduler:
             scheduled.append((request, num_new))
             budget -= num_new
         return budget
-
-    @staticmethod
-    def _num_pending(request: Request) -> int:
-        """Tokens whose K/V are not computed yet, counting samples still in flight."""
-        return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
 
     def _surely_done(self, request: Request) -> bool:
         """With a sample in flight that will reach max_tokens or max_model_len, the request
@@ -243,38 +248,44 @@ class Scheduler:
         """
         out = model_runner_output
         scheduled = self._in_flight.pop(scheduler_output.step_id, [])
-        lp_by_id = dict(zip(out.request_ids, out.logprobs)) if out.logprobs else {}
-        sampled = dict(zip(out.request_ids, out.sampled_token_ids, strict=True))
+        tokens, logprobs = _by_position(scheduled, out)
+        kv = self.kv_cache_manager
+        caching, block_size = kv.prefix_cache is not None, kv.block_size
+        requests = self.requests
+        running = RequestStatus.RUNNING
         results: list[EngineCoreOutput] = []
-        for request, samples, computed in scheduled:
+        for (request, samples, computed), new_tokens, lp in zip(scheduled, tokens, logprobs):
             rid = request.request_id
-            if self.requests.get(rid) is not request:
+            if requests.get(rid) is not request:
                 continue  # finished (aborted) since schedule(), or an id reused since
-            if request.status is RequestStatus.RUNNING:  # not preempted since
-                self.kv_cache_manager.cache_full_blocks(request, computed)
-            new_tokens = sampled.get(rid) or []
-            if samples and not new_tokens:
-                raise ValueError(f"request {rid!r} needed a sample but got none")
+            if (
+                caching
+                and request.status is running  # not preempted since
+                and computed >= (len(request.cache_keys) + 1) * block_size
+            ):
+                kv.cache_full_blocks(request, computed)
             if not new_tokens:
+                if samples:
+                    raise ValueError(f"request {rid!r} needed a sample but got none")
                 continue
             if request.num_output_placeholders:  # zero once preempted
                 request.num_output_placeholders -= 1
-            appended: list[int] = []
-            for token_id in new_tokens:
-                request.append_output_token(token_id)
-                appended.append(token_id)
+            appended = new_tokens
+            for k, token_id in enumerate(new_tokens):
+                request.output_token_ids.append(token_id)
+                request.num_tokens += 1
                 status = self._check_stop(request, token_id)
                 if status is not None:
                     self._finish(request, status)
+                    appended = new_tokens[: k + 1]
                     break
-            lp = lp_by_id.get(rid)
             results.append(
                 EngineCoreOutput(
-                    request_id=rid,
-                    new_token_ids=appended,
-                    finish_reason=request.finish_reason,
-                    stop_reason=request.stop_reason,
-                    new_logprobs=None if lp is None else [lp],
+                    rid,
+                    appended,
+                    request.finish_reason,
+                    request.stop_reason,
+                    None if lp is None else [lp],
                 )
             )
         if any(r.finished for r in results):
@@ -316,3 +327,24 @@ class Scheduler:
             self._finish(request, status)
         self.running = [r for r in self.running if not r.is_finished]
         self.waiting = deque(r for r in self.waiting if not r.is_finished)
+
+
+def _by_position(
+    scheduled: list[tuple[Request, bool, int]], out: ModelRunnerOutput
+) -> tuple[list[list[int]], list[object | None]]:
+    """The runner's tokens and logprobs lined up with `scheduled` (the step's batch order,
+    which the runner's output follows; matched by id when it does not)."""
+    ids, tokens = out.request_ids, out.sampled_token_ids
+    if len(tokens) != len(ids):
+        raise ValueError(f"{len(ids)} request ids but {len(tokens)} token lists")
+    logprobs = out.logprobs if out.logprobs else [None] * len(ids)
+    if len(ids) == len(scheduled) and all(
+        i == r.request_id for i, (r, _, _) in zip(ids, scheduled)
+    ):
+        return tokens, logprobs
+    index = {rid: k for k, rid in enumerate(ids)}
+    found = [index.get(r.request_id) for r, _, _ in scheduled]
+    return (
+        [[] if k is None else tokens[k] for k in found],
+        [None if k is None else logprobs[k] for k in found],
+    )

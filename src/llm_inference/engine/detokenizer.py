@@ -38,9 +38,21 @@ def _decode_stream(tokenizer, context: list[int], params: SamplingParams):
 
 
 class IncrementalDetokenizer:
-    """Turns one completion's token ids into text, finding stop strings as they appear."""
+    """Turns one completion's token ids into text, finding stop strings as they appear.
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+    `deferred=True` (a completion nobody reads before it finishes, with no stop strings): the
+    tokens are only collected, and the text is made once, at `get_delta(finished=True)`, by
+    one decode of the window and the output; the same text as token by token (where the two
+    could differ, on an incomplete UTF-8 sequence or a window whose text the output changes,
+    it goes token by token)."""
+
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        deferred: bool = False,
+    ):
         self.tokenizer = tokenizer
         self.params = params
         self.token_ids: list[int] = []
@@ -50,7 +62,10 @@ class IncrementalDetokenizer:
         self._read = len(self._ids)
         self._text = ""
         self._sent = 0  # characters of the text already returned by get_delta
-        self._stream, self._rust = _decode_stream(tokenizer, self._ids, params)
+        self.deferred = deferred and not params.stop_strings
+        self._stream = self._rust = None
+        if not self.deferred:
+            self._stream, self._rust = _decode_stream(tokenizer, self._ids, params)
 
     @property
     def output_text(self) -> str:
@@ -64,6 +79,9 @@ class IncrementalDetokenizer:
         """Append sampled tokens; return the stop string if one now appears (the text is
         then cut at it, or just after it with include_stop_str_in_output), else None.
         Tokens after a stop are ignored."""
+        if self.deferred:
+            self.token_ids.extend(token_ids)
+            return None
         for token_id in token_ids:
             if self.stop_string is not None:
                 break
@@ -81,7 +99,12 @@ class IncrementalDetokenizer:
 
     def get_delta(self, finished: bool = False) -> str:
         """Text added since the last call. While the request runs, a tail that could still
-        grow into a stop string is held back; `finished=True` (or a stop) releases it."""
+        grow into a stop string is held back; `finished=True` (or a stop) releases it.
+        Deferred: '' until finished."""
+        if self.deferred:
+            if not finished:
+                return ""
+            self._decode_deferred()
         end = len(self._text)
         if not finished and self.stop_string is None:
             end -= self._held_back()
@@ -89,6 +112,20 @@ class IncrementalDetokenizer:
         delta = self._text[self._sent : end]
         self._sent = end
         return delta
+
+    def _decode_deferred(self) -> None:
+        """The whole output's text at once; token by token where one decode could differ."""
+        self.deferred = False
+        ids, self.token_ids = self.token_ids, []
+        head = self._decode(self._ids)
+        full = self._decode(self._ids + ids)
+        if full.startswith(head) and "\ufffd" not in full:  # no byte left dangling
+            self.token_ids = ids
+            self._ids += ids
+            self._text = full[len(head) :]
+            return
+        self._stream, self._rust = _decode_stream(self.tokenizer, self._ids, self.params)
+        self.add_tokens(ids)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(

@@ -97,7 +97,7 @@ class OutputProcessor:
             _Completion(
                 j,
                 p,
-                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, p)
+                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, p, deferred=not stream)
                 if p.detokenize
                 else None,
             )

@@ -31,7 +31,8 @@ import torch
 from llm_inference.config import cdiv
 from llm_inference.core.outputs import SchedulerOutput
 from llm_inference.layers.attention import StepBuffers
-from llm_inference.sampling_params import SamplingParams
+from llm_inference.layers.sampling_metadata import noise_keys_np, seed_hash
+from llm_inference.sampling_params import GREEDY_EPS, SamplingParams
 
 
 @dataclass
@@ -51,6 +52,22 @@ class StepInputs:
     # their sequence): their flat index, and the request whose sample it is.
     placeholder_tokens: list[int]
     placeholder_requests: list[str]
+    sample_batch_rows: np.ndarray | None = None  # input-batch rows of the sample rows
+    # Sampling inputs written into the buffers (`sample_*`) by `prepare`: set when no sample
+    # row needs its token lists (penalties, min_tokens) or logprobs, else None.
+    sampling: SamplingFlags | None = None
+
+
+@dataclass(frozen=True)
+class SamplingFlags:
+    """What the sampler must know on the host about the sample rows' parameters."""
+
+    all_greedy: bool
+    all_random: bool
+    any_top_k: bool
+    max_top_k: int  # 0 if no row has top-k
+    any_top_p: bool
+    any_min_p: bool
 
 
 class InputBuffers:
@@ -63,7 +80,12 @@ class InputBuffers:
     scheduling). `to_device` copies the whole flat array and the used corner of the table."""
 
     SIZES = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
-             "logits_indices", "placeholder_dst", "placeholder_src")  # fmt: skip
+             "logits_indices", "placeholder_dst", "placeholder_src",
+             # per sample row: the sampler's inputs (the key's 32 bits; greedy 0/1; floats
+             # stored as float32 bits)
+             "sample_keys", "sample_top_k", "sample_greedy", "sample_temperature",
+             "sample_top_p", "sample_min_p")  # fmt: skip
+    FLOATS = ("sample_temperature", "sample_top_p", "sample_min_p")
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device) -> None:
         self.device = torch.device(device)
@@ -78,6 +100,8 @@ class InputBuffers:
         self.dev = torch.zeros(total, dtype=torch.int32, device=device)
         self.dev_table = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
         self.views = self._cut(self.dev)
+        for name in self.FLOATS:
+            self.views[name] = self.views[name].view(torch.float32)
         self.attention = StepBuffers(
             slot_mapping=self.views["slot_mapping"],
             query_start_loc=self.views["query_start_loc"],
@@ -103,6 +127,8 @@ class InputBuffers:
                 self.max_seqs, self.max_blocks, dtype=torch.int32, pin_memory=True
             )
         self.np = {k: v.numpy() for k, v in self._cut(self.host).items()}
+        for name in self.FLOATS:
+            self.np[name] = self.np[name].view(np.float32)
         self.np_table = self.host_table.numpy()
 
     def pad_decode(self, num_seqs: int, padded: int) -> None:
@@ -127,8 +153,11 @@ class InputBuffers:
 class InputBatch:
     """Per-request worker state, one row each; see the module docstring."""
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int = 1 << 30
+    ) -> None:
         self.block_size = block_size
+        self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         max_blocks = cdiv(max_model_len, block_size)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
@@ -138,10 +167,22 @@ class InputBatch:
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.rows: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
-        # Sampling inputs per row (Python lists: the sampler builds its metadata from them).
+        # Sampling inputs per row. Arrays for every request (greedy rows hold neutral values;
+        # top_k is vocab_size where off); Python lists for the rows that need token lists
+        # (penalties, min_tokens) or logprobs (`needs_lists`): the sampler's slow path.
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.prompt_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
         self.output_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
+        self.prompt_len = np.zeros(max_num_reqs, dtype=np.int64)
+        self.greedy = np.zeros(max_num_reqs, dtype=np.int32)
+        self.temperature = np.ones(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int32)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.seed_hash = np.zeros(max_num_reqs, dtype=np.uint64)
+        self.needs_lists = np.zeros(max_num_reqs, dtype=bool)
+        # Row of each request's token in the last sampled tokens (on the device), -1 if none.
+        self.prev_sample = np.full(max_num_reqs, -1, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -156,7 +197,7 @@ class InputBatch:
                 raise RuntimeError(f"more than {len(self.params)} requests in the input batch")
             row = self.free_rows.pop()
             self.rows[new.request_id] = row
-            self.params[row] = new.sampling_params
+            self._set_sampling(row, new.sampling_params, len(new.prompt_token_ids))
             self.prompt_ids[row] = list(new.prompt_token_ids)
             self.output_ids[row] = []
             self.num_known[row] = self.num_blocks[row] = 0
@@ -170,10 +211,37 @@ class InputBatch:
             self._append_blocks(row, cached.new_block_ids)
             self.num_computed[row] = cached.num_computed_tokens
 
+    def _set_sampling(self, row: int, p: SamplingParams, prompt_len: int) -> None:
+        V = self.vocab_size
+        greedy = p.temperature < GREEDY_EPS
+        self.params[row] = p
+        self.prompt_len[row] = prompt_len
+        self.greedy[row] = greedy
+        self.temperature[row] = 1.0 if greedy else p.temperature
+        self.top_k[row] = V if greedy or not 0 < p.top_k < V else p.top_k
+        self.top_p[row] = 1.0 if greedy else p.top_p
+        self.min_p[row] = 0.0 if greedy else p.min_p
+        self.seed_hash[row] = seed_hash(p.seed or 0)
+        self.needs_lists[row] = (
+            p.logprobs is not None
+            or p.min_tokens > 0
+            or p.repetition_penalty != 1.0
+            or p.presence_penalty != 0.0
+            or p.frequency_penalty != 0.0
+        )
+        self.prev_sample[row] = -1
+
+    def set_sampled(self, sample_batch_rows: np.ndarray) -> None:
+        """The step just launched sampled these rows, in order: their tokens are on the device
+        at those indices, and no other row's token is."""
+        self.prev_sample.fill(-1)
+        self.prev_sample[sample_batch_rows] = np.arange(len(sample_batch_rows))
+
     def _remove(self, rid: str) -> None:
         row = self.rows.pop(rid, None)
         if row is not None:
             self.params[row] = None
+            self.prev_sample[row] = -1
             self.prompt_ids[row] = self.output_ids[row] = []
             self.free_rows.append(row)
 
@@ -216,6 +284,10 @@ class InputBatch:
         # A sequence scheduled one token past what it holds takes its last sampled token,
         # still on the device, as that token (async scheduling).
         ph_seqs = np.flatnonzero(seq_lens == known + 1)
+        ph_src = self.prev_sample[rows[ph_seqs]]
+        if len(ph_src) and ph_src.min() < 0:
+            missing = [request_ids[i] for i in ph_seqs[ph_src < 0]]
+            raise RuntimeError(f"no sampled token of requests {missing} is on the device")
         sample = np.flatnonzero(seq_lens >= known)
         logits_indices = cu[1:][sample] - 1
         width = cdiv(int(seq_lens.max()), bs)
@@ -230,7 +302,11 @@ class InputBatch:
         b["seq_lens"][:num_seqs] = seq_lens
         b["logits_indices"][: len(sample)] = logits_indices
         buffers.np_table[:num_seqs, :width] = self.block_table[rows, :width]
-        prompt_lens = np.fromiter((len(self.prompt_ids[r]) for r in rows[sample]), np.int64)
+        ph_dst = cu[1:][ph_seqs] - 1
+        b["placeholder_dst"][: len(ph_dst)] = ph_dst
+        b["placeholder_src"][: len(ph_dst)] = ph_src
+        sample_rows = rows[sample]
+        num_outputs = seq_lens[sample] - self.prompt_len[sample_rows]
         return StepInputs(
             request_ids=request_ids,
             num_tokens=total,
@@ -240,7 +316,35 @@ class InputBatch:
             block_width=width,
             sample_rows=sample.tolist(),
             logits_indices=logits_indices.tolist(),
-            num_outputs=(seq_lens[sample] - prompt_lens).tolist(),
-            placeholder_tokens=(cu[1:][ph_seqs] - 1).tolist(),
+            num_outputs=num_outputs.tolist(),
+            placeholder_tokens=ph_dst.tolist(),
             placeholder_requests=[request_ids[i] for i in ph_seqs],
+            sample_batch_rows=sample_rows,
+            sampling=self._stage_sampling(sample_rows, num_outputs, b),
+        )
+
+    def _stage_sampling(self, rows: np.ndarray, num_outputs: np.ndarray, b) -> SamplingFlags | None:
+        """The sampler's per-row inputs for `rows` into the host buffers `b` (noise keys from
+        each row's seed and output count); None when a row needs the slow path."""
+        n = len(rows)
+        if not n or self.needs_lists[rows].any():
+            return None
+        greedy, top_k = self.greedy[rows], self.top_k[rows]
+        b["sample_keys"][:n] = noise_keys_np(self.seed_hash[rows], num_outputs).view(np.int32)
+        b["sample_greedy"][:n] = greedy
+        b["sample_top_k"][:n] = top_k
+        b["sample_temperature"][:n] = self.temperature[rows]
+        top_p = b["sample_top_p"][:n]
+        top_p[:] = self.top_p[rows]
+        min_p = b["sample_min_p"][:n]
+        min_p[:] = self.min_p[rows]
+        num_greedy = int(greedy.sum())
+        on_k = top_k < self.vocab_size
+        return SamplingFlags(
+            all_greedy=num_greedy == n,
+            all_random=num_greedy == 0,
+            any_top_k=bool(on_k.any()),
+            max_top_k=int(top_k[on_k].max()) if on_k.any() else 0,
+            any_top_p=bool((top_p < 1.0).any()),
+            any_min_p=bool((min_p > 0.0).any()),
         )

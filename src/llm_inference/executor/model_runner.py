@@ -32,7 +32,9 @@ class ModelRunner:
         self.sampler = Sampler(use_triton=config.kernel_backend == "triton")
         self.block_size = config.cache.block_size
         sched = config.scheduler
-        self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.block_size)
+        self.input_batch = InputBatch(
+            sched.max_num_seqs, sched.max_model_len, self.block_size, config.model.vocab_size
+        )
         self.buffers = InputBuffers(
             max(sched.max_num_batched_tokens, sched.max_num_seqs),
             sched.max_num_seqs,
@@ -41,9 +43,8 @@ class ModelRunner:
         )
         self.num_blocks = 0
         self.graphs: DecodeGraphs | None = None
-        # The last sampling step's tokens, on the device, and each request's row in them.
+        # The last sampling step's tokens, on the device (InputBatch.prev_sample: whose).
         self.prev_tokens = torch.zeros(0, dtype=torch.long, device=device)
-        self.prev_index: dict[str, int] = {}
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -115,7 +116,6 @@ class ModelRunner:
             bucket = self.graphs.bucket(num_seqs)
         if bucket is not None:
             self.buffers.pad_decode(num_seqs, bucket)
-        self._stage_placeholders(step)
         self.buffers.to_device(num_seqs, width)
         self._fill_placeholders(len(step.placeholder_tokens))
         if bucket is not None:
@@ -127,19 +127,6 @@ class ModelRunner:
         views = self.buffers.views
         n = step.num_tokens
         return self.model(views["input_ids"][:n], views["positions"][:n], md)
-
-    def _stage_placeholders(self, step: StepInputs) -> None:
-        """Where each in-flight sample goes (its flat token index) and where it is (its row
-        in the previous step's sampled tokens), into the host buffers."""
-        if not step.placeholder_tokens:
-            return
-        try:
-            src = [self.prev_index[rid] for rid in step.placeholder_requests]
-        except KeyError as e:
-            raise RuntimeError(f"no sampled token of request {e} is on the device") from None
-        m = len(src)
-        self.buffers.np["placeholder_dst"][:m] = step.placeholder_tokens
-        self.buffers.np["placeholder_src"][:m] = src
 
     def _fill_placeholders(self, m: int) -> None:
         """On the device: input_ids[dst] = previous step's sampled tokens[src]."""
@@ -189,9 +176,14 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, rows_idx))
         if get_tp_rank() != 0:
             return None  # sampling happens on rank 0 only
-        rows = [self.input_batch.rows[req_ids[i]] for i in step.sample_rows]
-        smd = self.sampling_metadata(rows, step.num_outputs)
+        if step.sampling is not None:  # the per-row inputs are already on the device
+            smd = SamplingMetadata.from_views(
+                self.buffers.views, len(step.sample_rows), step.sampling,
+                self.config.model.vocab_size, not self.sampler.uses_triton(logits.device),
+            )  # fmt: skip
+        else:
+            smd = self.sampling_metadata(step.sample_batch_rows.tolist(), step.num_outputs)
         out = self.sampler(logits, smd, sync=sync)
         self.prev_tokens = out.token_ids
-        self.prev_index = {req_ids[i]: k for k, i in enumerate(step.sample_rows)}
+        self.input_batch.set_sampled(step.sample_batch_rows)
         return PendingOutput.launch(req_ids, step.sample_rows, out)

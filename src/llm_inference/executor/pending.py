@@ -51,11 +51,16 @@ class PendingOutput:
                 self._event.synchronize()
             tokens, status = self._host.tolist()
             report_status(status)
-            sampled: list[list[int]] = [[] for _ in self._req_ids]
-            logprobs: list[object | None] = [None] * len(self._req_ids)
-            for k, i in enumerate(self._rows):
-                sampled[i] = [tokens[k]]
-                if self._logprobs is not None:
+            n = len(self._req_ids)
+            logprobs: list[object | None] = [None] * n
+            if len(self._rows) == n:  # every request sampled (decodes): rows are 0..n-1
+                sampled = [[t] for t in tokens]
+            else:
+                sampled = [[] for _ in self._req_ids]
+                for k, i in enumerate(self._rows):
+                    sampled[i] = [tokens[k]]
+            if self._logprobs is not None:
+                for k, i in enumerate(self._rows):
                     logprobs[i] = self._logprobs[k]
             self._done = ModelRunnerOutput(self._req_ids, sampled, logprobs)
             self._host = self._event = None

@@ -1,6 +1,6 @@
 """Fused sampling in Triton: temperature, top-k, top-p, min-p and the seeded race, one program per
-row of float32 logits [B, V] (last dim contiguous, already penalized and min_tokens-masked)
--> token ids [B] int64.
+row of logits [B, V] (float32, or bfloat16/float16 read as float32; last dim contiguous; already
+penalized and min_tokens-masked) -> token ids [B] int64.
 
 For row b, with l = logits[b] and x = l / temperature[b]:
   * greedy rows: argmax(l), first index on ties; one pass;
@@ -50,7 +50,7 @@ def _stats(row_ptr, V, t, BLOCK: tl.constexpr):
     fmin = tl.full((), float("inf"), tl.float32)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")) / t
+        x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / t
         m = tl.maximum(m, tl.max(tl.where(x != x, float("inf"), x)))
         fmin = tl.minimum(fmin, tl.min(tl.where(x > float("-inf"), x, float("inf"))))
     return m, fmin
@@ -73,7 +73,7 @@ def _search(row_ptr, V, t, m, lo, up, target, MASS: tl.constexpr, BLOCK: tl.cons
         mx = tl.full((NP,), float("-inf"), tl.float32)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")) / t
+            x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / t
             ge = x[:, None] >= piv[None, :]
             if MASS:
                 w = tl.exp(x - m)[:, None]
@@ -100,7 +100,7 @@ def _race(row_ptr, V, t, key, thr, min_p, m, NOISE: tl.constexpr, FILTER: tl.con
     top = tl.full((), float("-inf"), tl.float32)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")) / t
+        x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / t
         top = tl.maximum(top, tl.max(tl.where(x != x, float("inf"), x)))
         s = x
         if NOISE:
@@ -172,9 +172,16 @@ def _sample_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, top_k_ptr
     tl.store(out_ptr + row, token)
 
 
-def _check_row_param(name: str, x: torch.Tensor | None, B: int, dtype, device) -> None:
-    if x is not None and (x.shape != (B,) or x.dtype != dtype or x.device != device):
-        raise ValueError(f"{name} must be [{B}] {dtype} on {device}, got {x.shape} {x.dtype}")
+def _check_row_param(name: str, x: torch.Tensor | None, B: int, dtypes, device) -> None:
+    dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
+    if x is not None and (x.shape != (B,) or x.dtype not in dtypes or x.device != device):
+        raise ValueError(f"{name} must be [{B}] {dtypes} on {device}, got {x.shape} {x.dtype}")
+
+
+def _greedy_arg(greedy: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
+    if greedy is None:
+        return dummy
+    return greedy.view(torch.uint8) if greedy.dtype == torch.bool else greedy
 
 
 def sample(
@@ -186,21 +193,24 @@ def sample(
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One token id per row of float32 logits [B, V] -> [B] int64, or a status (module doc).
+    """One token id per row of logits [B, V] -> [B] int64, or a status (module doc).
 
-    keys [B] int64 in [0, 2**32) (noise_keys of (seed, step)); temperature [B] float32 (> 0;
-    ignored on greedy rows); greedy [B] bool; top_k [B] int64 (>= V: off); top_p [B] float32
-    in (0, 1] (1: off); min_p [B] float32 in [0, 1] (0: off). None means off for every row.
+    logits float32, or bfloat16 / float16 (read as float32: the same values); keys [B] int64 in
+    [0, 2**32), or int32 holding the key's 32 bits (noise_keys of (seed, step)); temperature [B]
+    float32 (> 0; ignored on greedy rows); greedy [B] bool or int32 (nonzero: greedy); top_k [B]
+    int64 or int32 (>= V: off); top_p [B] float32 in (0, 1] (1: off); min_p [B] float32 in
+    [0, 1] (0: off). None means off for every row.
     """
-    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    if logits.dim() != 2 or logits.dtype not in floats or logits.stride(1) != 1:
         what = f"{tuple(logits.shape)} {logits.dtype} strides {logits.stride()}"
-        raise ValueError(f"logits must be float32 [B, V], last dim contiguous, got {what}")
+        raise ValueError(f"logits must be float [B, V], last dim contiguous, got {what}")
     B, V = logits.shape
     dev = logits.device
-    _check_row_param("keys", keys, B, torch.int64, dev)
+    _check_row_param("keys", keys, B, (torch.int64, torch.int32), dev)
     _check_row_param("temperature", temperature, B, torch.float32, dev)
-    _check_row_param("greedy", greedy, B, torch.bool, dev)
-    _check_row_param("top_k", top_k, B, torch.int64, dev)
+    _check_row_param("greedy", greedy, B, (torch.bool, torch.int32), dev)
+    _check_row_param("top_k", top_k, B, (torch.int64, torch.int32), dev)
     _check_row_param("top_p", top_p, B, torch.float32, dev)
     _check_row_param("min_p", min_p, B, torch.float32, dev)
     out = torch.empty(B, dtype=torch.int64, device=dev)
@@ -211,7 +221,7 @@ def sample(
     search_block = SEARCH_BLOCK if logits.is_cuda else min(4096, triton.next_power_of_2(V))
     _sample_kernel[(B,)](
         logits, logits.stride(0), keys, temperature,
-        dummy if greedy is None else greedy.view(torch.uint8),
+        _greedy_arg(greedy, dummy),
         dummy if top_k is None else top_k, dummy if top_p is None else top_p,
         dummy if min_p is None else min_p, out, V,
         HAS_GREEDY=greedy is not None, HAS_TOP_K=top_k is not None,

@@ -213,7 +213,10 @@ class Sampler(torch.nn.Module):
         logprobs are asked for."""
         assert logits.dim() == 2 and logits.shape[1] == md.vocab_size, logits.shape
         raw = logits
-        logits = logits.to(torch.float32, copy=True)  # never change the caller's tensor
+        plain = md.no_penalties and md.min_tokens_rows is None and md.logprobs_rows is None
+        triton = self.uses_triton(logits.device)
+        if not (plain and triton):  # the kernel reads bf16/fp16 logits as they are
+            logits = logits.to(torch.float32, copy=True)  # never change the caller's tensor
         raw_logprobs = None
         if md.logprobs_rows is not None:
             raw_logprobs = logits.index_select(0, md.logprobs_rows).log_softmax(dim=-1)
@@ -221,7 +224,7 @@ class Sampler(torch.nn.Module):
             logits = apply_penalties(logits, md)
         if md.min_tokens_rows is not None:
             logits[md.min_tokens_rows, md.min_tokens_cols] = float("-inf")
-        if self.uses_triton(logits.device):
+        if triton:
             from llm_inference.kernels import sampling
 
             token_ids = sampling.sample(
@@ -234,8 +237,13 @@ class Sampler(torch.nn.Module):
         status = token_ids
         if sync:
             token_ids = _resolve_status(token_ids, raw)
+        elif plain:  # no host sync; statuses reported from `status`. Nothing masked logits
+            # here, so an emptied row's raw logits are all -inf too: their argmax is token 0.
+            # A broken row's token is 0 too, so the next step's input stays a valid token id.
+            token_ids = token_ids.clamp(min=0)
         else:  # no host sync: take the raw argmax on emptied rows, report statuses
             token_ids = torch.where(token_ids == STATUS_EMPTY, raw.argmax(dim=-1), token_ids)
+            token_ids = token_ids.clamp_(min=0)
         logprobs = None if raw_logprobs is None else self._logprobs(raw_logprobs, token_ids, md)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs, status=status)
 

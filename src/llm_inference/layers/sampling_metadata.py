@@ -29,6 +29,26 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def splitmix64_np(x: np.ndarray) -> np.ndarray:
+    """`_splitmix64` over a uint64 array (numpy's uint64 arithmetic wraps mod 2**64)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def seed_hash(seed: int) -> int:
+    """The per-request half of a noise key:
+    `noise_keys_np([seed_hash(s)], [t]) == noise_keys([s], [t])`."""
+    return _splitmix64(seed & _M64)
+
+
+def noise_keys_np(seed_hashes: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """`noise_keys` vectorized: uint32 keys from uint64 seed hashes and int64 steps."""
+    x = seed_hashes.astype(np.uint64, copy=False) ^ steps.astype(np.uint64)
+    return (splitmix64_np(x) & np.uint64(_M32)).astype(np.uint32)
+
+
 def noise_keys(seeds: list[int], steps: list[int]) -> list[int]:
     """One 32-bit key per row from (seed, step); any Python int is a valid seed."""
     return [
@@ -107,6 +127,43 @@ class SamplingMetadata:
     logprobs_k: list[int | None]  # per row: SamplingParams.logprobs
     logprobs_rows: torch.Tensor | None  # [R] rows that asked for logprobs
     max_num_logprobs: int | None  # largest k asked (None: no row asked)
+
+    @classmethod
+    def from_views(
+        cls, views: dict, n: int, flags, vocab_size: int, canonical: bool
+    ) -> SamplingMetadata:
+        """Metadata of `n` rows without penalties, min_tokens or logprobs, from device arrays
+        the input batch already filled (executor/input_batch.py: `sample_*` views, int32 and
+        float32; `flags` its SamplingFlags). `canonical` converts to the dtypes `build` gives
+        (bool greedy, int64 keys and top-k), which the PyTorch sampler needs; the Triton
+        kernel reads the int32 arrays as they are."""
+        keys, greedy = views["sample_keys"][:n], views["sample_greedy"][:n]
+        top_k = views["sample_top_k"][:n]
+        if canonical:
+            keys, greedy, top_k = keys.long() & _M32, greedy.bool(), top_k.long()
+        return cls(
+            vocab_size=vocab_size,
+            temperature=views["sample_temperature"][:n],
+            greedy=greedy,
+            all_greedy=flags.all_greedy,
+            all_random=flags.all_random,
+            noise_keys=keys,
+            top_k=top_k if flags.any_top_k else None,
+            max_top_k=flags.max_top_k,
+            top_p=views["sample_top_p"][:n] if flags.any_top_p else None,
+            min_p=views["sample_min_p"][:n] if flags.any_min_p else None,
+            no_penalties=True,
+            repetition_penalty=None,
+            presence_penalty=None,
+            frequency_penalty=None,
+            prompt_token_ids=None,
+            output_token_ids=None,
+            min_tokens_rows=None,
+            min_tokens_cols=None,
+            logprobs_k=[None] * n,
+            logprobs_rows=None,
+            max_num_logprobs=None,
+        )
 
     @classmethod
     def build(
