@@ -830,7 +830,7 @@ def markdown(data: dict) -> str:
             counters = r.get("server_counters", {})
             hits, queries = (counters.get(f"prefix_cache_{k}_total") for k in ("hits", "queries"))
             cached = (
-                f"{hits / queries:.1%} of {queries:,.0f}" if hits is not None and queries else ""
+                f"{hits / queries:.1%} of {queries:,.0f}" if hits is not None and queries else "-"
             )
             lines.append(
                 f"| {state} | {r['completed']} / {r['failed']} | {r['duration_s']:.2f} | "
