@@ -52,3 +52,15 @@ def test_bench_serve_multi_turn_resends_the_conversation(live_server, tmp_path):
     rc, single = _bench(live_server, tmp_path, "--num-prompts", "3", "--shared-prefix-len", "30")
     # Turn k resends turns 1..k-1: far more prompt tokens than three times a first turn.
     assert r["total_input_tokens"] > 3 * single["total_input_tokens"] + 2 * 3 * 5
+
+
+def test_bench_serve_worker_processes(live_server, tmp_path):
+    """Requests (and conversations) shared among 2 client processes, the concurrency limit
+    split between them: every request is counted once."""
+    rc, r = _bench(live_server, tmp_path, "--num-workers", "2", "--request-rate", "100",
+                   "--max-concurrency", "3")  # fmt: skip
+    assert rc == 0 and (r["completed"], r["failed"], r["num_workers"]) == (6, 0, 2)
+    assert r["total_output_tokens"] == 6 * 5 and r["duration_s"] > 0
+    rc, r = _bench(live_server, tmp_path, "--num-workers", "2", "--num-prompts", "3",
+                   "--multi-turn", "2", "--max-concurrency", "2")  # fmt: skip
+    assert rc == 0 and (r["completed"], r["failed"]) == (6, 0)

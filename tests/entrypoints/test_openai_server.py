@@ -121,6 +121,8 @@ def test_tokenize_detokenize_health_metrics(live_server):
         "num_requests_waiting",
         "kv_cache_usage_perc",
         "num_preemptions_total",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
         "prompt_tokens_total",
         "generation_tokens_total",
         "time_to_first_token_seconds_bucket",

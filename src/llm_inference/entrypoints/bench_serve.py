@@ -5,13 +5,16 @@ Prompts are random token ids decoded to text (with `--tokenizer`, default `--mod
 a local folder) or random words; lengths are `--input-len` / `--output-len`, or drawn uniformly
 from [len * (1 - r), len * (1 + r)] with `--range-ratio r`. Requests stream completions with
 `ignore_eos`; they arrive as a Poisson process at `--request-rate` (inf: all at once), at most
-`--max-concurrency` at a time. Times are reported in milliseconds, throughputs per second.
+`--max-concurrency` at a time, each at its time from the start (not after the previous one's
+wait). `--num-workers N` shares them among N client processes started together: a server
+streaming tens of thousands of chunks a second outruns one Python reader, whose delays would
+show as inter-token latency. Times are reported in milliseconds, throughputs per second.
 
 `--multi-turn T` replays chats instead: each of `--num-prompts` conversations sends T requests
 one after another, each the whole conversation so far (an optional shared system prompt of
-`--shared-prefix-len` words, then every earlier message and reply) plus a new user message;
-`--max-concurrency` then bounds the conversations in flight. This is the traffic prefix
-caching is for: every turn resends what the last one computed.
+about `--shared-prefix-len` tokens, then every earlier message and reply) plus a new user
+message; `--max-concurrency` then bounds the conversations in flight. This is the traffic
+prefix caching is for: every turn resends what the last one computed.
 """
 
 from __future__ import annotations
@@ -66,7 +69,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         help="replay chats of T turns, each resending the conversation (0: off)",
     )
     p.add_argument("--shared-prefix-len", type=int, default=0,
-                   help="words of a system prompt shared by every conversation")  # fmt: skip
+                   help="tokens (words without a tokenizer) of a system prompt shared by "
+                   "every conversation")  # fmt: skip
+    p.add_argument("--num-workers", type=int, default=1,
+                   help="client processes that share the requests (a busy server streams more "
+                   "chunks than one Python process reads on time)")  # fmt: skip
 
 
 def _lengths(mean: int, ratio: float, n: int, rng: random.Random) -> list[int]:
@@ -76,29 +83,42 @@ def _lengths(mean: int, ratio: float, n: int, rng: random.Random) -> list[int]:
     return [rng.randint(lo, hi) for _ in range(n)]
 
 
-def make_prompts(args, rng: random.Random, n: int | None = None) -> list[tuple[str, int, int]]:
-    """(prompt text, approximate prompt tokens, max output tokens) for `n` requests (default
-    `--num-prompts`)."""
-    n = args.num_prompts if n is None else n
-    tokenizer = None
+def load_tokenizer(args):
+    """The tokenizer that random prompts are drawn from (`--tokenizer`, else `--model` when it
+    is a local folder), or None: prompts of plain words."""
     source = args.tokenizer or (args.model if args.model and os.path.isdir(args.model) else None)
-    if source:
-        from transformers import AutoTokenizer
+    if not source:
+        return None
+    from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(source)
+    return AutoTokenizer.from_pretrained(source)
+
+
+def random_text(tokenizer, rng: random.Random, n: int) -> str:
+    """About `n` tokens: random non-special token ids decoded, or `n` plain words."""
+    if tokenizer is None:
+        return " ".join(rng.choice(WORDS) for _ in range(n))
+    special = set(tokenizer.all_special_ids)
+    ids = [t for t in range(len(tokenizer)) if t not in special]
+    return tokenizer.decode([rng.choice(ids) for _ in range(n)])
+
+
+def make_prompts(
+    args, rng: random.Random, n: int | None = None, tokenizer=None
+) -> list[tuple[str, int, int]]:
+    """(prompt text, approximate prompt tokens, max output tokens) for `n` requests (default
+    `--num-prompts`), from `tokenizer` (default: load_tokenizer(args))."""
+    n = args.num_prompts if n is None else n
+    tokenizer = load_tokenizer(args) if tokenizer is None else tokenizer
     ins = _lengths(args.input_len, args.range_ratio, n, rng)
     outs = _lengths(args.output_len, args.range_ratio, n, rng)
-    prompts = []
-    if tokenizer is not None:
-        special = set(tokenizer.all_special_ids)
-        ids = [t for t in range(len(tokenizer)) if t not in special]
-    for n_in, n_out in zip(ins, outs):
-        if tokenizer is not None:
-            text = tokenizer.decode([rng.choice(ids) for _ in range(n_in)])
-        else:
-            text = " ".join(rng.choice(WORDS) for _ in range(n_in))
-        prompts.append((text, n_in, n_out))
-    return prompts
+    if tokenizer is None:
+        return [(random_text(None, rng, a), a, b) for a, b in zip(ins, outs)]
+    special = set(tokenizer.all_special_ids)
+    ids = [t for t in range(len(tokenizer)) if t not in special]
+    return [
+        (tokenizer.decode([rng.choice(ids) for _ in range(a)]), a, b) for a, b in zip(ins, outs)
+    ]
 
 
 async def send_request(client, url: str, payload: dict, headers: dict) -> RequestResult:
@@ -141,65 +161,134 @@ async def send_request(client, url: str, payload: dict, headers: dict) -> Reques
     return result
 
 
-async def _model_name(client, base_url: str, headers: dict) -> str:
-    resp = await client.get(f"{base_url}/v1/models", headers=headers)
+def _model_name(base_url: str, headers: dict, timeout: float) -> str:
+    import httpx
+
+    resp = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=timeout)
     resp.raise_for_status()
     return resp.json()["data"][0]["id"]
 
 
-async def run_benchmark(args) -> dict:
-    """Send every request (Poisson arrivals, bounded concurrency) and summarize them."""
+@dataclass
+class _Job:
+    """One request (or, with --multi-turn, one conversation's turns), sent `arrival` seconds
+    after the start."""
+
+    arrival: float
+    turns: list[tuple[str, int, int]]
+
+
+@dataclass
+class _Settings:
+    url: str
+    headers: dict
+    model: str
+    prefix: str
+    timeout: float
+    max_concurrency: int | None
+    multi_turn: bool
+
+
+async def _drive(jobs: list[_Job], s: _Settings, start: float) -> tuple[list, float]:
+    """Send `jobs`, each at wall-clock time `start + arrival` (at most `s.max_concurrency` in
+    flight); returns each job's results and the wall-clock time the last one ended."""
     import httpx
 
-    rng = random.Random(args.seed)
-    turns = max(1, args.multi_turn)
-    prompts = make_prompts(args, rng, args.num_prompts * turns)  # first turns, then the rest
-    prompts, later = prompts[: args.num_prompts], prompts[args.num_prompts :]
-    base = args.base_url.rstrip("/")
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
-        model = args.model or await _model_name(client, base, headers)
-        gate = asyncio.Semaphore(args.max_concurrency or len(prompts) or 1)
+    async with httpx.AsyncClient(timeout=s.timeout, limits=limits) as client:
+        gate = asyncio.Semaphore(s.max_concurrency or len(jobs) or 1)
 
-        async def one(text: str, n_in: int, n_out: int) -> RequestResult:
-            payload = {"model": model, "prompt": text, "max_tokens": n_out, "temperature": 0.0,
-                       "stream": True, "stream_options": {"include_usage": True},
-                       "ignore_eos": True, "_prompt_len": n_in}  # fmt: skip
+        def payload(prompt: str, n_in: int, n_out: int) -> dict:
+            return {"model": s.model, "prompt": prompt, "max_tokens": n_out, "temperature": 0.0,
+                    "stream": True, "stream_options": {"include_usage": True},
+                    "ignore_eos": True, "_prompt_len": n_in}  # fmt: skip
+
+        async def one(job: _Job) -> RequestResult:
             async with gate:
-                return await send_request(client, base + args.endpoint, payload, headers)
+                return await send_request(client, s.url, payload(*job.turns[0]), s.headers)
 
-        async def chat(first: tuple[str, int, int], follow_ups) -> list[RequestResult]:
+        async def chat(job: _Job) -> list[RequestResult]:
             """One conversation: each turn resends everything so far plus a new message."""
             async with gate:
-                history, results = prefix + first[0], []
-                for turn, (text, n_in, n_out) in enumerate([first, *follow_ups]):
+                history, results = s.prefix + job.turns[0][0], []
+                for turn, (text, n_in, n_out) in enumerate(job.turns):
                     if turn:
                         history = f"{history}{results[-1].text}\n{text}"
-                    payload = {"model": model, "prompt": history, "max_tokens": n_out,
-                               "temperature": 0.0, "stream": True, "ignore_eos": True,
-                               "stream_options": {"include_usage": True},
-                               "_prompt_len": n_in}  # fmt: skip
-                    results.append(await send_request(client, base + args.endpoint, payload,
-                                                      headers))  # fmt: skip
+                    request = payload(history, n_in, n_out)
+                    results.append(await send_request(client, s.url, request, s.headers))
                 return results
 
-        prefix = " ".join(rng.choice(WORDS) for _ in range(args.shared_prefix_len))
-        prefix = prefix + "\n" if prefix else ""
-        start = time.perf_counter()
         tasks = []
-        for i, p in enumerate(prompts):
-            if i and args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-            if turns == 1:
-                tasks.append(asyncio.create_task(one(*p)))
-            else:
-                follow = later[i * (turns - 1) : (i + 1) * (turns - 1)]
-                tasks.append(asyncio.create_task(chat(p, follow)))
+        for job in jobs:
+            delay = start + job.arrival - time.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(chat(job) if s.multi_turn else one(job)))
         done = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+    return done, time.time()
+
+
+def _worker_warm(_: int) -> None:
+    import httpx  # noqa: F401 - imported before the start time, not after
+
+    time.sleep(0.1)  # keeps this worker busy so that the others take the other calls
+
+
+def _worker(jobs: list[_Job], s: _Settings, start: float) -> tuple[list, float]:
+    return asyncio.run(_drive(jobs, s, start))
+
+
+def _run_workers(jobs: list[_Job], s: _Settings, n: int) -> tuple[list, float, float]:
+    """`jobs` over `n` client processes (job i to process i % n, the concurrency limit split
+    between them), all timed from one wall-clock start: one Python process spends tens of
+    microseconds on each streamed chunk, which delays the chunks of a busy server."""
+    import dataclasses
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(n) as pool:
+        pool.map(_worker_warm, range(n), chunksize=1)
+        start = time.time() + 0.5
+        calls = []
+        for k in range(n):
+            limit = s.max_concurrency
+            if limit is not None:
+                limit = limit // n + (k < limit % n)
+            calls.append((jobs[k::n], dataclasses.replace(s, max_concurrency=limit), start))
+        parts = pool.starmap(_worker, calls, chunksize=1)
+    done: list = [None] * len(jobs)
+    for k, (results, _) in enumerate(parts):
+        done[k::n] = results
+    return done, start, max(end for _, end in parts)
+
+
+def run_benchmark(args) -> dict:
+    """Send every request (Poisson arrivals, bounded concurrency) and summarize them."""
+    rng = random.Random(args.seed)
+    turns = max(1, args.multi_turn)
+    tokenizer = load_tokenizer(args)
+    # first turns, then the rest
+    prompts = make_prompts(args, rng, args.num_prompts * turns, tokenizer)
+    prompts, later = prompts[: args.num_prompts], prompts[args.num_prompts :]
+    prefix = random_text(tokenizer, rng, args.shared_prefix_len) if args.shared_prefix_len else ""
+    prefix = prefix + "\n" if prefix else ""
+    arrival, jobs = 0.0, []
+    for i, p in enumerate(prompts):
+        if i and args.request_rate != float("inf"):
+            arrival += rng.expovariate(args.request_rate)
+        jobs.append(_Job(arrival, [p, *later[i * (turns - 1) : (i + 1) * (turns - 1)]]))
+    base = args.base_url.rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = args.model or _model_name(base, headers, args.timeout)
+    settings = _Settings(base + args.endpoint, headers, model, prefix, args.timeout,
+                         args.max_concurrency, turns > 1)  # fmt: skip
+    workers = min(getattr(args, "num_workers", 1), len(jobs), args.max_concurrency or len(jobs))
+    if workers > 1:
+        done, start, end = _run_workers(jobs, settings, workers)
+    else:
+        start = time.time()
+        done, end = asyncio.run(_drive(jobs, settings, start))
     results = [r for d in done for r in (d if isinstance(d, list) else [d])]
-    return summarize(results, duration, args, model)
+    return summarize(results, end - start, args, model)
 
 
 def _stats(name: str, values: list[float]) -> dict[str, float]:
@@ -220,6 +309,7 @@ def summarize(results: list[RequestResult], duration: float, args, model: str) -
         "failed": len(results) - len(ok), "duration_s": duration,
         "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
         "multi_turn": args.multi_turn, "shared_prefix_len": args.shared_prefix_len,
+        "num_workers": getattr(args, "num_workers", 1),
         "total_input_tokens": total_in, "total_output_tokens": total_out,
         "request_throughput": len(ok) / duration,
         "output_throughput": total_out / duration,
@@ -259,7 +349,9 @@ def main(args) -> int:
         raise ValueError("--multi-turn and --shared-prefix-len must be >= 0")
     if args.request_rate <= 0:
         raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}")
-    report = asyncio.run(run_benchmark(args))
+    if args.num_workers < 1:
+        raise ValueError(f"--num-workers must be at least 1, got {args.num_workers}")
+    report = run_benchmark(args)
     print_report(report)
     if args.json:
         with open(args.json, "w") as f:

@@ -70,6 +70,11 @@ def render(metrics: ServingMetrics, model_name: str) -> str:
              stats.get("num_free_kv_blocks", 0))  # fmt: skip
     w.metric("num_preemptions_total", "counter", "Preemptions (requests sent back to wait).",
              stats.get("num_preemptions", 0))  # fmt: skip
+    w.metric("prefix_cache_queries_total", "counter",
+             "Prompt tokens of admitted requests, looked up in the prefix cache.",
+             stats.get("prefix_cache_queries", 0))  # fmt: skip
+    w.metric("prefix_cache_hits_total", "counter", "Of those, tokens found in the prefix cache.",
+             stats.get("prefix_cache_hits", 0))  # fmt: skip
     w.metric("prompt_tokens_total", "counter", "Prefilled prompt tokens.", m.prompt_tokens)
     w.metric("generation_tokens_total", "counter", "Generated tokens.", m.generation_tokens)
     w.header("request_success_total", "counter", "Finished requests by finish reason.")
