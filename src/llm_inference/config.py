@@ -375,8 +375,12 @@ class EngineConfig:
     dtype: str = "float32"
     # Resolved kernel backend: "triton" (CUDA) or "reference" (PyTorch, any device).
     kernel_backend: str = "reference"
-    # CUDA graphs for decode steps on CUDA unless True (as vLLM's enforce_eager).
+    # CUDA graphs (Triton kernels on CUDA) unless True (as vLLM's enforce_eager).
     enforce_eager: bool = False
+    # Token counts at which steps with prompt tokens are captured as CUDA graphs, ascending,
+    # each at most max_num_batched_tokens; None: the default ladder of executor/cuda_graph.py
+    # (`mixed_buckets`); (): none (such steps run eagerly; decode steps still replay graphs).
+    mixed_cuda_graph_sizes: tuple[int, ...] | None = None
     seed: int = 0
     # Schedule and launch step n+1 before waiting for step n's tokens (engine/llm_engine.py).
     async_scheduling: bool = True
@@ -390,6 +394,24 @@ def _positive_int(name: str, value: object, allow_none: bool = False) -> None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _graph_sizes(sizes: object, max_num_batched_tokens: int) -> tuple[int, ...] | None:
+    """mixed_cuda_graph_sizes checked: None, or integers in [2, max_num_batched_tokens] (a step
+    with prompt tokens has at least two), returned sorted without repeats."""
+    if sizes is None:
+        return None
+    name = "mixed_cuda_graph_sizes"
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise ValueError(f"{name} must be a list of token counts (or None), got {sizes!r}")
+    sizes = list(sizes)
+    for n in sizes:
+        if not is_int(n) or not 2 <= n <= max_num_batched_tokens:
+            raise ValueError(
+                f"{name}: every size must be an integer in [2, max_num_batched_tokens="
+                f"{max_num_batched_tokens}], got {n!r}"
+            )
+    return tuple(sorted(set(sizes)))
 
 
 def resolve_device(device: str | None) -> str:
@@ -442,6 +464,7 @@ def create_engine_config(
     enforce_eager: bool = False,
     async_scheduling: bool = True,
     enable_prefix_caching: bool = True,
+    mixed_cuda_graph_sizes: list[int] | tuple[int, ...] | None = None,
 ) -> EngineConfig:
     """Every engine argument checked and resolved in one place (LLM, the CLI and the server
     call this): the model path (None: the default model), device, dtype, kernel backend and
@@ -468,6 +491,8 @@ def create_engine_config(
         raise ValueError(
             f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}"
         )
+    budget = max_num_batched_tokens or max(8192, max_num_seqs)
+    graph_sizes = _graph_sizes(mixed_cuda_graph_sizes, budget)
     dev = resolve_device(device)
     backend = resolve_backend(kernel_backend, dev.split(":")[0])
     model_path = str(resolve_model(model))
@@ -484,7 +509,7 @@ def create_engine_config(
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or max(8192, max_num_seqs),
+            max_num_batched_tokens=budget,
             max_model_len=max_len,
             max_model_len_is_default=max_model_len is None,
         ),
@@ -493,6 +518,7 @@ def create_engine_config(
         dtype=resolve_dtype(dtype, model_config.torch_dtype, dev.split(":")[0]),
         kernel_backend=backend,
         enforce_eager=bool(enforce_eager),
+        mixed_cuda_graph_sizes=graph_sizes,
         seed=seed,
         # Placeholder tokens live on rank 0's device only: tensor parallel runs synchronously.
         async_scheduling=bool(async_scheduling) and tensor_parallel_size == 1,

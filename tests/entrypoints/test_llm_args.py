@@ -46,6 +46,10 @@ BAD_ENGINE_ARGS = [
     ("dtype", "int8"),
     ("device", "tpu"),
     ("kernel_backend", "fast"),
+    ("mixed_cuda_graph_sizes", [1]),
+    ("mixed_cuda_graph_sizes", [256, 1 << 20]),  # more than max_num_batched_tokens
+    ("mixed_cuda_graph_sizes", "256"),
+    ("mixed_cuda_graph_sizes", [128.0]),
 ]
 
 

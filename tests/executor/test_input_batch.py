@@ -160,6 +160,31 @@ def test_pad_decode_fills_padding_rows():
     assert buffers.np["slot_mapping"][:3].tolist() == [77] * 3  # real rows untouched
 
 
+def test_pad_mixed_fills_padding_tokens_and_sequences():
+    """A prepared mixed step (5 sequences, 47 tokens) padded to 64 tokens and 8 sequences:
+    every padded entry set, every real entry and everything else untouched."""
+    from mixed_padding_checks import MIXED, build_step
+
+    step, buffers = build_step(MIXED, max_seqs=8, max_tokens=80, gen=torch.Generator())
+    t, s = step.num_tokens, step.num_seqs
+    assert (t, s) == (47, 5)
+    before = {name: arr.copy() for name, arr in buffers.np.items()}
+    table = buffers.np_table.copy()
+    buffers.pad_mixed(t, s, 64)
+    b = buffers.np
+    assert b["input_ids"][t:64].tolist() == [0] * 17
+    assert b["positions"][t:64].tolist() == [0] * 17
+    assert b["slot_mapping"][t:64].tolist() == [-1] * 17
+    assert b["query_start_loc"].tolist() == before["query_start_loc"][: s + 1].tolist() + [t] * 3
+    assert b["seq_lens"].tolist() == before["seq_lens"][:s].tolist() + [0] * 3
+    for name in ("input_ids", "positions", "slot_mapping"):
+        assert (b[name][:t] == before[name][:t]).all(), name  # real tokens unchanged
+        assert (b[name][64:] == before[name][64:]).all(), name  # past the bucket: untouched
+    for name in ("logits_indices", "placeholder_dst", "placeholder_src"):
+        assert (b[name] == before[name]).all(), name
+    assert (buffers.np_table == table).all()  # padding sequences' table rows are never read
+
+
 def test_a_request_sent_twice_or_unknown_is_an_error():
     from llm_inference.core.outputs import NewRequestData, SchedulerOutput
 

@@ -1,20 +1,54 @@
-"""CUDA graphs for decode steps.
+"""CUDA graphs for decode steps and for mixed steps (steps with prompt tokens).
 
-A decode step launches ~10 kernels per layer; at small batches their launch cost, not the GPU,
-sets the step time. So for each batch-size bucket (1, 2, 4, 8, 16, 24, 32, ... up to
-`max_num_seqs`) the model's forward over one token per sequence is captured once, reading the
-model runner's persistent input buffers through the attention backend's static metadata
-(`AttentionBackend.graph_metadata`); a step writes its inputs into those buffers and replays
-the smallest bucket that fits. Padding rows write no KV (slot -1) and attend to one cached
-token: their outputs are ignored. The attention grid depends only on the bucket and
-`max_model_len`, so one graph serves every mix of context lengths.
+An eager step launches ~10 kernels per layer; unless the step's GPU work is large, their launch
+cost, not the GPU, sets the step time. So the model's forward is captured once per bucket,
+reading the model runner's persistent input buffers through the attention backend's static
+metadata (`AttentionBackend.graph_metadata`); a step writes its inputs into those buffers, pads
+them to the smallest bucket that fits, and replays that bucket's graph. Logits are then taken at
+`logits_indices` of the graph's hidden output, outside the graph, as for an eager step.
+
+Decode steps (one token per sequence, max_query_len 1) use batch-size buckets (1, 2, 4, 8, 16,
+32, 48, ... up to `max_num_seqs`) and the split-K decode kernel. Padding rows write no KV
+(slot -1) and attend to one cached token: their outputs are ignored.
+
+Mixed steps (max_query_len > 1) use token-count buckets T_b, each captured with num_seqs =
+`max_num_seqs` and max_query_len = T_b: never the decode kernel; the tiled kernel's grid,
+T_b // BLOCK_Q + max_num_seqs programs, covers any step of at most T_b tokens. Its tile is
+the one `default_tiles` gives for T_b: for T_b >= 128 the prefill tile (BLOCK_M 128 at
+head_dim <= 128), which an eager step uses too once a chunk has more than 64 / G tokens;
+a step of shorter chunks runs with a larger tile than it would eagerly (any tile is exact).
+Padding (`InputBuffers.pad_mixed`): tokens [T, T_b) are token 0 at position 0 with slot -1;
+sequences [S, max_num_seqs) have no query rows (query_start_loc = T) and seq_len 0. The unified
+attention kernel never reads a zero-length sequence's seq_len or block table, nor a row past
+query_start_loc[S], and every other layer works row by row, so padding changes no real row.
+Steps longer than the largest bucket run eagerly.
+
+Default token buckets (`mixed_buckets`): 128, then multiples of 256 up to 2,048, then
+`max_num_batched_tokens` itself (10 graphs at the default budget of 8,192). Padding costs GPU
+time in proportion to the padded tokens once the GEMMs are compute-bound (a few hundred
+tokens on an H200), while a graph saves a roughly fixed host time per step that async
+scheduling already hides behind GPU work once a step is long. So the ladder is fine (at most
+255 padded tokens) where steps are short and host-bound, stops at 2,048, and adds only the
+full budget above that: a step of chunked prefill fills the budget exactly and pads nothing.
+Steps between 2,048 tokens and the budget run eagerly. `mixed_cuda_graph_sizes` overrides it.
+
+Capture (`CudaGraphs.capture`) goes largest graph first, mixed then decode, through one memory
+pool shared by all graphs: smaller graphs reuse the largest one's activations. That pool
+outlives the memory profile, which reserves room for it (ModelRunner._profile_free_memory).
+Under tensor parallelism each rank captures the same graphs in the same order, their
+all-reduces inside.
 """
 
 from __future__ import annotations
 
 import torch
 
-from llm_inference.executor.input_batch import InputBuffers
+from llm_inference.executor.input_batch import InputBuffers, StepInputs
+
+DECODE, MIXED = "decode", "mixed"
+# The default mixed ladder: MIXED_SMALLEST, multiples of MIXED_STRIDE up to MIXED_FINE_MAX,
+# then the token budget.
+MIXED_SMALLEST, MIXED_STRIDE, MIXED_FINE_MAX = 128, 256, 2048
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -22,44 +56,104 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return sorted({min(s, max_num_seqs) for s in sizes})
 
 
-class DecodeGraphs:
-    def __init__(self, model, buffers: InputBuffers, max_num_seqs: int, max_model_len: int):
+def mixed_buckets(max_num_batched_tokens: int) -> list[int]:
+    """The default token buckets of mixed steps (see the module docstring)."""
+    ladder = [MIXED_SMALLEST, *range(MIXED_STRIDE, MIXED_FINE_MAX + 1, MIXED_STRIDE)]
+    sizes = {n for n in ladder if n <= max_num_batched_tokens}
+    if max_num_batched_tokens >= 2:
+        sizes.add(max_num_batched_tokens)
+    return sorted(sizes)
+
+
+class CudaGraphs:
+    """The captured graphs of one model runner; a graph is keyed (DECODE or MIXED, size).
+
+    `eager=True` captures nothing and runs each "replay" as an eager forward of the padded,
+    static step instead: the same inputs and metadata as the graph, on any device (CPU tests
+    of the padding)."""
+
+    def __init__(
+        self,
+        model,
+        buffers: InputBuffers,
+        max_num_seqs: int,
+        max_model_len: int,
+        mixed_sizes: list[int] | tuple[int, ...] = (),
+        eager: bool = False,
+    ) -> None:
         self.model = model
         self.buffers = buffers
-        self.buckets = batch_buckets(max_num_seqs)
+        self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.decode_buckets = batch_buckets(max_num_seqs)
+        self.mixed_buckets = sorted(set(mixed_sizes))
+        if self.mixed_buckets and self.mixed_buckets[-1] > len(buffers.views["input_ids"]):
+            raise ValueError(f"mixed graph size {self.mixed_buckets[-1]} exceeds the buffers")
+        if self.mixed_buckets and self.mixed_buckets[0] < 2:
+            raise ValueError("mixed graph sizes must be at least 2")
+        self.eager = eager
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[str, int], torch.Tensor] = {}
+        self.replays = {DECODE: 0, MIXED: 0}  # counts, for tests and benchmarks
 
-    def _args(self, bs: int):
+    def _args(self, key: tuple[str, int]):
+        kind, size = key
         views = self.buffers.views
-        md = self.model.attn_backend.graph_metadata(self.buffers.attention, bs, self.max_model_len)
-        return views["input_ids"][:bs], views["positions"][:bs], md
+        backend = self.model.attn_backend
+        if kind == DECODE:
+            md = backend.graph_metadata(self.buffers.attention, size, self.max_model_len)
+        else:
+            md = backend.graph_metadata(
+                self.buffers.attention, self.max_num_seqs, self.max_model_len, num_tokens=size
+            )
+        return views["input_ids"][:size], views["positions"][:size], md
+
+    def keys(self) -> list[tuple[str, int]]:
+        """Every graph, in capture order: largest first, mixed before decode."""
+        mixed = [(MIXED, n) for n in reversed(self.mixed_buckets)]
+        return mixed + [(DECODE, n) for n in reversed(self.decode_buckets)]
 
     @torch.inference_mode()
     def capture(self) -> None:
-        largest = self.buckets[-1]
-        self.buffers.pad_decode(0, largest)
-        self.buffers.to_device(largest, 1)
+        if self.eager:
+            return
         pool = torch.cuda.graph_pool_handle()
-        for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its pool
-            args = self._args(bs)
+        for key in self.keys():
+            self.pad(key, 0, 0)  # all padding: no KV written, no attention rows
+            self.buffers.to_device(0, 0)
+            args = self._args(key)
             self.model(*args)  # compile Triton kernels outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = self.model(*args)
-            self.graphs[bs] = graph
+            with torch.cuda.graph(graph, pool=pool):  # smaller graphs reuse its memory
+                self.outputs[key] = self.model(*args)
+            self.graphs[key] = graph
         torch.cuda.synchronize()
 
-    def bucket(self, num_seqs: int) -> int | None:
-        """The smallest captured batch size that holds `num_seqs`, or None."""
-        if not self.graphs or num_seqs > self.buckets[-1]:
+    def select(self, step: StepInputs) -> tuple[str, int] | None:
+        """The smallest graph that holds `step`, or None (run it eagerly)."""
+        if step.max_query_len == 1:
+            kind, buckets, need = DECODE, self.decode_buckets, step.num_seqs
+        else:
+            kind, buckets, need = MIXED, self.mixed_buckets, step.num_tokens
+        if step.num_seqs > self.max_num_seqs or not buckets or need > buckets[-1]:
             return None
-        return next(b for b in self.buckets if b >= num_seqs)
+        return kind, next(b for b in buckets if b >= need)
 
-    def replay(self, num_seqs: int, bucket: int) -> torch.Tensor:
-        """Run the graph of `bucket` over inputs already in the buffers (padding included);
-        returns hidden states [num_seqs, hidden]."""
-        self.graphs[bucket].replay()
-        return self.outputs[bucket][:num_seqs]
+    def pad(self, key: tuple[str, int], num_tokens: int, num_seqs: int) -> None:
+        """Pad the host buffers' step of `num_tokens` tokens and `num_seqs` sequences to the
+        graph `key` (see InputBuffers.pad_decode and pad_mixed)."""
+        kind, size = key
+        if kind == DECODE:
+            self.buffers.pad_decode(num_seqs, size)
+        else:
+            self.buffers.pad_mixed(num_tokens, num_seqs, size)
+
+    def replay(self, key: tuple[str, int], num_tokens: int) -> torch.Tensor:
+        """Run the graph `key` over inputs already in the buffers (padding included); returns
+        hidden states [num_tokens, hidden]."""
+        self.replays[key[0]] += 1
+        if self.eager:
+            return self.model(*self._args(key))[:num_tokens]
+        self.graphs[key].replay()
+        return self.outputs[key][:num_tokens]

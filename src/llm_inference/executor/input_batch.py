@@ -141,6 +141,19 @@ class InputBuffers:
         b["query_start_loc"][num_seqs : padded + 1] = np.arange(num_seqs, padded + 1)
         b["seq_lens"][num_seqs:padded] = 1
 
+    def pad_mixed(self, num_tokens: int, num_seqs: int, padded_tokens: int) -> None:
+        """Pad a step of T = `num_tokens` tokens and S = `num_seqs` sequences to a captured
+        mixed step of `padded_tokens` tokens and `max_seqs` sequences: tokens [T, padded) are
+        token 0 at position 0 and write no KV (slot -1); sequences [S, max_seqs) own no query
+        rows (query_start_loc = T from S on) and have seq_lens 0. Attention never reads a
+        zero-length sequence's block table or seq_len, nor any row past query_start_loc[S]."""
+        b = self.np
+        b["input_ids"][num_tokens:padded_tokens] = 0
+        b["positions"][num_tokens:padded_tokens] = 0
+        b["slot_mapping"][num_tokens:padded_tokens] = -1
+        b["query_start_loc"][num_seqs : self.max_seqs + 1] = num_tokens
+        b["seq_lens"][num_seqs : self.max_seqs] = 0
+
     def to_device(self, num_seqs: int, block_width: int) -> None:
         if self.on_host:
             return

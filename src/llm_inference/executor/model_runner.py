@@ -9,7 +9,7 @@ import torch
 from llm_inference.config import EngineConfig, cdiv
 from llm_inference.core.outputs import ModelRunnerOutput, SchedulerOutput
 from llm_inference.distributed.parallel_state import get_tp_rank, get_tp_size
-from llm_inference.executor.cuda_graph import DecodeGraphs
+from llm_inference.executor.cuda_graph import CudaGraphs, mixed_buckets
 from llm_inference.executor.input_batch import InputBatch, InputBuffers, StepInputs
 from llm_inference.executor.pending import PendingOutput
 from llm_inference.executor.tp_sampling import sample_tensor_parallel
@@ -42,7 +42,7 @@ class ModelRunner:
             device,
         )
         self.num_blocks = 0
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: CudaGraphs | None = None
         # The last sampling step's tokens, on the device (InputBatch.prev_sample: whose).
         self.prev_tokens = torch.zeros(0, dtype=torch.long, device=device)
 
@@ -55,7 +55,8 @@ class ModelRunner:
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit in `kv_cache_memory_bytes`, or in the memory left on the device
-        (`gpu_memory_utilization` of it) after a warm-up forward of a full token budget."""
+        (`gpu_memory_utilization` of it) after a warm-up forward of a full token budget and
+        room for the CUDA graphs' activations."""
         cache = self.config.cache
         if cache.kv_cache_memory_bytes is not None:
             budget = cache.kv_cache_memory_bytes
@@ -72,6 +73,7 @@ class ModelRunner:
         sched = self.config.scheduler
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
         n = sched.max_num_batched_tokens
         lens = [min(sched.max_model_len, n - i) for i in range(0, n, sched.max_model_len)]
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
@@ -85,7 +87,11 @@ class ModelRunner:
         others = total - free - torch.cuda.memory_reserved(self.device)
         del hidden
         torch.cuda.empty_cache()
-        return int(total * utilization - peak - max(0, others))
+        # The graphs' memory pool keeps the activations of the largest mixed graph for good,
+        # beside the memory eager steps use: reserve them, scaled from this n-token forward.
+        sizes = self.mixed_graph_sizes()
+        graph_pool = (peak - weights) * min(1.0, sizes[-1] / n) if sizes else 0
+        return int(total * utilization - peak - max(0, others) - graph_pool)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -95,10 +101,20 @@ class ModelRunner:
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         if self.use_cuda_graphs:
             sched = self.config.scheduler
-            self.graphs = DecodeGraphs(
-                self.model, self.buffers, sched.max_num_seqs, sched.max_model_len
-            )
+            self.graphs = CudaGraphs(
+                self.model, self.buffers, sched.max_num_seqs, sched.max_model_len,
+                self.mixed_graph_sizes(),
+            )  # fmt: skip
             self.graphs.capture()
+
+    def mixed_graph_sizes(self) -> list[int]:
+        """Token buckets of the mixed-step graphs (none without CUDA graphs)."""
+        if not self.use_cuda_graphs:
+            return []
+        sizes = self.config.mixed_cuda_graph_sizes
+        if sizes is None:
+            return mixed_buckets(self.config.scheduler.max_num_batched_tokens)
+        return list(sizes)
 
     def release(self) -> None:
         self.graphs = None
@@ -109,17 +125,16 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------------
 
     def _forward(self, step: StepInputs) -> torch.Tensor:
-        """Run the model on the step's tokens (inputs already in the host buffers)."""
+        """Run the model on the step's tokens (inputs already in the host buffers): replay the
+        smallest CUDA graph that holds the step (padded to it), or run it eagerly."""
         num_seqs, width = step.num_seqs, step.block_width
-        bucket = None
-        if self.graphs is not None and step.num_tokens == num_seqs:  # one token per sequence
-            bucket = self.graphs.bucket(num_seqs)
-        if bucket is not None:
-            self.buffers.pad_decode(num_seqs, bucket)
+        key = self.graphs.select(step) if self.graphs is not None else None
+        if key is not None:
+            self.graphs.pad(key, step.num_tokens, num_seqs)
         self.buffers.to_device(num_seqs, width)
         self._fill_placeholders(len(step.placeholder_tokens))
-        if bucket is not None:
-            return self.graphs.replay(num_seqs, bucket)
+        if key is not None:
+            return self.graphs.replay(key, step.num_tokens)
         md = self.model.attn_backend.metadata(
             self.buffers.attention, step.num_tokens, num_seqs, step.max_query_len,
             step.max_seq_len, width,

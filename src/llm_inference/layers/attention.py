@@ -83,19 +83,29 @@ class AttentionBackend:
         )
 
     def graph_metadata(
-        self, buffers: StepBuffers, num_seqs: int, max_model_len: int
+        self,
+        buffers: StepBuffers,
+        num_seqs: int,
+        max_model_len: int,
+        num_tokens: int | None = None,
     ) -> AttentionMetadata:
-        """Static metadata for a captured decode step of `num_seqs` rows (one token each).
+        """Static metadata for a captured step over the whole block-table width.
 
-        The grid depends only on `num_seqs` and `max_model_len`; the values in the buffers
-        change from replay to replay."""
+        Decode (`num_tokens` None): `num_seqs` rows, one token each (the split-K decode
+        kernel). Mixed: `num_tokens` rows in up to `num_seqs` sequences, max_query_len
+        `num_tokens` (> 1: the tiled kernel, whose grid, num_tokens // BLOCK_Q + num_seqs
+        programs, covers any step of at most that many tokens and sequences; padding
+        sequences own no rows). Grids depend only on these sizes and `max_model_len`; the
+        values in the buffers change from replay to replay."""
         width = buffers.block_table.shape[1]
+        decode = num_tokens is None
+        num_tokens = num_seqs if decode else num_tokens
         return AttentionMetadata(
-            slot_mapping=buffers.slot_mapping[:num_seqs],
+            slot_mapping=buffers.slot_mapping[:num_tokens],
             query_start_loc=buffers.query_start_loc[: num_seqs + 1],
             seq_lens=buffers.seq_lens[:num_seqs],
             block_table=buffers.block_table[:num_seqs, :width],
-            max_query_len=1,
+            max_query_len=1 if decode else num_tokens,
             max_seq_len=max_model_len,
         )
 

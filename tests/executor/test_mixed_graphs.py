@@ -1,0 +1,82 @@
+"""Mixed-step CUDA graphs without a GPU: the bucket ladder and selection, and that padding a
+step to its bucket (pad_mixed / pad_decode, graph_metadata) leaves every real row of attention
+and the KV cache as the unpadded step gives them: with the reference kernels in process
+(exactly) and with the Triton kernels under the interpreter (mixed_padding_checks.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from interpreter import run_checks
+from mixed_padding_checks import CASES, run_case
+
+from llm_inference.config import create_engine_config
+from llm_inference.executor.cuda_graph import DECODE, MIXED, CudaGraphs, mixed_buckets
+from llm_inference.executor.input_batch import InputBuffers, StepInputs
+from llm_inference.kernels import reference
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_default_mixed_buckets():
+    fine = [128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
+    assert mixed_buckets(8192) == [*fine, 8192]
+    assert mixed_buckets(2048) == fine
+    assert mixed_buckets(1000) == [128, 256, 512, 768, 1000]
+    assert mixed_buckets(64) == [64]
+    assert mixed_buckets(1) == []
+    assert len(mixed_buckets(1 << 20)) <= 12
+
+
+def test_mixed_cuda_graph_sizes_argument(tiny_ckpt):
+    def sizes(**kw):
+        return create_engine_config(tiny_ckpt, device="cpu", **kw).mixed_cuda_graph_sizes
+
+    assert sizes() is None  # the default ladder, resolved by the model runner
+    assert sizes(mixed_cuda_graph_sizes=[64, 16, 64]) == (16, 64)
+    assert sizes(mixed_cuda_graph_sizes=()) == ()
+    assert sizes(max_num_batched_tokens=100, mixed_cuda_graph_sizes=[100]) == (100,)
+    with pytest.raises(ValueError, match="mixed_cuda_graph_sizes"):
+        sizes(max_num_batched_tokens=100, mixed_cuda_graph_sizes=[128])
+
+
+def step(num_tokens, num_seqs, max_query_len):
+    return StepInputs([], num_tokens, num_seqs, max_query_len, 10, 1, [], [], [], [], [])
+
+
+def test_select_picks_the_smallest_bucket_or_none():
+    buffers = InputBuffers(max_tokens=512, max_seqs=40, max_blocks=4, device="cpu")
+    graphs = CudaGraphs(None, buffers, 40, 64, mixed_sizes=[128, 64, 512], eager=True)
+    assert graphs.mixed_buckets == [64, 128, 512]
+    assert graphs.decode_buckets == [1, 2, 4, 8, 16, 32, 40]
+    assert graphs.select(step(3, 3, 1)) == (DECODE, 4)
+    assert graphs.select(step(40, 40, 1)) == (DECODE, 40)
+    assert graphs.select(step(2, 1, 2)) == (MIXED, 64)  # a two-token prompt is a mixed step
+    assert graphs.select(step(64, 30, 35)) == (MIXED, 64)
+    assert graphs.select(step(65, 40, 26)) == (MIXED, 128)
+    assert graphs.select(step(512, 1, 512)) == (MIXED, 512)
+    assert graphs.select(step(513, 2, 500)) is None  # past the largest bucket: eager
+    none = CudaGraphs(None, buffers, 40, 64, mixed_sizes=(), eager=True)
+    assert none.select(step(20, 2, 10)) is None and none.select(step(2, 2, 1)) == (DECODE, 2)
+    assert [k for k, _ in graphs.keys()] == [MIXED] * 3 + [DECODE] * 7
+    assert graphs.keys()[0] == (MIXED, 512) and graphs.keys()[3] == (DECODE, 40)
+    with pytest.raises(ValueError, match="exceeds"):
+        CudaGraphs(None, buffers, 40, 64, mixed_sizes=[1024], eager=True)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_padding_keeps_real_rows_reference(case):
+    run_case(case, reference, torch.float32, exact=True)
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    return run_checks(HERE / "mixed_padding_checks.py")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_padding_keeps_real_rows_triton_interpreter(interpreter_results, case):
+    results, log = interpreter_results
+    assert results.get(case) == "ok", log[-8000:]
