@@ -1,0 +1,141 @@
+"""Tables and a plot from one GPU machine start: this engine, vLLM and transformers, back to back.
+
+Reads a folder of JSON results: `ours_SHAPE_{latency,throughput,prefill}.json` (written by
+`llm-inference bench ... --json`), `vllm_SHAPE.json` (../shared/vllm/vllm_bench.py),
+`vllm_prefill_SHAPE.txt` (prefill_bench.py's output, optional) and `hf_SHAPE.json`
+(benchmarks/hf_decode.py); writes a markdown table and a PNG of decode ms per step against
+batch size (one panel per shape: ours, vLLM, transformers, floor).
+
+    python3 benchmarks/side_by_side.py RESULTS_DIR OUT.md OUT.png
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+SHAPES = ("llama-3.2-1b", "llama-3.2-3b")
+BATCHES = (1, 8, 64, 256)
+
+
+def load(folder: Path, name: str) -> dict | None:
+    path = folder / name
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def vllm_prefill(folder: Path, shape: str) -> dict:
+    path = folder / f"vllm_prefill_{shape}.txt"
+    if not path.is_file():
+        return {}
+    found = re.findall(r"prefill (\S+): ([\d.]+) ms", path.read_text())
+    return {name: float(ms) for name, ms in found}
+
+
+def collect(folder: Path, shape: str) -> dict:
+    lat = load(folder, f"ours_{shape}_latency.json") or {}
+    thr = load(folder, f"ours_{shape}_throughput.json") or {}
+    pre = load(folder, f"ours_{shape}_prefill.json") or {}
+    vl = load(folder, f"vllm_{shape}.json") or {}
+    hf = (load(folder, f"hf_{shape}.json") or {}).get("decode_ms_per_step", {})
+    row = {"ours": {}, "vllm": {}, "hf": {}, "floor": {}}
+    for bs in BATCHES:
+        if f"bs{bs}" in lat:
+            row["ours"][bs] = lat[f"bs{bs}"]["ms_per_step"]
+            row["floor"][bs] = lat[f"bs{bs}"]["floor_ms"]
+        if f"decode_ms_per_step_bs{bs}" in vl:
+            row["vllm"][bs] = vl[f"decode_ms_per_step_bs{bs}"]
+        if str(bs) in hf:
+            row["hf"][bs] = hf[str(bs)]
+    row["ours_tput"] = thr.get("output_tok_per_s")
+    row["vllm_tput"] = (vl.get("throughput") or {}).get("out_tok_per_s")
+    row["ours_prefill"] = {k.split("_")[1]: v for k, v in pre.items() if k.startswith("prefill_")}
+    row["vllm_prefill"] = vllm_prefill(folder, shape)
+    row["profile"] = {k: v for k, v in lat.items() if k.startswith("profile_bs")}
+    row["bw"] = lat.get("copy_bandwidth_TBps")
+    return row
+
+
+def fmt(x, digits=3) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def table(rows: dict) -> str:
+    lines = [
+        "| shape | engine | " + " | ".join(f"bs{b} ms/step" for b in BATCHES) + " | out tok/s |",
+        "|---|---|" + "---|" * (len(BATCHES) + 1),
+    ]
+    names = {"ours": "llm_inference", "vllm": "vLLM 0.26.0", "hf": "transformers", "floor": "floor"}
+    for shape, row in rows.items():
+        for key, name in names.items():
+            tput = {"ours": row["ours_tput"], "vllm": row["vllm_tput"]}.get(key)
+            cells = [fmt(row[key].get(b)) for b in BATCHES]
+            lines.append(f"| {shape} | {name} | " + " | ".join(cells) + f" | {fmt(tput, 0)} |")
+        if row["ours_tput"] and row["vllm_tput"]:
+            ratio = row["ours_tput"] / row["vllm_tput"]
+            dec = [
+                fmt(row["vllm"][b] / row["ours"][b], 2) if b in row["vllm"] and b in row["ours"]
+                else "-"
+                for b in BATCHES
+            ]  # fmt: skip
+            lines.append(f"| {shape} | vLLM / ours | " + " | ".join(dec) + f" | {ratio:.2f}x |")
+    lines += ["", "| shape | prefill | llm_inference ms | vLLM ms |", "|---|---|---|---|"]
+    for shape, row in rows.items():
+        for case, ms in row["ours_prefill"].items():
+            lines.append(
+                f"| {shape} | {case} | {ms:.1f} | {fmt(row['vllm_prefill'].get(case), 1)} |"
+            )
+    lines += [
+        "",
+        "| shape | batch | wall ms/step | GPU kernel ms/step | host gap ms |",
+        "|---|---|---|---|---|",
+    ]
+    for shape, row in rows.items():
+        for key, p in row["profile"].items():
+            gap = p["wall_ms_per_step"] - p["gpu_ms_per_step"]
+            lines.append(f"| {shape} | {key[10:]} | {p['wall_ms_per_step']:.3f} | "
+                         f"{p['gpu_ms_per_step']:.3f} | {gap:.3f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(rows), figsize=(5.5 * len(rows), 4.2), squeeze=False)
+    styles = {
+        "ours": ("llm_inference", "o-"),
+        "vllm": ("vLLM 0.26.0", "s-"),
+        "hf": ("transformers", "^-"),
+        "floor": ("floor (bytes / bandwidth)", "k--"),
+    }
+    for ax, (shape, row) in zip(axes[0], rows.items()):
+        for key, (label, style) in styles.items():
+            pts = sorted(row[key].items())
+            if pts:
+                ax.plot([b for b, _ in pts], [v for _, v in pts], style, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(BATCHES, [str(b) for b in BATCHES])
+        ax.set_xlabel("batch size (decoding sequences)")
+        ax.set_ylabel("ms per decode step")
+        ax.set_title(f"{shape}, bf16, H200")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    folder, out_md, out_png = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    rows = {s: collect(folder, s) for s in SHAPES if (folder / f"ours_{s}_latency.json").is_file()}
+    out_md.write_text(table(rows))
+    plot(rows, out_png)
+    print(out_md.read_text())
+
+
+if __name__ == "__main__":
+    main()
