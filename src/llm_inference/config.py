@@ -494,6 +494,5 @@ def create_engine_config(
         kernel_backend=backend,
         enforce_eager=bool(enforce_eager),
         seed=seed,
-        # Placeholder tokens live on rank 0's device only: tensor parallel runs synchronously.
-        async_scheduling=bool(async_scheduling) and tensor_parallel_size == 1,
+        async_scheduling=bool(async_scheduling),
     )
