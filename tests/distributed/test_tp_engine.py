@@ -220,6 +220,32 @@ def test_worker_killed_mid_generate_raises_quickly(tiny_ckpt, rank):
     assert child_processes() == []
 
 
+def test_error_in_an_async_step_is_reported_and_ranks_stay_usable(tiny_ckpt, tmp_path):
+    """NaN logits: rank 0's reply thread raises as it reports a step's tokens, while its main
+    thread may already run the next step: a WorkerError with the sampler's message, and the
+    ranks stay in step (the later replies are read and dropped by the next call)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "nan_head"
+    shutil.copytree(tiny_ckpt, broken)
+    path = broken / "model.safetensors"
+    tensors = load_file(path)
+    tensors["lm_head.weight"][7] = float("nan")  # token 7's logit is NaN in every row
+    save_file(tensors, path)
+    with LLM(str(broken), tensor_parallel_size=2, **ENGINE) as llm:
+        executor = llm.engine.executor
+        pids = executor.worker_pids
+        nan = r"rank 0 raised in execute_model(?s:.*)NaN"
+        with pytest.raises(multiproc.WorkerError, match=nan):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert executor.collective_rpc("kv_bytes_per_block") == [BLOCK_BYTES_TP1 // 2] * 2
+        assert all(is_running(p) for p in pids)
+    assert wait_gone(pids, 1.0) == []
+    assert child_processes() == []
+
+
 def test_interrupt_keeps_ranks_in_step_and_finalizer_stops_workers(tiny_ckpt, runs, monkeypatch):
     """Ctrl-C: workers ignore SIGINT; a KeyboardInterrupt while the parent waits for a step
     leaves the engine usable (the next call collects the late replies). An LLM never closed
