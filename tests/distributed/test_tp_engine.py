@@ -25,6 +25,7 @@ import torch
 from tp_helpers import child_processes, is_running, wait_gone
 
 from llm_inference import LLM
+from llm_inference.core.outputs import CachedRequestData, SchedulerOutput
 from llm_inference.core.request import Request, RequestStatus
 from llm_inference.executor import multiproc
 from llm_inference.sampling_params import SamplingParams
@@ -220,10 +221,12 @@ def test_worker_killed_mid_generate_raises_quickly(tiny_ckpt, rank):
     assert child_processes() == []
 
 
-def test_error_in_an_async_step_is_reported_and_ranks_stay_usable(tiny_ckpt, tmp_path):
+def test_errors_in_async_steps(tiny_ckpt, tmp_path):
     """NaN logits: rank 0's reply thread raises as it reports a step's tokens, while its main
     thread may already run the next step: a WorkerError with the sampler's message, and the
-    ranks stay in step (the later replies are read and dropped by the next call)."""
+    ranks stay in step (the later replies are read and dropped by the next call). A step that
+    raises inside execute_model, with another step queued behind it: a WorkerError with the
+    traceback, the queued step is not run, and the workers are unusable."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -242,6 +245,23 @@ def test_error_in_an_async_step_is_reported_and_ranks_stay_usable(tiny_ckpt, tmp
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert executor.collective_rpc("kv_bytes_per_block") == [BLOCK_BYTES_TP1 // 2] * 2
         assert all(is_running(p) for p in pids)
+        ghost = SchedulerOutput(
+            step_id=-1,
+            new_requests=[],
+            cached_requests=[CachedRequestData("ghost", [], [], 0)],
+            num_scheduled_tokens={"ghost": 1},
+            total_num_scheduled_tokens=1,
+        )
+        first = executor.execute_model(ghost, sync=False)
+        second = executor.execute_model(ghost, sync=False)
+        start = time.monotonic()
+        with pytest.raises(multiproc.WorkerError, match=r"rank 0 raised in (?s:.*)KeyError"):
+            first.result()
+        with pytest.raises(multiproc.WorkerError, match=r"unusable \(rank 0 raised inside"):
+            second.result()
+        with pytest.raises(multiproc.WorkerError, match="unusable"):
+            executor.collective_rpc("kv_bytes_per_block")
+        assert time.monotonic() - start < 10.0
     assert wait_gone(pids, 1.0) == []
     assert child_processes() == []
 

@@ -30,9 +30,14 @@ a worker that dies (its reply pipe reaches EOF, or it is no longer alive) makes 
 `WorkerError` at once, naming the rank and its exit code; a worker that raises sends its
 traceback, which the parent raises as `WorkerError` (from the `result()` of that call) after
 giving the other ranks a short grace to finish that call (if they do not, they are stuck in a
-collective and the workers are unusable: later calls raise). A call interrupted while waiting
-(Ctrl-C) leaves the ranks consistent: its replies are read by the next call. Interrupted while
-sending, the ranks may disagree, so the workers are marked unusable.
+collective and the workers are unusable: later calls raise). A step that raises inside
+`execute_model` also makes them unusable: a later step may already be queued on the ranks, and
+ranks that disagree on which step they run would pair up the wrong collectives (the rank that
+raised answers its later steps with an error instead of running them). An error while reporting
+a step's tokens (rank 0's reply thread: NaN logits) comes after every collective of the step,
+so the workers stay usable. A call interrupted while waiting (Ctrl-C) leaves the ranks
+consistent: its replies are read by the next call. Interrupted while sending, the ranks may
+disagree, so the workers are marked unusable.
 
 Shutdown (`shutdown()`, also run by a weakref finalizer when the executor is collected or at
 interpreter exit): a `shutdown` call to the workers (skipped when unusable or when replies are
@@ -128,11 +133,11 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(1)  # the engine's process is gone: nothing will stop us otherwise
 
 
-def _send(conn: Connection, seq: int, ok: bool, payload: Any) -> bool:
+def _send(conn: Connection, seq: int, ok: bool, payload: Any, out_of_step: bool = False) -> bool:
     try:
-        data = pickle.dumps((seq, ok, payload), protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps((seq, ok, payload, out_of_step), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # a result that does not pickle: report it instead of never replying
-        data = pickle.dumps((seq, False, traceback.format_exc()))
+        data = pickle.dumps((seq, False, traceback.format_exc(), out_of_step))
     try:
         conn.send_bytes(data)
         return True
@@ -155,13 +160,13 @@ def _send_replies(conn: Connection, replies: queue.SimpleQueue, calls: queue.Sim
     """Reply thread: sends the replies in order; a PendingOutput is waited for here."""
     try:
         while (reply := replies.get()) is not None:
-            seq, ok, result = reply
+            seq, ok, result, out_of_step = reply
             if isinstance(result, PendingOutput):
                 try:
                     result = result.result()
-                except Exception:
+                except Exception:  # reporting the tokens: the step itself ran on every rank
                     ok, result = False, traceback.format_exc()
-            if not _send(conn, seq, ok, result):
+            if not _send(conn, seq, ok, result, out_of_step):
                 break
     finally:
         calls.put(None)  # the parent is gone (or this thread failed): stop the main loop
@@ -204,21 +209,29 @@ def worker_main(
     )
     replier.start()
     exit_code = 1  # unless the loop ends normally
+    failed = False  # a step raised here: later steps could pair up the wrong collectives
     try:
         while (call := calls.get()) is not None:
             seq, method, args = call
+            step = method == "execute_model"
+            if step and failed:
+                text = f"rank {rank} did not run this step: an earlier step raised on it"
+                replies.put((seq, False, text, True))
+                continue
             try:
                 ok, result = True, getattr(worker, method)(*args)
             except Exception:
                 ok, result = False, traceback.format_exc()
-            replies.put((seq, ok, result))
+                failed = failed or step
+            replies.put((seq, ok, result, step and not ok))
             if method == "shutdown":
                 break
         exit_code = 0
     finally:
         replies.put(None)
         replier.join(JOIN_TIMEOUT_S)  # the last replies (the shutdown's) go out first
-        replies_conn.close()  # the call pipe stays with the reader thread until the exit
+        if not replier.is_alive():  # else the process exit closes it under the blocked send
+            replies_conn.close()  # (the call pipe stays with the reader thread until then)
         if device.type == "cuda":
             # destroy_process_group can hang after NCCL work was captured in CUDA graphs
             # (pytorch#115388): leave the communicators to the process exit.
@@ -274,6 +287,7 @@ class _Call:
         self.owing = set(range(world_size))
         self.results: list[Any] = [None] * world_size
         self.error: tuple[int, str] | None = None  # the lowest rank that raised, its traceback
+        self.out_of_step = False  # a rank raised inside a step: the ranks may disagree
         self.grace_end = 0.0  # after an error: when the other ranks must have replied
 
 
@@ -378,7 +392,7 @@ class MultiprocWorkers:
     def _read_reply(self, rank: int) -> None:
         """Read rank's next reply (to the oldest call it owes) into that call."""
         try:
-            seq, ok, payload = pickle.loads(self._from[rank].recv_bytes())
+            seq, ok, payload, out_of_step = pickle.loads(self._from[rank].recv_bytes())
         except (EOFError, OSError):
             self._died(rank)
         except BaseException:  # interrupted inside a message: the stream is lost
@@ -396,8 +410,12 @@ class MultiprocWorkers:
                 call.grace_end = time.monotonic() + ERROR_GRACE_S
             if call.error is None or rank < call.error[0]:
                 call.error = (rank, payload)  # the lowest rank's, whatever the reply order
+            call.out_of_step |= out_of_step
         if not call.owing:
             del self._calls[seq]
+            if call.out_of_step:  # later steps may already be queued on the ranks
+                self._unusable = f"rank {call.error[0]} raised inside {call.method}"
+                raise self._raised(call)
 
     def _wait(self, call: _Call, timeout: float | None = None) -> list[Any]:
         """Read replies (the earlier calls' first: each rank replies in order) until every
