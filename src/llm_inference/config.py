@@ -520,6 +520,5 @@ def create_engine_config(
         enforce_eager=bool(enforce_eager),
         mixed_cuda_graph_sizes=graph_sizes,
         seed=seed,
-        # Placeholder tokens live on rank 0's device only: tensor parallel runs synchronously.
-        async_scheduling=bool(async_scheduling) and tensor_parallel_size == 1,
+        async_scheduling=bool(async_scheduling),
     )

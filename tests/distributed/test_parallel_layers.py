@@ -1,9 +1,12 @@
 """Each tensor-parallel layer, run as gloo ranks in spawned processes, equals its unsharded twin
 (the same layer at one rank in this process); weights come from a safetensors file through
 the loader's lazy slices, and no rank reads a whole sharded tensor. Also the distributed
-greedy argmax (ties, broken rows) and the gather helpers."""
+greedy argmax (ties, broken rows), the gather helpers, and tensor-parallel sampling: every
+rank ends with the tokens one rank samples."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +22,9 @@ from llm_inference.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from llm_inference.layers.sampler import STATUS_BAD, STATUS_EMPTY
 from llm_inference.models.loader import LazySlice
+from llm_inference.sampling_params import SamplingParams
 
 H, HEADS, KV, D, INTER, V = 32, 4, 2, 8, 48, 37  # V: no world size divides it (padding)
 
@@ -99,7 +104,52 @@ def run_layers(path: str) -> dict:
             "gathered": ps.gather_last_dim(head.compute_local_logits(x["x"])),
             "vocab_start": head.vocab_start,
             "reads": list(CountingSlice.reads),
+            "sampled": {name: tp_sample(head, x["x"], rows) for name, rows in SAMPLE_SETS.items()},
         }
+
+
+# Sample rows of each kind: plain greedy (distributed argmax), seeded, logprobs, min_tokens
+# active (gathered to rank 0, sampled, broadcast). One set of each path and one mixed.
+SAMPLE_PARAMS = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.9, seed=3),
+    SamplingParams(temperature=0.0, logprobs=2),
+    SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[5]),
+    SamplingParams(temperature=0.0),
+]
+SAMPLE_SETS = {"greedy": [0, 4], "gathered": [1, 2, 3], "mixed": [0, 1, 2, 3, 4]}
+
+
+def tp_sample(head: ParallelLMHead, hidden: torch.Tensor, rows: list[int]) -> dict:
+    """sample_tensor_parallel over `rows` of `hidden` with a stand-in model runner."""
+    from llm_inference.executor.tp_sampling import sample_tensor_parallel
+    from llm_inference.layers.sampler import Sampler, SamplingMetadata
+
+    def sampling_metadata(batch_rows, num_outputs):
+        params = [SAMPLE_PARAMS[r] for r in batch_rows]
+        n = len(params)
+        seeds = [p.seed or 0 for p in params]
+        return SamplingMetadata.build(
+            params, [[1, 2]] * n, [[]] * n, seeds, (), V, "cpu", num_output_tokens=num_outputs
+        )
+
+    batch = SimpleNamespace(rows={str(r): r for r in rows}, params=SAMPLE_PARAMS)
+    runner = SimpleNamespace(
+        input_batch=batch,
+        model=SimpleNamespace(lm_head=head),
+        sampler=Sampler(use_triton=False),
+        sampling_metadata=sampling_metadata,
+    )
+    ids = [str(r) for r in rows]
+    num_outputs = [2] * len(rows)  # min_tokens=4 still active
+    with torch.no_grad():
+        out = sample_tensor_parallel(runner, ids, list(range(len(rows))), num_outputs, hidden[rows])
+    first = ps.get_tp_rank() == 0
+    return {
+        "tokens": out.token_ids,
+        "status": out.status if first else None,
+        "logprobs": out.logprobs,
+    }
 
 
 def argmax_rows() -> torch.Tensor:
@@ -179,12 +229,29 @@ def test_parallel_layers_equal_unsharded_twins(world_size, weights_file, full):
         for name, read, whole in out["reads"]:
             assert read < whole, name
         assert out["all_gather"].tolist() == [[r, 10 * r] for r in range(world_size)]
+        # every rank ends with the same tokens (what one rank samples), whichever the path
+        for name, rows in SAMPLE_SETS.items():
+            got, want = out["sampled"][name], full["sampled"][name]
+            assert got["tokens"].tolist() == want["tokens"].tolist(), name
+            if rank == 0:
+                assert got["status"].tolist() == want["status"].tolist(), name
+            if 2 not in rows:
+                assert got["logprobs"] is None
+            elif rank == 0:  # the logprobs of the row that asked, on rank 0 only
+                lp, ref = got["logprobs"][rows.index(2)], want["logprobs"][rows.index(2)]
+                assert lp.token_id == ref.token_id
+                assert lp.logprob == pytest.approx(ref.logprob, abs=1e-5)
+            else:
+                assert got["logprobs"] is None
         # greedy across shards: torch.argmax of the full row, lowest index on ties
         rows = argmax_rows()
-        tokens, ok = out["argmax"]
-        assert ok == [True, True, True, True, False, False, False, True, True]
+        tokens, status = (t.tolist() for t in out["argmax"])  # tensors, the same on all ranks
+        good = [k for k, s in enumerate(status) if s >= 0]
+        assert good == [0, 1, 2, 3, 7, 8]
         want = rows.argmax(dim=-1).tolist()
-        assert [t for t, g in zip(tokens, ok) if g] == [t for t, g in zip(want, ok) if g]
+        assert [tokens[k] for k in good] == [status[k] for k in good] == [want[k] for k in good]
+        assert status[4] == status[5] == STATUS_BAD and status[6] == STATUS_EMPTY
+        assert tokens[6] == 0  # all -inf: the raw argmax, as the Sampler's sync=False path
         assert tokens[1] == 0 and tokens[2] == 20 and tokens[8] == 9
 
 

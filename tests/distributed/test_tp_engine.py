@@ -1,8 +1,11 @@
 """Tensor parallelism end to end on the CPU (gloo), tiny random model (4 heads, 2 KV heads):
-TP=2 equals TP=1 (greedy under preemption, seeded sampling, a mixed batch with logprobs and
-penalties); worker processes never outlive the LLM (context manager, exceptions, a killed
-worker, Ctrl-C, an LLM never closed, a parent that dies); clear errors for sizes that do not
-fit. Engine instances are few: each start spawns processes that import torch."""
+TP=2 equals TP=1, with async scheduling (the default: step n+1 sent to the workers before step
+n's tokens are read) and without (greedy under preemption and chunked prefill, seeded sampling,
+a mixed batch with logprobs and penalties); steps, an empty step and a collective_rpc sent
+before the earlier replies are read; worker processes never outlive the LLM (context manager,
+exceptions, a killed worker, Ctrl-C, an LLM never closed, a parent that dies); clear errors for
+sizes that do not fit. Engine instances are few: each start spawns processes that import
+torch."""
 
 from __future__ import annotations
 
@@ -18,9 +21,12 @@ import time
 from dataclasses import replace
 
 import pytest
+import torch
 from tp_helpers import child_processes, is_running, wait_gone
 
 from llm_inference import LLM
+from llm_inference.core.outputs import CachedRequestData, SchedulerOutput
+from llm_inference.core.request import Request, RequestStatus
 from llm_inference.executor import multiproc
 from llm_inference.sampling_params import SamplingParams
 
@@ -39,6 +45,17 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 # 4 blocks (one 64-token request), TP=2 gets 8; both preempt on this batch.
 BLOCK_BYTES_TP1 = 2 * 2 * 16 * 2 * 16 * 4  # layers * (K, V) * block * kv heads * head_dim * 4
 ENGINE = dict(device="cpu", kv_cache_memory_bytes=4 * BLOCK_BYTES_TP1, max_model_len=64)
+SYNC = dict(async_scheduling=False)
+CHUNKED = dict(ENGINE, max_num_batched_tokens=16, max_num_seqs=3)  # prompts in chunks of 16
+# name: (tensor_parallel_size, engine arguments); async scheduling unless SYNC
+CONFIGS = {
+    1: (1, ENGINE),
+    "1-sync": (1, dict(ENGINE, **SYNC)),
+    2: (2, ENGINE),
+    "2-sync": (2, dict(ENGINE, **SYNC)),
+    "chunked-1": (1, dict(CHUNKED, **SYNC)),
+    "chunked-2": (2, CHUNKED),
+}
 
 
 def seeded(i: int) -> SamplingParams:
@@ -68,15 +85,66 @@ def run_all(llm: LLM) -> dict:
     return out
 
 
+def steps_interleaved(llm: LLM) -> dict:
+    """Below the engine: two steps sent before either reply is read, then (a request
+    aborted meanwhile) a collective_rpc and the empty step that tells the workers; the late
+    replies are read on the way and kept for their handles."""
+    engine = llm.engine
+    sched, executor = engine.scheduler, engine.executor
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, seed=0)
+    for rid, prompt in (("a", PROMPTS[0]), ("b", PROMPTS[2])):
+        sched.add_request(Request(rid, prompt, params, max_tokens=2))
+    first = sched.schedule()  # both prompts
+    h1 = executor.execute_model(first, sync=False)
+    second = sched.schedule()  # both decode their in-flight sample
+    h2 = executor.execute_model(second, sync=False)
+    owed = len(executor.processes._calls)
+    sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    blocks = executor.collective_rpc("kv_bytes_per_block")
+    empty = sched.schedule()  # nothing to run: only tells the workers that b finished
+    assert empty.is_empty and empty.finished_request_ids == ["b"]
+    executor.execute_model(empty)
+    out1, out2 = h1.result(), h2.result()
+    sched.update_from_output(first, out1)
+    sched.update_from_output(second, out2)
+    tokens = {}
+    for out in (out1, out2):
+        for rid, sampled in zip(out.request_ids, out.sampled_token_ids):
+            tokens.setdefault(rid, []).extend(sampled)
+    return {"owed": owed, "blocks": blocks, "tokens": tokens, "left": sched.requests}
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_ckpt):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # like each rank: TP=1 is far slower on a busy 2-core machine
+    try:
+        return _run_configs(tiny_ckpt)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_configs(tiny_ckpt) -> dict:
     results = {}
-    for tp in (1, 2):
-        with LLM(str(tiny_ckpt), tensor_parallel_size=tp, **ENGINE) as llm:
-            results[tp] = run_all(llm)
-            results[tp]["pids"] = llm.engine.executor.worker_pids
-            results[tp]["alive"] = [is_running(p) for p in results[tp]["pids"]]
-        results[tp]["children_after"] = child_processes()
+    real_submit = multiproc.MultiprocWorkers.submit
+    for name, (tp, kw) in CONFIGS.items():
+        owed = []  # per step sent: calls whose replies were still unread
+
+        def submit(self, method, *args):
+            if method == "execute_model":
+                owed.append(len(self._calls))  # noqa: B023
+            return real_submit(self, method, *args)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(multiproc.MultiprocWorkers, "submit", submit)
+            with LLM(str(tiny_ckpt), tensor_parallel_size=tp, **kw) as llm:
+                res = results[name] = run_all(llm)
+                res["pids"] = llm.engine.executor.worker_pids
+                res["alive"] = [is_running(p) for p in res["pids"]]
+                res["max_owed"] = max(owed, default=None)
+                if name == 2:
+                    res["interleaved"] = steps_interleaved(llm)
+        res["children_after"] = child_processes()
     return results
 
 
@@ -86,6 +154,17 @@ def test_greedy_under_preemption_matches_tp1(runs):
     assert runs[1]["stats"]["num_preemptions"] > 0
     assert runs[2]["stats"]["num_preemptions"] > 0
     assert runs[2]["stats"]["num_kv_blocks"] == 2 * runs[1]["stats"]["num_kv_blocks"]
+
+
+@pytest.mark.parametrize("name", ["1-sync", "2-sync", "chunked-1", "chunked-2"])
+def test_async_and_sync_at_tp1_and_tp2_agree(runs, name):
+    """Async scheduling at TP=2 overlaps (a step is sent while the one before is unread);
+    tokens equal TP=1's with and without it, under preemption and with chunked prefill."""
+    assert runs[2]["max_owed"] == 1  # never more than one step ahead
+    assert runs["2-sync"]["max_owed"] == 0 and runs["chunked-2"]["max_owed"] == 1
+    for key in ("greedy", "seeded", "mixed"):
+        assert runs[name][key] == runs[1][key], key
+    assert runs[name]["stats"]["num_preemptions"] > 0
 
 
 def test_seeded_sampling_matches_tp1(runs):
@@ -103,13 +182,25 @@ def test_mixed_batch_matches_tp1(runs):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
 
 
+def test_steps_empty_step_and_rpc_interleave(runs):
+    got = runs[2]["interleaved"]
+    assert got["owed"] == 2  # both steps sent, neither reply read
+    assert len(set(got["blocks"])) == 1 and got["blocks"][0] > 0
+    greedy = runs[1]["greedy"]
+    assert got["tokens"] == {"a": greedy[0][:2], "b": greedy[2][:2]}
+    assert got["left"] == {}  # a finished at max_tokens, b was aborted
+
+
 def test_context_manager_leaves_no_process(runs):
     assert len(runs[2]["pids"]) == 2 and all(runs[2]["alive"])
     assert not any(is_running(p) for p in runs[2]["pids"])
     assert runs[2]["children_after"] == []
 
 
-def test_worker_killed_mid_generate_raises_quickly(tiny_ckpt):
+@pytest.mark.parametrize("rank", [1, 0])
+def test_worker_killed_mid_generate_raises_quickly(tiny_ckpt, rank):
+    """Async scheduling: the parent may be sending step n+1 or reading step n's replies, and
+    rank 0 may be launching a step while its reply thread waits for the one before."""
     killed_at = []
 
     def kill_later(pid):
@@ -118,13 +209,59 @@ def test_worker_killed_mid_generate_raises_quickly(tiny_ckpt):
         os.kill(pid, signal.SIGKILL)
 
     long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-    with pytest.raises(multiproc.WorkerError, match=r"rank 1 .*died.*SIGKILL") as info:
+    with pytest.raises(multiproc.WorkerError, match=rf"rank {rank} .*died.*SIGKILL") as info:
         with LLM(str(tiny_ckpt), tensor_parallel_size=2, device="cpu", max_model_len=512) as llm:
+            assert llm.engine.config.async_scheduling
             pids = llm.engine.executor.worker_pids
-            threading.Thread(target=kill_later, args=(pids[1],), daemon=True).start()
+            threading.Thread(target=kill_later, args=(pids[rank],), daemon=True).start()
             llm.generate(PROMPTS * 4, long, use_tqdm=False)
     assert killed_at and time.monotonic() - killed_at[0] < 10.0
     del info
+    assert wait_gone(pids, 1.0) == []
+    assert child_processes() == []
+
+
+def test_errors_in_async_steps(tiny_ckpt, tmp_path):
+    """NaN logits: rank 0's reply thread raises as it reports a step's tokens, while its main
+    thread may already run the next step: a WorkerError with the sampler's message, and the
+    ranks stay in step (the later replies are read and dropped by the next call). A step that
+    raises inside execute_model, with another step queued behind it: a WorkerError with the
+    traceback, the queued step is not run, and the workers are unusable."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "nan_head"
+    shutil.copytree(tiny_ckpt, broken)
+    path = broken / "model.safetensors"
+    tensors = load_file(path)
+    tensors["lm_head.weight"][7] = float("nan")  # token 7's logit is NaN in every row
+    save_file(tensors, path)
+    with LLM(str(broken), tensor_parallel_size=2, **ENGINE) as llm:
+        executor = llm.engine.executor
+        pids = executor.worker_pids
+        nan = r"rank 0 raised in execute_model(?s:.*)NaN"
+        with pytest.raises(multiproc.WorkerError, match=nan):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert executor.collective_rpc("kv_bytes_per_block") == [BLOCK_BYTES_TP1 // 2] * 2
+        assert all(is_running(p) for p in pids)
+        ghost = SchedulerOutput(
+            step_id=-1,
+            new_requests=[],
+            cached_requests=[CachedRequestData("ghost", [], [], 0)],
+            num_scheduled_tokens={"ghost": 1},
+            total_num_scheduled_tokens=1,
+        )
+        first = executor.execute_model(ghost, sync=False)
+        second = executor.execute_model(ghost, sync=False)
+        start = time.monotonic()
+        with pytest.raises(multiproc.WorkerError, match=r"rank 0 raised in (?s:.*)KeyError"):
+            first.result()
+        with pytest.raises(multiproc.WorkerError, match=r"unusable \(rank 0 raised inside"):
+            second.result()
+        with pytest.raises(multiproc.WorkerError, match="unusable"):
+            executor.collective_rpc("kv_bytes_per_block")
+        assert time.monotonic() - start < 10.0
     assert wait_gone(pids, 1.0) == []
     assert child_processes() == []
 

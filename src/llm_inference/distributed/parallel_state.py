@@ -87,6 +87,14 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Overwrite `x` (same shape and dtype on every rank) with rank `src`'s, in place. With
+    NCCL it is queued on the current stream: no host synchronization."""
+    if _TP_SIZE > 1:
+        dist.broadcast(x, src)
+    return x
+
+
 def all_gather(x: torch.Tensor) -> torch.Tensor:
     """Stack every rank's `x` (same shape on all ranks): [world_size, *x.shape] on every rank."""
     if _TP_SIZE == 1:

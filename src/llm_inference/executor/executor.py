@@ -1,7 +1,8 @@
 """Executor: one interface over the ranks, `collective_rpc(method, *args)`.
 
 For tensor_parallel_size 1 the single worker lives in this process (no extra overhead); above,
-each rank is a worker process (executor/multiproc.py) and the calls go over pipes."""
+each rank is a worker process (executor/multiproc.py) and the calls go over pipes, pipelined:
+a step can be sent before the previous one's replies are read (async scheduling)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,13 @@ class Executor:
         return [getattr(w, method)(*args) for w in self.workers]
 
     def execute_model(self, scheduler_output: SchedulerOutput, sync: bool = True):
-        """Launch a step on every rank; rank 0's PendingOutput (`.result()` waits)."""
+        """Launch a step on every rank; a handle whose `.result()` waits for rank 0's
+        ModelRunnerOutput. With worker processes, `sync=False` returns once the step is sent
+        (its replies are read by `result()`, after those of the calls sent before it), so the
+        next step can be scheduled and sent while the workers run this one."""
+        if self.processes is not None:
+            handle = _RankZero(self.processes.submit("execute_model", scheduler_output, sync))
+            return PendingOutput.done(handle.result()) if sync else handle
         out = self.collective_rpc("execute_model", scheduler_output, sync)[0]
         return PendingOutput.done(out) if isinstance(out, ModelRunnerOutput) else out
 
@@ -46,3 +53,13 @@ class Executor:
         else:
             self.collective_rpc("shutdown")
         self.workers = []
+
+
+class _RankZero:
+    """A step sent to the worker processes; `result()`: rank 0's ModelRunnerOutput."""
+
+    def __init__(self, call) -> None:
+        self._call = call
+
+    def result(self) -> ModelRunnerOutput:
+        return self._call.result()[0]

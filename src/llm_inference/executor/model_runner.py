@@ -14,7 +14,7 @@ from llm_inference.executor.input_batch import InputBatch, InputBuffers, StepInp
 from llm_inference.executor.pending import PendingOutput
 from llm_inference.executor.tp_sampling import sample_tensor_parallel
 from llm_inference.kernels import get_ops
-from llm_inference.layers.sampler import Sampler, SamplingMetadata
+from llm_inference.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from llm_inference.models.loader import load_model
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -152,6 +152,17 @@ class ModelRunner:
         tokens = self.prev_tokens.index_select(0, views["placeholder_src"][:m].long())
         views["input_ids"].index_copy_(0, dst, tokens.to(torch.int32))
 
+    def _keep_sampled(
+        self, req_ids: list[str], step: StepInputs, out: SamplerOutput
+    ) -> PendingOutput | None:
+        """Tensor parallel: every rank holds the step's tokens (the same tensor on each), so
+        each fills the next step's placeholders itself; rank 0 starts their copy to the host."""
+        self.prev_tokens = out.token_ids
+        self.input_batch.set_sampled(step.sample_batch_rows)
+        if get_tp_rank() != 0:
+            return None
+        return PendingOutput.launch(req_ids, step.sample_rows, out)
+
     def sampling_metadata(
         self, rows: list[int], num_outputs: list[int] | None = None
     ) -> SamplingMetadata:
@@ -186,8 +197,10 @@ class ModelRunner:
         rows_idx = self.buffers.views["logits_indices"][: len(step.sample_rows)]
         if get_tp_size() > 1:  # tensor parallel: sample across the vocabulary shards
             hidden_rows = hidden.index_select(0, rows_idx)
-            out = sample_tensor_parallel(self, req_ids, step.sample_rows, hidden_rows)
-            return None if out is None else PendingOutput.done(out)
+            out = sample_tensor_parallel(
+                self, req_ids, step.sample_rows, step.num_outputs, hidden_rows
+            )
+            return self._keep_sampled(req_ids, step, out)
         logits = self.model.compute_logits(hidden.index_select(0, rows_idx))
         if get_tp_rank() != 0:
             return None  # sampling happens on rank 0 only

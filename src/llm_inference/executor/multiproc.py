@@ -1,10 +1,10 @@
 """Tensor parallelism on one host: one worker process per rank.
 
 The engine's process keeps the scheduler; `MultiprocWorkers` starts N processes with the
-`spawn` method (rank r on CUDA device r, or on the CPU), each joined to the parent by its own
-`multiprocessing` pipe. A worker joins the process group (NCCL on CUDA, gloo on CPU; rendezvous
-on 127.0.0.1 at a port the parent picked free), builds its `Worker` (model shard, rank-local
-paged KV cache) and reports ready.
+`spawn` method (rank r on CUDA device r, or on the CPU), each joined to the parent by two
+one-way `multiprocessing` pipes (calls in, replies out). A worker joins the process group (NCCL
+on CUDA, gloo on CPU; rendezvous on 127.0.0.1 at a port the parent picked free), builds its
+`Worker` (model shard, rank-local paged KV cache) and reports ready.
 
 Protocol (every message pickled once, sent as bytes): the parent sends `(seq, method, args)`
 to every rank, in rank order, and each rank replies `(seq, ok, result or traceback text)`. The
@@ -13,26 +13,45 @@ bytes from these private pipes, written by our own workers, are ever unpickled. 
 replies to every call, so the parent sees an error on any rank; `execute_model` takes rank 0's
 ModelRunnerOutput (the others return None).
 
+Calls are pipelined: `submit()` sends a call and returns a `PendingCall` at once; its
+`result()` reads the replies later (`collective_rpc` is submit + result). Each worker runs its
+calls one at a time in the order sent and replies in that order, so the parent may send step
+n+1 before it reads step n's replies (async scheduling), and any later call (an empty step, a
+`collective_rpc`) simply reads the earlier replies on its way to its own; a reply whose handle
+was dropped is read and discarded. In a worker, a reader thread drains the call pipe at once
+(a send from the parent never waits on a busy worker) and a reply thread sends the replies:
+for a step, rank 0's reply thread waits for the tokens to reach the host (`PendingOutput`)
+while its main thread already launches the next step. The other ranks reply when they have
+launched the step; they need no tokens: every rank holds the sampled tokens on its device
+(tp_sampling.py), and fills the next step's placeholders from them.
+
 Failure handling: the parent waits for replies in slices of a second and checks each process:
-a worker that dies (its pipe reaches EOF, or it is no longer alive) makes the call raise
+a worker that dies (its reply pipe reaches EOF, or it is no longer alive) makes the call raise
 `WorkerError` at once, naming the rank and its exit code; a worker that raises sends its
-traceback, which the parent raises as `WorkerError` after giving the other ranks a short grace
-to finish (if they do not, they are stuck in a collective and the workers are unusable: later
-calls raise). A call interrupted while waiting (Ctrl-C) leaves the ranks consistent: the next
-call first collects the outstanding replies. Interrupted while sending, the ranks may disagree,
-so the workers are marked unusable.
+traceback, which the parent raises as `WorkerError` (from the `result()` of that call) after
+giving the other ranks a short grace to finish that call (if they do not, they are stuck in a
+collective and the workers are unusable: later calls raise). A step that raises inside
+`execute_model` also makes them unusable: a later step may already be queued on the ranks, and
+ranks that disagree on which step they run would pair up the wrong collectives (the rank that
+raised answers its later steps with an error instead of running them). An error while reporting
+a step's tokens (rank 0's reply thread: NaN logits) comes after every collective of the step,
+so the workers stay usable. A call interrupted while waiting (Ctrl-C) leaves the ranks
+consistent: its replies are read by the next call. Interrupted while sending, the ranks may
+disagree, so the workers are marked unusable.
 
 Shutdown (`shutdown()`, also run by a weakref finalizer when the executor is collected or at
-interpreter exit): a `shutdown` call to the workers (skipped when unusable), then the pipes are
-closed, each process joined with a timeout, then terminated, then killed. Workers ignore SIGINT
-(the parent handles Ctrl-C and stops them), exit on EOF of their pipe, and a watchdog thread in
-each exits it when the parent process is gone. No shared memory is used.
+interpreter exit): a `shutdown` call to the workers (skipped when unusable or when replies are
+still owed), then the pipes are closed, each process joined with a timeout, then terminated,
+then killed. Workers ignore SIGINT (the parent handles Ctrl-C and stops them), exit on EOF of
+their call pipe, and a watchdog thread in each exits it when the parent process is gone. No
+shared memory is used.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import queue
 import signal
 import sys
 import threading
@@ -51,6 +70,7 @@ from llm_inference.distributed.parallel_state import (
     free_port,
     init_distributed,
 )
+from llm_inference.executor.pending import PendingOutput
 from llm_inference.executor.worker import Worker, worker_device
 
 # At most this many CPU ranks per core: gloo ranks on the CPU are for testing and debugging.
@@ -113,16 +133,53 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(1)  # the engine's process is gone: nothing will stop us otherwise
 
 
-def _send(conn: Connection, seq: int, ok: bool, payload: Any) -> bool:
+def _send(conn: Connection, seq: int, ok: bool, payload: Any, out_of_step: bool = False) -> bool:
     try:
-        conn.send_bytes(pickle.dumps((seq, ok, payload), protocol=pickle.HIGHEST_PROTOCOL))
+        data = pickle.dumps((seq, ok, payload, out_of_step), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # a result that does not pickle: report it instead of never replying
+        data = pickle.dumps((seq, False, traceback.format_exc(), out_of_step))
+    try:
+        conn.send_bytes(data)
         return True
     except (OSError, EOFError):  # the parent is gone
         return False
 
 
+def _read_calls(conn: Connection, calls: queue.SimpleQueue) -> None:
+    """Reader thread: every call from the parent into `calls`; None once the pipe ends."""
+    try:
+        while True:
+            calls.put(pickle.loads(conn.recv_bytes()))
+    except BaseException:  # EOF: the parent closed the pipe or died
+        pass
+    finally:
+        calls.put(None)
+
+
+def _send_replies(conn: Connection, replies: queue.SimpleQueue, calls: queue.SimpleQueue) -> None:
+    """Reply thread: sends the replies in order; a PendingOutput is waited for here."""
+    try:
+        while (reply := replies.get()) is not None:
+            seq, ok, result, out_of_step = reply
+            if isinstance(result, PendingOutput):
+                try:
+                    result = result.result()
+                except Exception:  # reporting the tokens: the step itself ran on every rank
+                    ok, result = False, traceback.format_exc()
+            if not _send(conn, seq, ok, result, out_of_step):
+                break
+    finally:
+        calls.put(None)  # the parent is gone (or this thread failed): stop the main loop
+
+
 def worker_main(
-    config: EngineConfig, rank: int, world_size: int, port: int, conn: Connection, parent_pid: int
+    config: EngineConfig,
+    rank: int,
+    world_size: int,
+    port: int,
+    calls_conn: Connection,
+    replies_conn: Connection,
+    parent_pid: int,
 ) -> None:
     """The body of a worker process (started with `spawn`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -136,32 +193,45 @@ def worker_main(
         init_distributed(rank, world_size, port, device)
         worker = Worker(config, rank)
     except BaseException:
-        _send(conn, 0, False, traceback.format_exc())
+        _send(replies_conn, 0, False, traceback.format_exc())
         try:
             destroy_distributed()
         except Exception:
             pass
         return
-    if not _send(conn, 0, True, os.getpid()):
+    if not _send(replies_conn, 0, True, os.getpid()):
         return
+    calls: queue.SimpleQueue = queue.SimpleQueue()
+    replies: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_read_calls, args=(calls_conn, calls), daemon=True).start()
+    replier = threading.Thread(
+        target=_send_replies, args=(replies_conn, replies, calls), daemon=True
+    )
+    replier.start()
     exit_code = 1  # unless the loop ends normally
+    failed = False  # a step raised here: later steps could pair up the wrong collectives
     try:
-        while True:
-            try:
-                if not conn.poll(1.0):
-                    continue
-                seq, method, args = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):
-                break  # the parent closed the pipe or died
+        while (call := calls.get()) is not None:
+            seq, method, args = call
+            step = method == "execute_model"
+            if step and failed:
+                text = f"rank {rank} did not run this step: an earlier step raised on it"
+                replies.put((seq, False, text, True))
+                continue
             try:
                 ok, result = True, getattr(worker, method)(*args)
             except Exception:
                 ok, result = False, traceback.format_exc()
-            if not _send(conn, seq, ok, result) or method == "shutdown":
+                failed = failed or step
+            replies.put((seq, ok, result, step and not ok))
+            if method == "shutdown":
                 break
         exit_code = 0
     finally:
-        conn.close()
+        replies.put(None)
+        replier.join(JOIN_TIMEOUT_S)  # the last replies (the shutdown's) go out first
+        if not replier.is_alive():  # else the process exit closes it under the blocked send
+            replies_conn.close()  # (the call pipe stays with the reader thread until then)
         if device.type == "cuda":
             # destroy_process_group can hang after NCCL work was captured in CUDA graphs
             # (pytorch#115388): leave the communicators to the process exit.
@@ -209,8 +279,32 @@ def _stop_workers(procs: list, conns: list[Connection]) -> None:
     procs.clear()
 
 
+class _Call:
+    """A call sent to every rank: the ranks that still owe a reply, and what came back."""
+
+    def __init__(self, seq: int, method: str, world_size: int) -> None:
+        self.seq, self.method = seq, method
+        self.owing = set(range(world_size))
+        self.results: list[Any] = [None] * world_size
+        self.error: tuple[int, str] | None = None  # the lowest rank that raised, its traceback
+        self.out_of_step = False  # a rank raised inside a step: the ranks may disagree
+        self.grace_end = 0.0  # after an error: when the other ranks must have replied
+
+
+class PendingCall:
+    """A call sent to every rank; `result()` waits for the replies (the results in rank
+    order) or raises the call's WorkerError. It may be called again."""
+
+    def __init__(self, workers: MultiprocWorkers, call: _Call) -> None:
+        self._workers, self._call = workers, call
+
+    def result(self, timeout: float | None = None) -> list[Any]:
+        return self._workers._wait(self._call, timeout)
+
+
 class MultiprocWorkers:
-    """N worker processes, one per rank; `collective_rpc` calls a Worker method on all."""
+    """N worker processes, one per rank; `collective_rpc` calls a Worker method on all,
+    `submit` sends such a call without waiting for it."""
 
     def __init__(self, config: EngineConfig) -> None:
         import multiprocessing
@@ -218,10 +312,11 @@ class MultiprocWorkers:
         check_parallel_config(config)
         self.world_size = n = config.parallel.tensor_parallel_size
         self._procs: list = []
-        self._conns: list[Connection] = []
+        self._conns: list[Connection] = []  # every pipe end the parent holds (to close)
+        self._to: list[Connection] = []  # per rank: calls
+        self._from: list[Connection] = []  # per rank: replies
         self._seq = 0
-        self._outstanding: set[int] = set()  # ranks still owing a reply to call `_seq`
-        self._outstanding_method = ""
+        self._calls: dict[int, _Call] = {}  # calls still owed a reply, oldest first
         self._unusable: str | None = None
         self._closed = False
         self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns)
@@ -229,20 +324,23 @@ class MultiprocWorkers:
         port = free_port()
         try:
             for rank in range(n):
-                parent_conn, child_conn = ctx.Pipe(duplex=True)
+                calls_in, calls_out = ctx.Pipe(duplex=False)
+                replies_in, replies_out = ctx.Pipe(duplex=False)
                 proc = ctx.Process(
                     target=worker_main,
-                    args=(config, rank, n, port, child_conn, os.getpid()),
+                    args=(config, rank, n, port, calls_in, replies_out, os.getpid()),
                     name=f"llm_inference-tp{rank}",
                     daemon=True,
                 )
                 proc.start()
-                child_conn.close()
+                calls_in.close()
+                replies_out.close()
                 self._procs.append(proc)
-                self._conns.append(parent_conn)
-            self._outstanding = set(range(n))
-            self._outstanding_method = "start-up"
-            self.pids = self._collect(0, "start-up")
+                self._to.append(calls_out)
+                self._from.append(replies_in)
+                self._conns += [calls_out, replies_in]
+            start = self._calls[0] = _Call(0, "start-up", n)
+            self.pids = self._wait(start)
         except BaseException:
             self._unusable = "start-up failed"
             self.shutdown()
@@ -250,8 +348,7 @@ class MultiprocWorkers:
 
     # ---- calls ----------------------------------------------------------------------------
 
-    def collective_rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
-        """Call `method(*args)` on every rank's Worker; the results in rank order."""
+    def _check_usable(self) -> None:
         if self._closed:
             raise RuntimeError("the tensor-parallel workers have been shut down")
         if self._unusable is not None:
@@ -259,74 +356,98 @@ class MultiprocWorkers:
                 f"the tensor-parallel workers are unusable ({self._unusable}); close this "
                 "engine and create a new one"
             )
-        if self._outstanding:  # an earlier call was interrupted while waiting
-            self._collect(self._seq, self._outstanding_method)
+
+    def collective_rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        """Call `method(*args)` on every rank's Worker; the results in rank order."""
+        return self.submit(method, *args).result(timeout)
+
+    def submit(self, method: str, *args: Any) -> PendingCall:
+        """Send `method(*args)` to every rank and return at once; the ranks run it after the
+        calls sent before (whose replies may still be unread)."""
+        self._check_usable()
+        data = pickle.dumps((self._seq + 1, method, args), protocol=pickle.HIGHEST_PROTOCOL)
         self._seq += 1
-        data = pickle.dumps((self._seq, method, args), protocol=pickle.HIGHEST_PROTOCOL)
-        self._outstanding = set(range(self.world_size))
-        self._outstanding_method = method
+        call = self._calls[self._seq] = _Call(self._seq, method, self.world_size)
         try:
-            for rank, conn in enumerate(self._conns):
+            for rank, conn in enumerate(self._to):
                 try:
                     conn.send_bytes(data)
                 except OSError:
-                    self._died(rank, method)
+                    self._died(rank)
         except BaseException:
             if self._unusable is None:
                 self._unusable = f"{method} was interrupted while being sent to the ranks"
             raise
-        return self._collect(self._seq, method, timeout)
+        return PendingCall(self, call)
 
-    def _died(self, rank: int, method: str) -> None:
+    def _died(self, rank: int) -> None:
         proc = self._procs[rank]
+        method = next((c.method for c in self._calls.values() if rank in c.owing), "a call")
         self._unusable = f"worker rank {rank} died"
         raise WorkerError(
             f"tensor-parallel worker rank {rank} (pid {proc.pid}) died during {method} "
             f"({_exit_text(proc)}); the engine cannot continue"
         )
 
-    def _collect(self, seq: int, method: str, timeout: float | None = None) -> list[Any]:
-        """Wait for every outstanding rank's reply to call `seq`, checking on the processes."""
-        results: list[Any] = [None] * self.world_size
-        error: tuple[int, str] | None = None
+    def _read_reply(self, rank: int) -> None:
+        """Read rank's next reply (to the oldest call it owes) into that call."""
+        try:
+            seq, ok, payload, out_of_step = pickle.loads(self._from[rank].recv_bytes())
+        except (EOFError, OSError):
+            self._died(rank)
+        except BaseException:  # interrupted inside a message: the stream is lost
+            self._unusable = "reading a reply from the ranks was interrupted"
+            raise
+        call = next((c for c in self._calls.values() if rank in c.owing), None)
+        if call is None or call.seq != seq:  # cannot happen: a rank replies in order
+            self._unusable = f"rank {rank} replied out of order"
+            raise WorkerError(f"tensor-parallel worker rank {rank} replied out of order ({seq})")
+        call.owing.discard(rank)
+        if ok:
+            call.results[rank] = payload
+        else:
+            if call.error is None:
+                call.grace_end = time.monotonic() + ERROR_GRACE_S
+            if call.error is None or rank < call.error[0]:
+                call.error = (rank, payload)  # the lowest rank's, whatever the reply order
+            call.out_of_step |= out_of_step
+        if not call.owing:
+            del self._calls[seq]
+            if call.out_of_step:  # later steps may already be queued on the ranks
+                self._unusable = f"rank {call.error[0]} raised inside {call.method}"
+                raise self._raised(call)
+
+    def _wait(self, call: _Call, timeout: float | None = None) -> list[Any]:
+        """Read replies (the earlier calls' first: each rank replies in order) until every
+        rank answered `call`, checking on the processes; its results or its WorkerError."""
         give_up = None if timeout is None else time.monotonic() + timeout
-        while self._outstanding:
-            waiting = {self._conns[r]: r for r in self._outstanding}
+        while call.owing:
+            self._check_usable()
+            waiting = {self._from[r]: r for r in call.owing}
             for conn in wait_connections(list(waiting), POLL_S):
-                rank = waiting[conn]
-                try:
-                    data = conn.recv_bytes()
-                except (EOFError, OSError):
-                    self._died(rank, method)
-                except BaseException:  # interrupted inside a message: the stream is lost
-                    self._unusable = f"reading the reply to {method} was interrupted"
-                    raise
-                reply_seq, ok, payload = pickle.loads(data)
-                if reply_seq != seq:
-                    continue  # cannot happen: replies come in order, one per call
-                self._outstanding.discard(rank)
-                if ok:
-                    results[rank] = payload
-                elif error is None:
-                    error = (rank, payload)
-                    grace = time.monotonic() + ERROR_GRACE_S
-                    give_up = grace if give_up is None else min(give_up, grace)
-            for rank in sorted(self._outstanding):
+                self._read_reply(waiting[conn])
+            for rank in sorted(call.owing):
                 if not self._procs[rank].is_alive():
-                    self._died(rank, method)
-            if self._outstanding and give_up is not None and time.monotonic() > give_up:
-                if error is None:
-                    self._unusable = f"{method} timed out"
-                    raise WorkerError(
-                        f"tensor-parallel workers {sorted(self._outstanding)} did not answer "
-                        f"{method} within {timeout} s"
-                    )
-                self._unusable = f"rank {error[0]} raised and the others did not finish"
-                break
-        if error is not None:
-            rank, text = error
-            raise WorkerError(f"tensor-parallel worker rank {rank} raised in {method}:\n{text}")
-        return results
+                    self._died(rank)
+            now = time.monotonic()
+            for owed in list(self._calls.values()):
+                if owed.error is not None and now > owed.grace_end:
+                    self._unusable = f"rank {owed.error[0]} raised and the others did not finish"
+                    raise self._raised(owed)
+            if call.owing and give_up is not None and now > give_up:
+                self._unusable = f"{call.method} timed out"
+                raise WorkerError(
+                    f"tensor-parallel workers {sorted(call.owing)} did not answer "
+                    f"{call.method} within {timeout} s"
+                )
+        if call.error is not None:
+            raise self._raised(call)
+        return call.results
+
+    @staticmethod
+    def _raised(call: _Call) -> WorkerError:
+        rank, text = call.error
+        return WorkerError(f"tensor-parallel worker rank {rank} raised in {call.method}:\n{text}")
 
     # ---- shutdown -------------------------------------------------------------------------
 
@@ -341,7 +462,7 @@ class MultiprocWorkers:
         try:
             # Workers also exit when their pipe closes: the call only releases their memory
             # first, so it is skipped when they are unusable or still owe a reply.
-            if self._unusable is None and not self._outstanding and self._procs:
+            if self._unusable is None and not self._calls and self._procs:
                 try:
                     self.collective_rpc("shutdown", timeout=SHUTDOWN_TIMEOUT_S)
                 except Exception:

@@ -7,19 +7,24 @@ diffs), so all ranks split the step's rows the same way and call the same collec
   takes the max logit and its index over its slice; one all-gather of those [2, B] values, and
   every rank picks the largest (the lowest rank, hence the lowest global index, on ties), which
   is torch.argmax over the full row. A row whose gathered maxima hold NaN or +inf, or are all
-  -inf, joins the next group instead, so the Sampler reports it as it does at one rank.
+  -inf, gets a status (STATUS_BAD, STATUS_EMPTY) that rank 0 reports on the host as the
+  Sampler's `sync=False` path does (ValueError; a warning and the raw argmax).
 - every other row: the slices are gathered to rank 0, which runs the normal `Sampler` on the
-  full logits; a seeded request therefore draws the same tokens at any tensor-parallel size.
+  full logits (a seeded request draws the same tokens at any tensor-parallel size), and one
+  broadcast from rank 0 gives every rank its tokens.
 
-Rank 0 returns the ModelRunnerOutput; the other ranks return None.
+Every rank ends with the same tokens tensor on its device, so each can feed the samples still
+in flight to the next step (async scheduling) without the host. Nothing here waits for the
+device except the logprobs of rows that ask for them (those steps run synchronously anyway).
 """
 
 from __future__ import annotations
 
 import torch
 
-from llm_inference.core.outputs import ModelRunnerOutput
-from llm_inference.distributed.parallel_state import all_gather, gather_last_dim, get_tp_rank
+from llm_inference.distributed.parallel_state import all_gather, broadcast, gather_last_dim
+from llm_inference.layers.sampler import STATUS_BAD, STATUS_EMPTY, SamplerOutput
+from llm_inference.layers.sampling_metadata import to_device
 from llm_inference.sampling_params import SamplingParams
 
 
@@ -36,10 +41,11 @@ def needs_full_logits(params: SamplingParams, num_output_tokens: int) -> bool:
     return not plain
 
 
-def distributed_argmax(local: torch.Tensor, vocab_start: int) -> tuple[list[int], list[bool]]:
+def distributed_argmax(local: torch.Tensor, vocab_start: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Collective. `local` [B, shard] is this rank's slice of the logits, column j being token
-    vocab_start + j. Returns, on every rank, the global argmax per row (lowest index on ties)
-    and whether the row is well-formed (no NaN or +inf, not all -inf)."""
+    vocab_start + j. Returns, on every rank and on the device, the global argmax per row
+    (lowest index on ties) and its status: the token, or STATUS_BAD where the row holds a NaN
+    or +inf, STATUS_EMPTY where it is all -inf (its token is then 0, the raw argmax)."""
     idx = local.argmax(dim=-1)  # the first maximum of the slice
     vals = local.gather(1, idx[:, None])[:, 0].double()  # exact for float32/16 and bfloat16
     packed = torch.stack([vals, (idx + vocab_start).double()])
@@ -48,46 +54,58 @@ def distributed_argmax(local: torch.Tensor, vocab_start: int) -> tuple[list[int]
     best = maxima.argmax(dim=0)  # the first rank holding the largest value
     tokens = indices.gather(0, best[None])[0].long()
     top = maxima.gather(0, best[None])[0]
-    broken = (maxima.isnan() | (maxima == float("inf"))).any(dim=0) | (top == float("-inf"))
-    return tokens.tolist(), (~broken).tolist()
+    bad = (maxima.isnan() | (maxima == float("inf"))).any(dim=0)
+    status = torch.where(top == float("-inf"), STATUS_EMPTY, tokens)
+    return tokens, torch.where(bad, STATUS_BAD, status)
 
 
 def sample_tensor_parallel(
-    runner, req_ids: list[str], sample_rows: list[int], hidden: torch.Tensor
-) -> ModelRunnerOutput | None:
-    """Collective. `hidden` [len(sample_rows), hidden] holds the rows to sample, in order."""
+    runner, req_ids: list[str], sample_rows: list[int], num_outputs: list[int], hidden
+) -> SamplerOutput:
+    """Collective. `hidden` [R, hidden] holds the rows to sample, in order (`num_outputs`:
+    each one's output tokens before this sample, in-flight ones included). Every rank returns
+    the same `token_ids` [R] on its device; `status` and `logprobs` are rank 0's only."""
     batch = runner.input_batch
     rows = [batch.rows[req_ids[i]] for i in sample_rows]
-    params = [batch.params[r] for r in rows]
     lm_head = runner.model.lm_head
     local = lm_head.compute_local_logits(hidden)
-    tokens: list[int | None] = [None] * len(rows)
-    full = [k for k, r in enumerate(rows) if needs_full_logits(params[k], len(batch.output_ids[r]))]
-    full_set = set(full)
-    fast = [k for k in range(len(rows)) if k not in full_set]
-    if fast:
-        pick = torch.tensor(fast, device=local.device)
-        argmax, ok = distributed_argmax(local.index_select(0, pick), lm_head.vocab_start)
-        for k, t, good in zip(fast, argmax, ok):
-            if good:
-                tokens[k] = t
-            else:
-                full.append(k)
-        full.sort()
-    logprobs: list[object | None] = [None] * len(req_ids)
-    if full:
-        pick = torch.tensor(full, device=local.device)
-        logits = gather_last_dim(local.index_select(0, pick))
-        if logits is not None:  # rank 0
-            smd = runner.sampling_metadata([rows[k] for k in full])
-            out = runner.sampler(logits[:, : lm_head.vocab_size], smd)
-            for j, (k, t) in enumerate(zip(full, out.token_ids.tolist())):
-                tokens[k] = t
-                if out.logprobs is not None:
-                    logprobs[sample_rows[k]] = out.logprobs[j]
-    if get_tp_rank() != 0:
-        return None
-    sampled: list[list[int]] = [[] for _ in req_ids]
-    for k, i in enumerate(sample_rows):
-        sampled[i] = [tokens[k]]
-    return ModelRunnerOutput(req_ids, sampled, logprobs)
+    num = len(rows)
+    full = [k for k in range(num) if needs_full_logits(batch.params[rows[k]], num_outputs[k])]
+    if not full:  # all plain greedy: every rank already holds every token
+        tokens, status = distributed_argmax(local, lm_head.vocab_start)
+        return SamplerOutput(token_ids=tokens, logprobs=None, status=status)
+    device = local.device
+    tokens = torch.empty(num, dtype=torch.long, device=device)
+    status = torch.empty_like(tokens)
+    pick = None  # the full rows' positions, unless every row is one
+    if len(full) < num:
+        full_set = set(full)
+        fast = to_device(torch.tensor([k for k in range(num) if k not in full_set]), device)
+        fast_tokens, fast_status = distributed_argmax(
+            local.index_select(0, fast), lm_head.vocab_start
+        )
+        tokens.index_copy_(0, fast, fast_tokens)
+        status.index_copy_(0, fast, fast_status)
+        pick = to_device(torch.tensor(full), device)
+    logits = gather_last_dim(local if pick is None else local.index_select(0, pick))
+    sampled = torch.empty(len(full), dtype=torch.long, device=device)
+    logprobs: list[object | None] | None = None
+    if logits is not None:  # rank 0
+        smd = runner.sampling_metadata([rows[k] for k in full], [num_outputs[k] for k in full])
+        # sync=False: nothing may raise between two collectives (the other ranks would wait
+        # in the broadcast); broken rows are reported from `status` on the host.
+        out = runner.sampler(logits[:, : lm_head.vocab_size], smd, sync=False)
+        sampled = out.token_ids.to(torch.long).contiguous()
+        if pick is None:
+            status = out.status
+        else:
+            status.index_copy_(0, pick, out.status.to(torch.long))
+        if out.logprobs is not None:
+            logprobs = [None] * num
+            for j, k in enumerate(full):
+                logprobs[k] = out.logprobs[j]
+    broadcast(sampled, src=0)
+    if pick is None:
+        return SamplerOutput(token_ids=sampled, logprobs=logprobs, status=status)
+    tokens.index_copy_(0, pick, sampled)
+    return SamplerOutput(token_ids=tokens, logprobs=logprobs, status=status)

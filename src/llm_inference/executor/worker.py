@@ -9,7 +9,6 @@ import torch
 
 from llm_inference.config import EngineConfig
 from llm_inference.core.outputs import SchedulerOutput
-from llm_inference.distributed.parallel_state import get_tp_size
 from llm_inference.executor.model_runner import ModelRunner
 
 
@@ -43,12 +42,10 @@ class Worker:
         return self.model_runner.graphs is not None
 
     def execute_model(self, scheduler_output: SchedulerOutput, sync: bool = True):
-        """Rank 0: a PendingOutput in process, its ModelRunnerOutput from a worker process
-        (what crosses a pipe must be plain data); other ranks: None."""
-        out = self.model_runner.execute_model(scheduler_output, sync)
-        if out is not None and get_tp_size() > 1:
-            return out.result()
-        return out
+        """Launch the step. Rank 0: a PendingOutput (a worker process sends its result()
+        once the tokens are on the host, while it goes on with the next call); other
+        ranks: None."""
+        return self.model_runner.execute_model(scheduler_output, sync)
 
     def shutdown(self) -> None:
         self.model_runner.release()
