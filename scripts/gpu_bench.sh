@@ -13,6 +13,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   # the files with CUDA tests (the rest of the suite is CPU-only and runs in CI)
   python3 -m pytest -q -p no:cacheprovider ${TEST_PATHS:-tests/entrypoints/test_llm.py \
     tests/engine/test_triton_engine.py tests/engine/test_mixed_cuda_graphs.py \
+    tests/engine/test_prefix_caching_gpu.py \
     tests/kernels/test_triton_kernels.py tests/kernels/test_unified_attention.py \
     tests/layers/test_sampler_gpu.py tests/distributed/test_tp_cuda.py} \
     -k "not interpreter" 2>&1 | tail -40 > "$OUT/pytest_cuda.log"
