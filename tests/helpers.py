@@ -74,6 +74,22 @@ def make_checkpoint(
     return Path(folder)
 
 
+def make_sharp_checkpoint(folder: Path, factor: float = 4.0, **overrides) -> Path:
+    """The model of the CUDA tests (GQA 4, head_dim 64, 3 layers unless overridden) with its LM
+    head scaled by `factor`: a random model's next-token distribution is then peaked, so
+    near-ties, where half-precision rounding may legitimately flip the argmax, are rare."""
+    from safetensors.torch import load_file, save_file
+
+    shape = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                 num_key_value_heads=2, head_dim=64, num_hidden_layers=3)  # fmt: skip
+    folder = make_checkpoint(folder, **{**shape, **overrides})
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    tensors["lm_head.weight"] *= factor
+    save_file(tensors, path)
+    return folder
+
+
 def hf_model(folder: Path, dtype=torch.float32):
     from transformers import LlamaForCausalLM
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_checkpoint
-from safetensors.torch import load_file, save_file
+from helpers import make_sharp_checkpoint
 from tp_helpers import child_processes
 
 from llm_inference import LLM, SamplingParams
@@ -29,20 +28,7 @@ NEAR_TIE = 8 * 0.15
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    folder = make_checkpoint(
-        tmp_path_factory.mktemp("tp_cuda"),
-        hidden_size=512,
-        intermediate_size=1024,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        num_hidden_layers=3,
-    )
-    path = folder / "model.safetensors"
-    tensors = load_file(path)
-    tensors["lm_head.weight"] *= 4.0
-    save_file(tensors, path)
-    return folder
+    return make_sharp_checkpoint(tmp_path_factory.mktemp("tp_cuda"))
 
 
 def prompts():

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_checkpoint
-from safetensors.torch import load_file, save_file
+from helpers import make_sharp_checkpoint
 
 from llm_inference import LLM, SamplingParams
 from llm_inference.executor.cuda_graph import DECODE, MIXED, CudaGraphs
@@ -124,20 +123,7 @@ CUDA_ENGINES = {
 def cuda_folder(tmp_path_factory):
     """The model of tests/engine/test_triton_engine.py (GQA 4, head_dim 64), LM head
     sharpened so that near-ties are rare."""
-    folder = make_checkpoint(
-        tmp_path_factory.mktemp("mixed_graphs"),
-        hidden_size=512,
-        intermediate_size=1024,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        num_hidden_layers=3,
-    )
-    path = folder / "model.safetensors"
-    tensors = load_file(path)
-    tensors["lm_head.weight"] *= 4.0
-    save_file(tensors, path)
-    return folder
+    return make_sharp_checkpoint(tmp_path_factory.mktemp("mixed_graphs"))
 
 
 def _cuda_llm(folder, eager, **kw):

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_checkpoint
+from helpers import make_sharp_checkpoint
 from test_prefix_caching_engine import FIRST, SECOND, tokens
-from test_triton_engine import sharpen_lm_head
 
 from llm_inference import LLM, SamplingParams
 
@@ -49,11 +48,7 @@ BLOCK_BYTES = 16 * 2 * 2 * 2 * 64 * 2  # tokens x layers x (K, V) x KV heads x h
     ids=["default", "preempting"],
 )
 def test_caching_on_triton_equals_reference_off(tmp_path, kw):
-    folder = make_checkpoint(
-        tmp_path, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=64, num_hidden_layers=2,
-    )  # fmt: skip
-    sharpen_lm_head(folder)
+    folder = make_sharp_checkpoint(tmp_path, num_hidden_layers=2)
     fast, fast_stats = run_turns(folder, True, **kw)
     ref, _ = run_turns(folder, False, **kw)
     assert fast_stats["prefix_cache_hits"] >= 2 * 16  # the cache was used

@@ -13,23 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_checkpoint
-from safetensors.torch import load_file, save_file
+from helpers import make_sharp_checkpoint
 
 from llm_inference import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 NEAR_TIE = 0.15  # log-probability gap under which fp16 rounding may flip the argmax
-
-
-def sharpen_lm_head(folder, factor=4.0):
-    """Scale the LM head so that a random model's next-token distribution is peaked: then
-    near-ties, where bf16 rounding legitimately flips the argmax, are rare."""
-    path = folder / "model.safetensors"
-    tensors = load_file(path)
-    tensors["lm_head.weight"] *= factor
-    save_file(tensors, path)
 
 
 def _prompts():
@@ -40,16 +30,7 @@ def _prompts():
 @pytest.mark.parametrize("eager", [False, True], ids=["cuda_graphs", "eager"])
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32), (64, 32)])
 def test_triton_greedy_equals_reference(tmp_path, head_dim, block_size, eager):
-    folder = make_checkpoint(
-        tmp_path,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=head_dim,
-        num_hidden_layers=3,
-    )
-    sharpen_lm_head(folder)
+    folder = make_sharp_checkpoint(tmp_path, head_dim=head_dim)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=5)
     runs = {}
     for backend in ("auto", "reference"):
