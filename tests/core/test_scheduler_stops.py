@@ -169,3 +169,23 @@ def test_duplicate_request_id_is_rejected():
     sched.add_request(Request("r", [1], SamplingParams()))
     with pytest.raises(ValueError, match="already"):
         sched.add_request(Request("r", [1], SamplingParams()))
+
+
+def test_final_only_request_is_reported_once_with_every_token():
+    sched = make_scheduler()
+    req = request(SamplingParams(max_tokens=4, ignore_eos=True), final_only=True)
+    other = Request("o", [10, 11], SamplingParams(max_tokens=6), eos_token_ids=(EOS,))
+    sched.add_request(req)
+    sched.add_request(other)
+    reports = []
+    for token in (5, 6, EOS, 7):
+        out = sched.schedule()
+        ids = [s.request_id for s in out.scheduled]
+        tokens = [[token] for _ in ids]
+        reports.append(sched.update_from_output(out, ModelRunnerOutput(ids, tokens)))
+    assert [[o.request_id for o in step] for step in reports] == [["o"], ["o"], ["o"], ["r"]]
+    (last,) = reports[-1]
+    assert last.new_token_ids == [5, 6, EOS, 7] == req.output_token_ids  # EOS ignored
+    assert last.finish_reason == "length"
+    assert reports[2][0].finish_reason == "stop"  # the other one stopped at EOS
+    assert_freed(sched)

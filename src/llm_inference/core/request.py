@@ -53,6 +53,7 @@ class Request:
     `max_tokens` is the resolved limit of new tokens: the engine passes it (for example
     derived from max_model_len when `sampling_params.max_tokens` is None); otherwise it is
     `sampling_params.max_tokens`, or unlimited (the scheduler still stops at max_model_len).
+    `final_only`: see `Scheduler.update_from_output`.
     """
 
     def __init__(
@@ -62,6 +63,7 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
         max_tokens: int | None = None,
+        final_only: bool = False,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt has no tokens")
@@ -75,6 +77,9 @@ class Request:
             max_tokens = sampling_params.max_tokens
         self.max_tokens: int = sys.maxsize if max_tokens is None else int(max_tokens)
         self.status = RequestStatus.WAITING
+        # Reported once, when finished, with every output token (no per-step record): for a
+        # front end that reads nothing before the end (an offline batch without stop strings).
+        self.final_only = final_only
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []

@@ -242,7 +242,8 @@ class Scheduler:
         """Append sampled tokens, finish and free stopped requests.
 
         Returns one plain record per request that received tokens this step, finished ones
-        included. Requests finished (aborted) since `schedule`, or whose id now names another
+        included; a `final_only` request gets one record only, when it finishes, with all its
+        output tokens. Requests finished (aborted) since `schedule`, or whose id now names another
         request, are skipped. A request preempted since still gets its token (it is valid:
         computed from the whole sequence) and recomputes it with the rest when readmitted.
         """
@@ -279,6 +280,10 @@ class Scheduler:
                     self._finish(request, status)
                     appended = new_tokens[: k + 1]
                     break
+            if request.final_only:
+                if request.status is running or not request.is_finished:
+                    continue  # nothing to report before the end
+                appended = list(request.output_token_ids)
             results.append(
                 EngineCoreOutput(
                     rid,

@@ -131,6 +131,8 @@ class LLMEngine:
                 child,
                 eos_token_ids=self.config.model.eos_token_ids,
                 max_tokens=child.max_tokens or max_len - len(prompt_token_ids),
+                # Nothing is read before the end: no per-step records to make or process.
+                final_only=not stream and not child.stop_strings and child.logprobs is None,
             )
             self.scheduler.add_request(request)
             if _needs_sync(child):
