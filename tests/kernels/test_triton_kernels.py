@@ -155,3 +155,10 @@ def test_rotary_gpu_bf16(shape):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_store_kv_cache_gpu_bf16(block_size, head_dim):
     checks.check_store_kv_cache("cuda", torch.bfloat16, 4096, 8, head_dim, block_size, seed=1)
+
+
+@cuda
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("shape", LLAMA_SHAPES)
+def test_rotary_store_kv_gpu_bf16(shape, block_size):
+    checks.check_rotary_store_kv("cuda", torch.bfloat16, 4096, *shape, block_size, seed=7)

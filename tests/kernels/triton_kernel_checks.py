@@ -182,7 +182,40 @@ def check_store_kv_cache(device, dtype, num_tokens, num_kv_heads, head_dim, bloc
     torch.testing.assert_close(v_cache, ref_v, rtol=0, atol=0, equal_nan=True)
 
 
-INTERPRETER_KERNELS = ("paged_attention", "rms_norm", "silu_and_mul", "rotary", "store_kv_cache")
+def check_rotary_store_kv(device, dtype, num_tokens, num_heads, num_kv_heads, head_dim,
+                          block_size, seed):  # fmt: skip
+    """The fused launch equals rotary_embedding then store_kv_cache of the reference: q and k
+    rotated in place in the strided qkv, rotated k and v at their slots, skipped slots (-1)
+    and untouched ones left NaN, v unchanged."""
+    reference, triton_ops = _ops()
+    gen = torch.Generator().manual_seed(seed)
+    max_pos = 4096
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+    positions = torch.randint(1, max_pos, (num_tokens,), generator=gen).to(device)
+    qkv = _fused_qkv(device, dtype, num_tokens, num_heads, num_kv_heads, head_dim, gen)
+    num_blocks = 2 * math.ceil(num_tokens / block_size) + 3
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=gen) < 0.2] = -1
+    slots = slots.to(device)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    caches = [torch.full(shape, float("nan"), dtype=dtype, device=device) for _ in range(2)]
+    ref_qkv, ref_caches = qkv.clone(), [c.clone() for c in caches]
+    ref_q, ref_k, ref_v = _split_qkv(ref_qkv, num_heads, num_kv_heads, head_dim)
+    reference.rotary_store_kv(positions, ref_q, ref_k, ref_v, cos_sin, *ref_caches, slots)
+    q, k, v = _split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    got = triton_ops.rotary_store_kv(positions, q, k, v, cos_sin, *caches, slots.to(torch.int32))
+    assert got.data_ptr() == q.data_ptr()
+    tol = ELEM_TOL[dtype]
+    torch.testing.assert_close(qkv, ref_qkv, rtol=tol, atol=tol)
+    for c, ref in zip(caches, ref_caches):
+        torch.testing.assert_close(c, ref, rtol=tol, atol=tol, equal_nan=True)
+    assert (slots >= 0).any() and (slots < 0).any()
+
+
+INTERPRETER_KERNELS = ("paged_attention", "rms_norm", "silu_and_mul", "rotary", "store_kv_cache",
+                       "rotary_store_kv")  # fmt: skip
 
 
 def run_interpreter(kernel: str) -> None:
@@ -202,6 +235,8 @@ def run_interpreter(kernel: str) -> None:
             check_rotary("cpu", dtype, 7, 6, 2, 16, seed=i)
         elif kernel == "store_kv_cache":
             check_store_kv_cache("cpu", dtype, 21, 2, 16, 8, seed=i)
+        elif kernel == "rotary_store_kv":
+            check_rotary_store_kv("cpu", dtype, 19, 6, 2, 16, 8, seed=i)
         else:
             raise ValueError(kernel)
 

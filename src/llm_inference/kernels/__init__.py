@@ -35,6 +35,12 @@ class KernelOps(Protocol):
         cos_sin_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 
+    def rotary_store_kv(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor: ...  # fmt: skip
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def paged_attention_decode(

@@ -50,6 +50,23 @@ def store_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Triton version of reference.store_kv_cache."""
+    check_store_args(k, v, k_cache, v_cache, slot_mapping)
+    num_tokens, num_kv, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        BLOCK_SIZE=k_cache.shape[1], NUM_KV=num_kv, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv), BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )  # fmt: skip
+
+
+def check_store_args(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """The checks of store_kv_cache's arguments (shared with rotary_store_kv)."""
     if k.dim() != 3 or v.shape != k.shape or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         shapes = [tuple(t.shape) for t in (k, v, k_cache, v_cache)]
         raise ValueError(f"k/v [T, Hkv, D] and caches [N, BS, Hkv, D] expected, got {shapes}")
@@ -67,16 +84,5 @@ def store_kv_cache(
             raise ValueError(f"{name} must be contiguous in its last dim")
         if t.device != slot_mapping.device:
             raise ValueError(f"{name} is on {t.device}, slot_mapping on {slot_mapping.device}")
-    if num_tokens == 0:
-        return
     if slot_mapping.stride(0) != 1 and num_tokens > 1:
         raise ValueError("slot_mapping must be contiguous")
-    _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        BLOCK_SIZE=k_cache.shape[1], NUM_KV=num_kv, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4,
-    )  # fmt: skip

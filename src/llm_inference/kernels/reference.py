@@ -206,6 +206,23 @@ def rotary_embedding(
     return q, k
 
 
+def rotary_store_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """`rotary_embedding` of q and k (in place), then `store_kv_cache` of the rotated k and v;
+    returns q. (The Triton version does both in one launch.)"""
+    rotary_embedding(positions, q, k, cos_sin_cache)
+    store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2*I] holding gate then up: silu(gate) * up -> [T, I]."""
     gate, up = x.chunk(2, dim=-1)

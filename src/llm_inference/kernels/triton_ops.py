@@ -12,13 +12,14 @@ from llm_inference.kernels.activation import silu_and_mul
 from llm_inference.kernels.kv_cache import store_kv_cache
 from llm_inference.kernels.paged_attention import paged_attention_decode
 from llm_inference.kernels.rms_norm import rms_norm
-from llm_inference.kernels.rotary import rotary_embedding
+from llm_inference.kernels.rotary import rotary_embedding, rotary_store_kv
 from llm_inference.kernels.unified_attention import unified_attention
 
 __all__ = [
     "paged_attention_decode",
     "rms_norm",
     "rotary_embedding",
+    "rotary_store_kv",
     "silu_and_mul",
     "store_kv_cache",
     "unified_attention",

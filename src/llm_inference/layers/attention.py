@@ -111,12 +111,22 @@ class AttentionBackend:
 
     # ---- attention -----------------------------------------------------------------------
 
-    def forward(self, layer: Attention, q, k, v, md: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, layer: Attention, q, k, v, md: AttentionMetadata, positions=None, cos_sin_cache=None
+    ) -> torch.Tensor:
         """Write this step's K/V into the cache, then one attention call over the cache for
-        every sequence of the step, prompt chunks and decodes alike."""
+        every sequence of the step, prompt chunks and decodes alike. With `cos_sin_cache`, q
+        and k are rotated first (RoPE at `positions`), in the same kernel as the store."""
         if md.slot_mapping is None:
+            if cos_sin_cache is not None:
+                self.ops.rotary_embedding(positions, q, k, cos_sin_cache)
             return self._dense(layer, q, k, v, md)
-        self.ops.store_kv_cache(k, v, layer.k_cache, layer.v_cache, md.slot_mapping)
+        if cos_sin_cache is not None:
+            self.ops.rotary_store_kv(
+                positions, q, k, v, cos_sin_cache, layer.k_cache, layer.v_cache, md.slot_mapping
+            )
+        else:
+            self.ops.store_kv_cache(k, v, layer.k_cache, layer.v_cache, md.slot_mapping)
         return self.ops.unified_attention(
             q, layer.k_cache, layer.v_cache, md.block_table, md.query_start_loc, md.seq_lens,
             layer.scale, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
@@ -162,6 +172,13 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        md: AttentionMetadata,
+        positions: torch.Tensor | None = None,
+        cos_sin_cache: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.backend.forward(self, q, k, v, md)
+        """q and k already rotated, or rotated here at `positions` with `cos_sin_cache`."""
+        return self.backend.forward(self, q, k, v, md, positions, cos_sin_cache)

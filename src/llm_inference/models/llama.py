@@ -50,8 +50,8 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, md)
+        # RoPE in the attention backend, fused with the KV-cache store.
+        out = self.attn(q, k, v, md, positions, self.rotary.cos_sin_cache)
         return self.o_proj(out.reshape(-1, q_size))
 
 
