@@ -273,15 +273,14 @@ class Scheduler:
                 request.num_output_placeholders -= 1
             appended = new_tokens
             for k, token_id in enumerate(new_tokens):
-                request.output_token_ids.append(token_id)
-                request.num_tokens += 1
+                request.append_output_token(token_id)
                 status = self._check_stop(request, token_id)
                 if status is not None:
                     self._finish(request, status)
                     appended = new_tokens[: k + 1]
                     break
             if request.final_only:
-                if request.status is running or not request.is_finished:
+                if not request.is_finished:
                     continue  # nothing to report before the end
                 appended = list(request.output_token_ids)
             results.append(
