@@ -24,7 +24,7 @@ from llm_inference.core.request import Request, RequestStatus
 from llm_inference.core.scheduler import Scheduler
 from llm_inference.engine.output_processor import OutputProcessor
 from llm_inference.executor.executor import Executor
-from llm_inference.outputs import RequestOutput
+from llm_inference.outputs import RequestOutput, RequestOutputKind
 from llm_inference.sampling_params import SamplingParams
 
 
@@ -109,9 +109,12 @@ class LLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
         stream: bool = True,
+        output_kind: RequestOutputKind | None = None,
     ) -> None:
         """Queue a request (n > 1 becomes n core requests, one per completion). `step()`
-        reports it every step it advances, or with `stream=False` only when it finishes."""
+        reports it every step it advances, or with `stream=False` only when it finishes.
+        `output_kind` (default CUMULATIVE, or FINAL_ONLY with `stream=False`): DELTA reports
+        only what each step added (see output_processor)."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, not {type(request_id).__name__}")
         if request_id in self.output_processor:
@@ -121,7 +124,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
         children = [replace(params, n=1, seed=child_seed(seed, j)) for j in range(params.n)]
         ids = self.output_processor.add_request(
-            request_id, prompt, prompt_token_ids, children, stream
+            request_id, prompt, prompt_token_ids, children, stream, output_kind
         )
         max_len = self.config.scheduler.max_model_len
         for cid, child in zip(ids, children):
