@@ -204,7 +204,7 @@ class AsyncLLM:
                     cmd = self._inbox.get()
                     if cmd[0] == "add":
                         streams[cmd[1].request_id] = cmd[1]
-            self._send({s: _dead(message, self._error) for s in streams.values()})
+            self._send([(s, _dead(message, self._error)) for s in streams.values()])
             streams.clear()
             self.engine.shutdown()
 
@@ -231,7 +231,7 @@ class AsyncLLM:
             self.engine.add_request(stream.request_id, ids, params, prompt=text,
                                     output_kind=RequestOutputKind.DELTA)  # fmt: skip
         except (ValueError, TypeError) as e:
-            self._send({stream: e})
+            self._send([(stream, e)])
             return
         streams[stream.request_id] = stream
         self._unscheduled[stream.request_id] = stream
@@ -242,7 +242,7 @@ class AsyncLLM:
             stream = streams.pop(out.request_id)
             self._unscheduled.pop(out.request_id, None)
             self.metrics.on_output(stream.times, out, now)
-            self._send({stream: out})
+            self._send([(stream, out)])
 
     def _note_scheduled(self, step_start: float) -> None:
         """Requests scheduled for the first time in the step started at `step_start`."""
@@ -255,20 +255,20 @@ class AsyncLLM:
                 self.metrics.on_scheduled(s.times, step_start)
 
     def _dispatch(self, streams, outputs: list[RequestOutput], now: float) -> None:
-        items = {}
+        items = []  # a list: a step with synchronous requests reports one request twice
         on_output = self.metrics.on_output
         for out in outputs:
             stream = streams[out.request_id]
             if out.finished:
                 del streams[out.request_id]
             on_output(stream.times, out, now)
-            items[stream] = out
+            items.append((stream, out))
         self._send(items)
 
-    def _send(self, items: dict[_Stream, object]) -> None:
+    def _send(self, items: list[tuple[_Stream, object]]) -> None:
         """Hand each item to its stream: one thread-safe call per event loop."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, object]]] = {}
-        for stream, item in items.items():
+        for stream, item in items:
             batch = by_loop.get(stream.loop)
             if batch is None:
                 by_loop[stream.loop] = batch = []
@@ -277,7 +277,7 @@ class AsyncLLM:
             try:
                 loop.call_soon_threadsafe(_deliver, batch)
             except RuntimeError:  # that event loop is closed: nobody listens any more
-                gone = {s.request_id: s for s in items if s.loop is loop}
+                gone = {s.request_id: s for s, _ in items if s.loop is loop}
                 for rid in gone:
                     self._streams.pop(rid, None)
                     self._unscheduled.pop(rid, None)
