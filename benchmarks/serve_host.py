@@ -106,6 +106,30 @@ def write_profile(yappi, path: str) -> None:
                     f.write(f"{s.ncall:>10} {s.tsub:8.3f} {s.ttot:8.3f}  {where}\n")
 
 
+def offline_steps(ckpt: Path, args) -> tuple[float, float]:
+    """The engine alone (LLM.generate, same prompts' lengths, same stub): (steps/s, tok/s)."""
+    import random
+
+    import torch
+
+    from llm_inference import LLM, SamplingParams
+
+    torch.set_num_threads(1)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(2, 300) for _ in range(args.input_len)]
+               for _ in range(args.num_prompts)]  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    with LLM(str(ckpt), device="cpu", max_num_seqs=256, kv_cache_memory_bytes=256 << 20,
+             max_num_batched_tokens=8192, max_model_len=1024) as llm:  # fmt: skip
+        stub_forward(llm.engine.executor.workers[0].model_runner)
+        llm.generate(prompts[:16], params, use_tqdm=False)
+        before, t = llm.stats()["num_steps"], time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t
+        steps = llm.stats()["num_steps"] - before
+    return steps / dt, args.num_prompts * args.output_len / dt
+
+
 def get(url: str) -> dict:
     import httpx
 
@@ -141,8 +165,21 @@ def main() -> None:
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--profile", default=None, metavar="PATH")
     p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument(
+        "--offline",
+        action="store_true",
+        help="also time the engine alone (LLM.generate) with the same stub",
+    )
+    p.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval (s) in the server process",
+    )
     args = p.parse_args()
     if args.serve:
+        if args.switch_interval is not None:
+            sys.setswitchinterval(args.switch_interval)
         return serve(args.serve, args.port, args.profile)
 
     import socket
@@ -153,7 +190,12 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ckpt = make_checkpoint(Path(tempfile.mkdtemp()), max_position_embeddings=1024)
+    if args.offline:
+        steps, tps = offline_steps(ckpt, args)
+        print(f"offline (LLM.generate): {tps:.0f} out tok/s, {steps:.1f} steps/s", flush=True)
     cmd = [sys.executable, __file__, "--serve", str(ckpt), "--port", str(port)]
+    if args.switch_interval is not None:
+        cmd += ["--switch-interval", str(args.switch_interval)]
     if args.profile:
         cmd += ["--profile", args.profile]
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}

@@ -256,13 +256,12 @@ class AsyncLLM:
 
     def _dispatch(self, streams, outputs: list[RequestOutput], now: float) -> None:
         items = []  # a list: a step with synchronous requests reports one request twice
-        on_output = self.metrics.on_output
         for out in outputs:
             stream = streams[out.request_id]
             if out.finished:
                 del streams[out.request_id]
-            on_output(stream.times, out, now)
             items.append((stream, out))
+        self.metrics.on_outputs([(s.times, out) for s, out in items], now)
         self._send(items)
 
     def _send(self, items: list[tuple[_Stream, object]]) -> None:

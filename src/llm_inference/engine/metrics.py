@@ -94,27 +94,31 @@ class ServingMetrics:
 
     def on_output(self, times: RequestTimes, out: RequestOutput, now: float) -> None:
         """Count the tokens of `out`, a DELTA output (only what the step added); time them."""
-        outputs = out.outputs
-        new = (
-            len(outputs[0].token_ids)
-            if len(outputs) == 1
-            else sum(len(c.token_ids) for c in outputs)
-        )
-        if times.n > 1 or out.finished:
-            times.note(out)
+        self.on_outputs([(times, out)], now)
+
+    def on_outputs(self, items: list[tuple[RequestTimes, RequestOutput]], now: float) -> None:
+        """`on_output` for each of a step's (times, DELTA output), under one lock."""
         with self.lock:
-            if new > 0:
-                if times.first_token is None:
-                    times.first_token = now
-                    self.ttft.observe(now - times.arrival)
-                    self.prompt_tokens += len(out.prompt_token_ids)
+            for times, out in items:
+                outputs = out.outputs
+                if len(outputs) == 1:
+                    new = len(outputs[0].token_ids)
                 else:
-                    self.itl.observe(now - times.last_token)
-                times.last_token = now
-                times.num_generated += new
-                self.generation_tokens += new
-            if out.finished:
-                self._on_finished(times, out, now)
+                    new = sum(len(c.token_ids) for c in outputs)
+                if times.n > 1 or out.finished:
+                    times.note(out)
+                if new > 0:
+                    if times.first_token is None:
+                        times.first_token = now
+                        self.ttft.observe(now - times.arrival)
+                        self.prompt_tokens += len(out.prompt_token_ids)
+                    else:
+                        self.itl.observe(now - times.last_token)
+                    times.last_token = now
+                    times.num_generated += new
+                    self.generation_tokens += new
+                if out.finished:
+                    self._on_finished(times, out, now)
 
     def _on_finished(self, times: RequestTimes, out: RequestOutput, now: float) -> None:
         for j in range(times.n):

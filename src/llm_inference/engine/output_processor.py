@@ -180,6 +180,7 @@ class OutputProcessor:
         """(one RequestOutput per user request that advanced, core ids a stop string ended)."""
         advanced: dict[str, tuple[_RequestState, list[_Completion]]] = {}
         stopped: list[str] = []
+        results = []
         for out in outputs:
             owner = self._owner.get(out.request_id)
             if owner is None:
@@ -187,15 +188,22 @@ class OutputProcessor:
             state, completion = owner
             if self._advance(completion, out, state.kind) and out.finish_reason is None:
                 stopped.append(out.request_id)
-            if completion.finish_reason is not None:
+            done = completion.finish_reason is not None
+            if done:
                 self._owner.pop(out.request_id, None)
+            if state.kind is _DELTA and len(state.completions) == 1:  # the server's requests
+                results.append(RequestOutput(state.request_id, state.prompt,
+                                             state.prompt_token_ids,
+                                             [completion.delta_output()], done))  # fmt: skip
+                if done:
+                    del self.requests[state.request_id]
+                continue
             if state.kind is not _FINAL or state.finished:
                 entry = advanced.get(state.request_id)
                 if entry is None:
                     advanced[state.request_id] = (state, [completion])
                 else:
                     entry[1].append(completion)
-        results = []
         for rid, (state, completions) in advanced.items():
             if state.kind is _DELTA:
                 results.append(state.delta_output(completions))
