@@ -5,12 +5,21 @@ alone; an engine error reaches every waiting request."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from conftest import ENGINE_ARGS, wait_all_blocks_free
 
 from llm_inference import AsyncLLM, SamplingParams
 from llm_inference.engine.async_llm import EngineDeadError
+from llm_inference.outputs import (
+    CompletionOutput,
+    Logprobs,
+    RequestOutput,
+    RequestOutputKind,
+    accumulate,
+    merge_deltas,
+)
 
 PROMPTS = [f"Hello world {i}" for i in range(6)]
 
@@ -112,3 +121,97 @@ def test_engine_error_reaches_every_request(tiny_ckpt):
         assert not llm.is_running
     finally:
         llm.shutdown()
+
+
+def _joined(deltas, n=1):
+    """Each completion's text, token ids and logprobs concatenated over DELTA outputs."""
+    text, ids, lps = [""] * n, [[] for _ in range(n)], [[] for _ in range(n)]
+    for d in deltas:
+        for c in d.outputs:
+            text[c.index] += c.text
+            ids[c.index] += c.token_ids
+            lps[c.index] += c.logprobs or []
+    return text, ids, lps
+
+
+def test_delta_outputs_join_to_the_offline_outputs(allm, offline_llm):
+    """DELTA: only new text, tokens and logprobs each time; joined, the offline output. n > 1
+    and logprobs (synchronous steps) included; FINAL_ONLY: one output, the offline one."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=9, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=20, stop=["o"]),
+    ]
+    prompts = PROMPTS[:3]
+
+    async def run(kind):
+        async def one(p, sp):
+            return [o async for o in allm.generate(p, sp, output_kind=kind)]
+
+        return await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params)))
+
+    deltas = asyncio.run(run(RequestOutputKind.DELTA))
+    finals = asyncio.run(run(RequestOutputKind.FINAL_ONLY))
+    want = offline_llm.generate(prompts, params, use_tqdm=False)
+    for ds, fs, w, sp in zip(deltas, finals, want, params):
+        assert all(not d.finished for d in ds[:-1]) and ds[-1].finished
+        text, ids, lps = _joined(ds, sp.n)
+        assert text == [c.text for c in w.outputs]
+        assert ids == [c.token_ids for c in w.outputs]
+        if sp.logprobs is not None:
+            assert lps == [c.logprobs for c in w.outputs]
+        assert {c.index: c.finish_reason for d in ds for c in d.outputs if c.finished} == {
+            c.index: c.finish_reason for c in w.outputs
+        }
+        assert len(fs) == 1 and fs[0].finished
+        assert [c.text for c in fs[0].outputs] == [c.text for c in w.outputs]
+        assert [c.token_ids for c in fs[0].outputs] == [c.token_ids for c in w.outputs]
+
+
+def test_lagging_consumer_gets_merged_deltas(allm, offline_llm):
+    """A consumer that falls behind gets the pending deltas merged into one: fewer outputs,
+    nothing lost; cumulative outputs skip ahead the same way."""
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    want = offline_llm.generate([PROMPTS[4]], params, use_tqdm=False)[0]
+
+    async def lagging(kind):
+        outs = []
+        async for out in allm.generate(PROMPTS[4], params, output_kind=kind):
+            outs.append(out)
+            time.sleep(0.05)  # blocks the event loop: the engine thread steps on meanwhile
+        return outs
+
+    deltas = asyncio.run(lagging(RequestOutputKind.DELTA))
+    assert 1 < len(deltas) < 60, len(deltas)
+    assert any(len(d.outputs[0].token_ids) > 1 for d in deltas)
+    text, ids, _ = _joined(deltas)
+    assert (text[0], ids[0]) == (want.text, want.token_ids)
+    cumulative = asyncio.run(lagging(RequestOutputKind.CUMULATIVE))
+    assert len(cumulative) < 60
+    lengths = [len(o.token_ids) for o in cumulative]
+    assert lengths == sorted(set(lengths))
+    assert (cumulative[-1].text, cumulative[-1].token_ids) == (want.text, want.token_ids)
+
+
+def test_merge_deltas_and_accumulate():
+    lp = [Logprobs(1, -0.5), Logprobs(2, -0.25), Logprobs(3, -1.0)]
+    d1 = RequestOutput("r", "p", [9], [CompletionOutput(0, "a", [1], None, lp[:1], None, -0.5),
+                                        CompletionOutput(1, "x", [7], None, [], None, None)],
+                       False)  # fmt: skip
+    d2 = RequestOutput("r", "p", [9], [CompletionOutput(0, "bc", [2, 3], "stop", lp[1:], "c",
+                                                        -1.75)], False)  # fmt: skip
+    d3 = RequestOutput("r", "p", [9], [CompletionOutput(1, "", [8], "length", [], None, None)],
+                       True)  # fmt: skip
+    merged = merge_deltas([d1, d2, d3])
+    assert merged.finished and [c.index for c in merged.outputs] == [0, 1]
+    c0, c1 = merged.outputs
+    assert (c0.text, c0.token_ids, c0.logprobs, c0.finish_reason) == ("abc", [1, 2, 3], lp, "stop")
+    assert c0.cumulative_logprob == -1.75 and c0.stop_reason == "c"
+    assert (c1.text, c1.token_ids, c1.finish_reason) == ("x", [7, 8], "length")
+    assert d1.outputs[0].token_ids == [1] and d1.outputs[0].text == "a"  # inputs untouched
+    assert merge_deltas([d1]) is d1
+    total = None
+    for d in (d1, d2, d3):
+        total = accumulate(total, d, 2)
+    assert [(c.text, c.token_ids) for c in total.outputs] == [("abc", [1, 2, 3]), ("x", [7, 8])]
+    assert total.finished

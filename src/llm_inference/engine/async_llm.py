@@ -3,12 +3,17 @@
 Invariants:
 
 - The engine is not thread-safe, so only the engine thread calls it. Requests, aborts and
-  stop cross over through `_inbox` (a thread-safe queue); outputs come back through
-  `loop.call_soon_threadsafe` into one `asyncio.Queue` per request, so the event loop never
-  blocks on a step.
+  stop cross over through `_inbox` (a thread-safe queue); outputs come back with one
+  `loop.call_soon_threadsafe` per step and event loop, whose callback appends each request's
+  output to its stream's pending list and wakes its consumer, so the event loop never blocks
+  on a step.
+- The engine makes DELTA outputs (only what each step added; no per-step copies of a request's
+  tokens or text). A consumer that lags finds several pending and gets them merged into one
+  (`outputs.merge_deltas`): fewer, larger outputs under load, nothing dropped. `generate`
+  hands them out as deltas, or folds them into cumulative outputs, as the caller asks.
 - Requests join the running batch at the next step: the thread takes every pending command
   between steps, and blocks on the inbox only when the engine has nothing to run.
-- A request ends when its queue yields a finished output or an exception. A consumer that goes
+- A request ends when its stream yields a finished output or an exception. A consumer that goes
   away early (GeneratorExit, CancelledError) aborts its request; the engine thread frees its
   KV blocks before its next step.
 - Validation errors (prompt too long, bad params, duplicate id) go to that request only; an
@@ -24,13 +29,19 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llm_inference.config import create_engine_config
 from llm_inference.engine.llm_engine import LLMEngine
 from llm_inference.engine.metrics import RequestTimes, ServingMetrics
 from llm_inference.engine.output_processor import child_id
-from llm_inference.outputs import RequestOutput
+from llm_inference.outputs import (
+    RequestOutput,
+    RequestOutputKind,
+    accumulate,
+    copy_output,
+    merge_deltas,
+)
 from llm_inference.sampling_params import SamplingParams
 
 
@@ -44,9 +55,10 @@ class _Stream:
 
     request_id: str
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
     n: int
     times: RequestTimes
+    pending: list = field(default_factory=list)  # outputs and errors not yet taken (loop)
+    waiter: asyncio.Future | None = None  # the consumer waiting for `pending` (loop)
 
 
 _STOP = object()
@@ -71,6 +83,7 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._error: BaseException | None = None
         self._streams: dict[str, _Stream] = {}  # running requests; engine thread only
+        self._unscheduled: dict[str, _Stream] = {}  # of those, not yet scheduled
         self._lock = threading.Lock()  # orders "add" against the thread's final drain
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
@@ -101,10 +114,17 @@ class AsyncLLM:
         prompt: str | list[int],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative outputs as it advances; the last has finished=True.
+        """Yield the request's outputs as it advances; the last has finished=True.
 
-        When several outputs are waiting, only the latest is yielded (they are cumulative).
+        `output_kind`: CUMULATIVE (the default) yields everything so far each time (each output
+        its own copy); DELTA yields only what is new since the previous output: the new text,
+        token ids and logprobs of the completions that advanced (`CompletionOutput.index`
+        says which), with their finish reasons; concatenating a completion's deltas gives its
+        cumulative output. FINAL_ONLY yields one cumulative output, when the request finishes.
+        When several outputs are waiting (a consumer that lags), they are merged into one.
         Raises ValueError for a request the engine refuses, EngineDeadError if the engine
         stopped."""
         self._check_alive()
@@ -112,22 +132,31 @@ class AsyncLLM:
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         ids = prompt if isinstance(prompt, list) else self.tokenizer(prompt).input_ids
         text = prompt if isinstance(prompt, str) else None
-        stream = _Stream(rid, asyncio.get_running_loop(), asyncio.Queue(), params.n,
-                         RequestTimes(arrival=time.monotonic()))  # fmt: skip
+        loop = asyncio.get_running_loop()
+        stream = _Stream(rid, loop, params.n, RequestTimes(arrival=time.monotonic(), n=params.n))
         with self._lock:
             self._check_alive()
             self._inbox.put(("add", stream, list(ids), params, text))
         done = False
+        total: RequestOutput | None = None
         try:
             while not done:
-                item = await stream.queue.get()
-                while not isinstance(item, BaseException) and not stream.queue.empty():
-                    item = stream.queue.get_nowait()  # outputs are cumulative: skip to latest
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                done = item.finished
-                yield item
+                if not stream.pending:
+                    stream.waiter = loop.create_future()
+                    await stream.waiter
+                items, stream.pending = stream.pending, []
+                for item in items:
+                    if isinstance(item, BaseException):
+                        done = True
+                        raise item
+                delta = merge_deltas(items)
+                done = delta.finished
+                if output_kind is RequestOutputKind.DELTA:
+                    yield delta
+                    continue
+                total = accumulate(total, delta, params.n)
+                if done or output_kind is RequestOutputKind.CUMULATIVE:
+                    yield copy_output(total)
         finally:
             if not done:
                 self._inbox.put(("abort", rid))
@@ -162,7 +191,7 @@ class AsyncLLM:
                 if self.engine.has_unfinished_requests():
                     start = time.monotonic()
                     outputs = self.engine.step()
-                    self._note_scheduled(streams, start)
+                    self._note_scheduled(start)
                     self._dispatch(streams, outputs, time.monotonic())
                 self._refresh_stats()
         except BaseException as e:  # noqa: BLE001 - every waiting request must hear of it
@@ -175,7 +204,7 @@ class AsyncLLM:
                     cmd = self._inbox.get()
                     if cmd[0] == "add":
                         streams[cmd[1].request_id] = cmd[1]
-            self._send({s: _dead(message, self._error) for s in streams.values()})
+            self._send([(s, _dead(message, self._error)) for s in streams.values()])
             streams.clear()
             self.engine.shutdown()
 
@@ -199,47 +228,58 @@ class AsyncLLM:
 
     def _add(self, streams, stream: _Stream, ids: list[int], params, text) -> None:
         try:
-            self.engine.add_request(stream.request_id, ids, params, prompt=text)
+            self.engine.add_request(stream.request_id, ids, params, prompt=text,
+                                    output_kind=RequestOutputKind.DELTA)  # fmt: skip
         except (ValueError, TypeError) as e:
-            self._send({stream: e})
+            self._send([(stream, e)])
             return
         streams[stream.request_id] = stream
+        self._unscheduled[stream.request_id] = stream
 
     def _abort(self, streams: dict[str, _Stream], request_ids: list[str]) -> None:
         now = time.monotonic()
         for out in self.engine.abort_request(request_ids):
             stream = streams.pop(out.request_id)
+            self._unscheduled.pop(out.request_id, None)
             self.metrics.on_output(stream.times, out, now)
-            self._send({stream: out})
+            self._send([(stream, out)])
 
-    def _note_scheduled(self, streams: dict[str, _Stream], step_start: float) -> None:
-        waiting = self.engine.waiting_request_ids() if streams else set()
-        for s in streams.values():
-            if s.times.scheduled is None and child_id(s.request_id, 0, s.n) not in waiting:
+    def _note_scheduled(self, step_start: float) -> None:
+        """Requests scheduled for the first time in the step started at `step_start`."""
+        if not self._unscheduled:
+            return
+        waiting = self.engine.waiting_request_ids()
+        for rid, s in list(self._unscheduled.items()):
+            if child_id(rid, 0, s.n) not in waiting:
+                del self._unscheduled[rid]
                 self.metrics.on_scheduled(s.times, step_start)
 
     def _dispatch(self, streams, outputs: list[RequestOutput], now: float) -> None:
-        items = {}
+        items = []  # a list: a step with synchronous requests reports one request twice
         for out in outputs:
             stream = streams[out.request_id]
             if out.finished:
                 del streams[out.request_id]
-            self.metrics.on_output(stream.times, out, now)
-            items[stream] = out
+            items.append((stream, out))
+        self.metrics.on_outputs([(s.times, out) for s, out in items], now)
         self._send(items)
 
-    def _send(self, items: dict[_Stream, object]) -> None:
-        """Put each item on its stream's queue: one thread-safe call per event loop."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
-        for stream, item in items.items():
-            by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+    def _send(self, items: list[tuple[_Stream, object]]) -> None:
+        """Hand each item to its stream: one thread-safe call per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, object]]] = {}
+        for stream, item in items:
+            batch = by_loop.get(stream.loop)
+            if batch is None:
+                by_loop[stream.loop] = batch = []
+            batch.append((stream, item))
         for loop, batch in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_put_all, batch)
+                loop.call_soon_threadsafe(_deliver, batch)
             except RuntimeError:  # that event loop is closed: nobody listens any more
-                gone = {s.request_id: s for s in items if s.loop is loop}
+                gone = {s.request_id: s for s, _ in items if s.loop is loop}
                 for rid in gone:
                     self._streams.pop(rid, None)
+                    self._unscheduled.pop(rid, None)
                 now = time.monotonic()
                 for out in self.engine.abort_request(list(gone)):
                     self.metrics.on_output(gone[out.request_id].times, out, now)
@@ -256,6 +296,12 @@ def _dead(message: str, cause: BaseException | None) -> EngineDeadError:
     return err
 
 
-def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
-    for q, item in batch:
-        q.put_nowait(item)
+def _deliver(batch: list[tuple[_Stream, object]]) -> None:
+    """(On the event loop.) Append each item to its stream and wake its consumer."""
+    for stream, item in batch:
+        stream.pending.append(item)
+        waiter = stream.waiter
+        if waiter is not None:
+            stream.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)

@@ -24,7 +24,7 @@ from llm_inference.core.request import Request, RequestStatus
 from llm_inference.core.scheduler import Scheduler
 from llm_inference.engine.output_processor import OutputProcessor
 from llm_inference.executor.executor import Executor
-from llm_inference.outputs import RequestOutput
+from llm_inference.outputs import RequestOutput, RequestOutputKind
 from llm_inference.sampling_params import SamplingParams
 
 
@@ -109,9 +109,12 @@ class LLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
         stream: bool = True,
+        output_kind: RequestOutputKind | None = None,
     ) -> None:
         """Queue a request (n > 1 becomes n core requests, one per completion). `step()`
-        reports it every step it advances, or with `stream=False` only when it finishes."""
+        reports it every step it advances, or with `stream=False` only when it finishes.
+        `output_kind` (default CUMULATIVE, or FINAL_ONLY with `stream=False`): DELTA reports
+        only what each step added (see output_processor)."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, not {type(request_id).__name__}")
         if request_id in self.output_processor:
@@ -120,8 +123,11 @@ class LLMEngine:
         # Every request gets a seed: its random stream never depends on its batch companions.
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
         children = [replace(params, n=1, seed=child_seed(seed, j)) for j in range(params.n)]
+        kind = output_kind or (
+            RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY
+        )
         ids = self.output_processor.add_request(
-            request_id, prompt, prompt_token_ids, children, stream
+            request_id, prompt, prompt_token_ids, children, output_kind=kind
         )
         max_len = self.config.scheduler.max_model_len
         for cid, child in zip(ids, children):
@@ -132,7 +138,9 @@ class LLMEngine:
                 eos_token_ids=self.config.model.eos_token_ids,
                 max_tokens=child.max_tokens or max_len - len(prompt_token_ids),
                 # Nothing is read before the end: no per-step records to make or process.
-                final_only=not stream and not child.stop_strings and child.logprobs is None,
+                final_only=kind is RequestOutputKind.FINAL_ONLY
+                and not child.stop_strings
+                and child.logprobs is None,
             )
             self.scheduler.add_request(request)
             if _needs_sync(child):

@@ -56,6 +56,16 @@ class RequestTimes:
     first_token: float | None = None
     last_token: float | None = None
     num_generated: int = 0
+    n: int = 1
+    reasons: dict[int, str | None] = field(default_factory=dict)  # completion -> finish reason
+    aborted: bool = False
+
+    def note(self, out: RequestOutput) -> None:
+        """Remember the finish reasons in `out` (a delta names only its step's completions)."""
+        for c in out.outputs:
+            if c.finish_reason is not None:
+                self.reasons[c.index] = c.finish_reason
+        self.aborted = self.reasons.get(0) == "abort"
 
 
 @dataclass
@@ -83,27 +93,37 @@ class ServingMetrics:
                 self.queue.observe(now - times.arrival)
 
     def on_output(self, times: RequestTimes, out: RequestOutput, now: float) -> None:
-        """Count the tokens `out` adds to what the request had; time them."""
-        total = sum(len(c.token_ids) for c in out.outputs)
-        new = total - times.num_generated
+        """Count the tokens of `out`, a DELTA output (only what the step added); time them."""
+        self.on_outputs([(times, out)], now)
+
+    def on_outputs(self, items: list[tuple[RequestTimes, RequestOutput]], now: float) -> None:
+        """`on_output` for each of a step's (times, DELTA output), under one lock."""
         with self.lock:
-            if new > 0:
-                if times.first_token is None:
-                    times.first_token = now
-                    self.ttft.observe(now - times.arrival)
-                    self.prompt_tokens += len(out.prompt_token_ids)
+            for times, out in items:
+                outputs = out.outputs
+                if len(outputs) == 1:
+                    new = len(outputs[0].token_ids)
                 else:
-                    self.itl.observe(now - times.last_token)
-                times.last_token = now
-                times.num_generated = total
-                self.generation_tokens += new
-            if out.finished:
-                self._on_finished(times, out, now)
+                    new = sum(len(c.token_ids) for c in outputs)
+                if times.n > 1 or out.finished:
+                    times.note(out)
+                if new > 0:
+                    if times.first_token is None:
+                        times.first_token = now
+                        self.ttft.observe(now - times.arrival)
+                        self.prompt_tokens += len(out.prompt_token_ids)
+                    else:
+                        self.itl.observe(now - times.last_token)
+                    times.last_token = now
+                    times.num_generated += new
+                    self.generation_tokens += new
+                if out.finished:
+                    self._on_finished(times, out, now)
 
     def _on_finished(self, times: RequestTimes, out: RequestOutput, now: float) -> None:
-        for c in out.outputs:
-            self.finished[c.finish_reason or "abort"] += 1
-        if out.outputs[0].finish_reason == "abort":
+        for j in range(times.n):
+            self.finished[times.reasons.get(j) or "abort"] += 1
+        if times.aborted:
             return
         self.e2e.observe(now - times.arrival)
         if times.num_generated > 1 and times.first_token is not None:

@@ -7,6 +7,12 @@ n == 1 and `request_id#j` otherwise. `process_outputs` turns one step's records 
 `RequestOutput` for every user request that advanced, and returns the ids of completions that
 a stop string ended, which the engine must finish in the core (`finish_requests`).
 
+Each request has an output kind (outputs.RequestOutputKind): CUMULATIVE outputs copy the
+completions' text, token ids and logprobs so far every step (O(n) per step); DELTA outputs carry
+only what the step added, for the completions that advanced (the lists of the core's records,
+not copies), with the completions' running `cumulative_logprob`; FINAL_ONLY builds one
+cumulative output when the request finishes.
+
 Text handed out is never taken back: a tail that could still grow into a stop string is held
 back until the request goes on past it or finishes.
 """
@@ -17,8 +23,10 @@ from dataclasses import dataclass, field
 
 from llm_inference.core.outputs import EngineCoreOutput
 from llm_inference.engine.detokenizer import IncrementalDetokenizer
-from llm_inference.outputs import CompletionOutput, Logprobs, RequestOutput
+from llm_inference.outputs import CompletionOutput, Logprobs, RequestOutput, RequestOutputKind
 from llm_inference.sampling_params import SamplingParams
+
+_CUMULATIVE, _DELTA, _FINAL = RequestOutputKind  # (CUMULATIVE, DELTA, FINAL_ONLY)
 
 
 def child_id(request_id: str, index: int, n: int) -> str:
@@ -35,6 +43,19 @@ class _Completion:
     logprobs: list[Logprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None  # DELTA: the running sum
+    # DELTA: what the last step added (nothing is kept beyond it)
+    new_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[Logprobs] | None = None
+
+    def delta_output(self) -> CompletionOutput:
+        lps = self.new_logprobs
+        if lps is None and self.params.logprobs is not None:
+            lps = []
+        return CompletionOutput(self.index, self.new_text, self.new_token_ids,
+                                self.finish_reason, lps, self.stop_reason,
+                                self.cumulative_logprob)  # fmt: skip
 
     def output(self) -> CompletionOutput:
         want_lp = self.params.logprobs is not None
@@ -56,11 +77,20 @@ class _RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     completions: list[_Completion]
-    stream: bool = True  # False: an output only once finished
+    kind: RequestOutputKind = _CUMULATIVE
 
     @property
     def finished(self) -> bool:
+        if len(self.completions) == 1:
+            return self.completions[0].finish_reason is not None
         return all(c.finish_reason is not None for c in self.completions)
+
+    def delta_output(self, advanced: list[_Completion]) -> RequestOutput:
+        """The DELTA output of the completions that advanced (their delta fields)."""
+        if len(advanced) > 1:
+            advanced = sorted(advanced, key=lambda c: c.index)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             [c.delta_output() for c in advanced], self.finished)  # fmt: skip
 
     def output(self) -> RequestOutput:
         return RequestOutput(
@@ -88,22 +118,26 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         child_params: list[SamplingParams],
         stream: bool = True,
+        output_kind: RequestOutputKind | None = None,
     ) -> list[str]:
         """Register a user request with one SamplingParams per completion; returns the core
-        request ids of its completions. With `stream=False` its output is built only when it
-        finishes (an offline batch needs no per-step outputs)."""
+        request ids of its completions. `output_kind` defaults to CUMULATIVE, or FINAL_ONLY
+        with `stream=False` (its output is built only when it finishes: an offline batch needs
+        no per-step outputs)."""
+        kind = output_kind or (_CUMULATIVE if stream else _FINAL)
         n = len(child_params)
+        deferred = kind is _FINAL
         completions = [
             _Completion(
                 j,
                 p,
-                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, p, deferred=not stream)
+                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, p, deferred=deferred)
                 if p.detokenize
                 else None,
             )
             for j, p in enumerate(child_params)
         ]
-        state = _RequestState(request_id, prompt, list(prompt_token_ids), completions, stream)
+        state = _RequestState(request_id, prompt, list(prompt_token_ids), completions, kind)
         self.requests[request_id] = state
         ids = [child_id(request_id, j, n) for j in range(n)]
         for cid, completion in zip(ids, completions):
@@ -119,49 +153,82 @@ class OutputProcessor:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Forget a user request, marking its unfinished completions aborted; returns its
-        final output (None if unknown)."""
+        final output (None if unknown): for a DELTA request, a delta of the completions it
+        aborted (text held back so far, no tokens)."""
         for cid in self.core_ids(request_id):
             self._owner.pop(cid, None)
         state = self.requests.pop(request_id, None)
         if state is None:
             return None
+        aborted = []
         for c in state.completions:
             if c.finish_reason is None:
                 c.finish_reason = "abort"
-                if c.detokenizer is not None:  # text not yet handed out (held or not streamed)
-                    c.text += c.detokenizer.get_delta(finished=True)
+                tail = c.detokenizer.get_delta(finished=True) if c.detokenizer else ""
+                if state.kind is _DELTA:
+                    c.new_text, c.new_token_ids, c.new_logprobs = tail, [], None
+                    aborted.append(c)
+                else:  # text not yet handed out (held or not streamed)
+                    c.text += tail
+        if state.kind is _DELTA:
+            return state.delta_output(aborted)
         return state.output()
 
     def process_outputs(
         self, outputs: list[EngineCoreOutput]
     ) -> tuple[list[RequestOutput], list[str]]:
         """(one RequestOutput per user request that advanced, core ids a stop string ended)."""
-        advanced: dict[str, _RequestState] = {}
+        advanced: dict[str, tuple[_RequestState, list[_Completion]]] = {}
         stopped: list[str] = []
+        results = []
         for out in outputs:
             owner = self._owner.get(out.request_id)
             if owner is None:
                 continue  # aborted in the front end since
             state, completion = owner
-            if self._advance(completion, out, state.stream) and out.finish_reason is None:
+            if self._advance(completion, out, state.kind) and out.finish_reason is None:
                 stopped.append(out.request_id)
-            if completion.finish_reason is not None:
+            done = completion.finish_reason is not None
+            if done:
                 self._owner.pop(out.request_id, None)
-            if state.stream or state.finished:
-                advanced[state.request_id] = state
-        results = []
-        for rid, state in advanced.items():
-            results.append(state.output())
+            if state.kind is _DELTA and len(state.completions) == 1:  # the server's requests
+                results.append(RequestOutput(state.request_id, state.prompt,
+                                             state.prompt_token_ids,
+                                             [completion.delta_output()], done))  # fmt: skip
+                if done:
+                    del self.requests[state.request_id]
+                continue
+            if state.kind is not _FINAL or state.finished:
+                entry = advanced.get(state.request_id)
+                if entry is None:
+                    advanced[state.request_id] = (state, [completion])
+                else:
+                    entry[1].append(completion)
+        for rid, (state, completions) in advanced.items():
+            if state.kind is _DELTA:
+                results.append(state.delta_output(completions))
+            else:
+                results.append(state.output())
             if state.finished:
                 del self.requests[rid]
         return results, stopped
 
-    def _advance(self, c: _Completion, out: EngineCoreOutput, stream: bool = True) -> bool:
-        """Apply one record; True when a stop string ended the completion here. Without
-        `stream` the text is collected only when the completion finishes."""
-        c.token_ids.extend(out.new_token_ids)
-        if out.new_logprobs:
-            c.logprobs.extend(out.new_logprobs)
+    def _advance(self, c: _Completion, out: EngineCoreOutput, kind=_CUMULATIVE) -> bool:
+        """Apply one record; True when a stop string ended the completion here. FINAL_ONLY:
+        the text is collected only when the completion finishes; DELTA: the completion keeps
+        only this step's additions."""
+        if kind is _DELTA:
+            c.new_token_ids = out.new_token_ids
+            c.new_logprobs = out.new_logprobs
+            if out.new_logprobs:
+                total = c.cumulative_logprob or 0.0
+                for lp in out.new_logprobs:
+                    total += lp.logprob
+                c.cumulative_logprob = total
+        else:
+            c.token_ids.extend(out.new_token_ids)
+            if out.new_logprobs:
+                c.logprobs.extend(out.new_logprobs)
         if c.detokenizer is None:
             c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
             return False
@@ -173,6 +240,8 @@ class OutputProcessor:
             c.finish_reason, c.stop_reason = "stop", stop
         elif out.finish_reason is not None:
             c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
-        if stream or c.finish_reason is not None:
+        if kind is _DELTA:
+            c.new_text = c.detokenizer.get_delta(finished=c.finish_reason is not None)
+        elif kind is _CUMULATIVE or c.finish_reason is not None:
             c.text += c.detokenizer.get_delta(finished=c.finish_reason is not None)
         return stop is not None

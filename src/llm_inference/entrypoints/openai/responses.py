@@ -1,5 +1,6 @@
 """OpenAI response bodies built from RequestOutputs: completions, chat completions, their
-stream chunks, usage and logprobs.
+stream chunks, usage and logprobs. Streams are built from DELTA outputs (`DeltaTracker`), the
+other responses from cumulative ones.
 
 Choice `index` is `prompt_index * n + completion_index`, as OpenAI numbers the choices of a
 request with several prompts. Logprobs of -inf are sent as -9999.0 (JSON has no infinity).
@@ -120,43 +121,49 @@ class ResponseBuilder:
         choice["finish_reason"] = finish_reason
         return {**self._head(name), "choices": [choice]}
 
-    def usage_chunk(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+    def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
         name = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
-        return {**self._head(name), "choices": [], "usage": usage(outputs)}
+        return {**self._head(name), "choices": [], "usage": counts}
 
 
 class DeltaTracker:
-    """What each choice has been sent so far; deltas come from the cumulative text, which
-    never shrinks, so the concatenated deltas equal the final text."""
+    """Stream chunks from DELTA outputs (`AsyncLLM.generate(output_kind=DELTA)`): each
+    delta's new text and logprobs become one chunk per choice; the concatenated chunks equal
+    the final text. Counts every prompt's and completion's tokens for the usage chunk."""
 
     def __init__(self, builder: ResponseBuilder) -> None:
         self.builder = builder
-        self.sent: dict[tuple[int, int], tuple[int, int, int]] = {}  # chars, logprobs, offset
-        self.done: set[tuple[int, int]] = set()
+        self.chat = builder.kind == "chat"
+        self.offsets: dict[tuple[int, int], int] = {}  # choices sent so far: text offset
+        self.prompt_tokens: dict[int, int] = {}  # prompt index -> its tokens
+        self.completion_tokens = 0
 
     def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict[str, Any]]:
+        self.prompt_tokens[prompt_index] = len(out.prompt_token_ids)
         result = []
         for c in out.outputs:
+            self.completion_tokens += len(c.token_ids)
             chunk = self._chunk(prompt_index, c)
             if chunk is not None:
                 result.append(chunk)
         return result
 
+    def usage(self) -> dict[str, int]:
+        prompt = sum(self.prompt_tokens.values())
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt + self.completion_tokens}  # fmt: skip
+
     def _chunk(self, i: int, c: CompletionOutput) -> dict[str, Any] | None:
         key = (i, c.index)
-        if key in self.done:
+        offset = self.offsets.get(key)
+        first = offset is None
+        text, new_lps = c.text, c.logprobs
+        if not ((first and self.chat) or text or new_lps or c.finish_reason is not None):
             return None
-        first = key not in self.sent
-        chars, num_lps, offset = self.sent.get(key, (0, 0, 0))
-        text = c.text[chars:]
-        new_lps = None if c.logprobs is None else c.logprobs[num_lps:]
-        if not ((first and self.builder.kind == "chat") or text or new_lps or c.finished):
-            return None
+        offset = offset or 0
         lps = self.builder.logprobs(new_lps, offset)
         if new_lps:
             offset += sum(len(self.builder.token_text(lp.token_id)) for lp in new_lps)
-        self.sent[key] = (len(c.text), len(c.logprobs or []), offset)
-        if c.finished:
-            self.done.add(key)
+        self.offsets[key] = offset
         index = i * self.builder.n + c.index
         return self.builder.chunk(index, text, lps, c.finish_reason, first)

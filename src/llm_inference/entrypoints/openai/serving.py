@@ -29,7 +29,7 @@ from llm_inference.entrypoints.openai.streaming import (
     sse,
     until_disconnected,
 )
-from llm_inference.outputs import RequestOutput
+from llm_inference.outputs import RequestOutput, RequestOutputKind, accumulate
 from llm_inference.sampling_params import SamplingParams
 
 Prompt = tuple[str | None, list[int]]  # (text if given as text, token ids)
@@ -114,14 +114,16 @@ class OpenAIServing:
         streams = await self._start(raw, prompts, params, builder.id)
         if req.stream:
             return SSEResponse(self._stream(streams, builder, req.include_usage))
-        finals = await until_disconnected(raw, _collect(streams))
+        finals = await until_disconnected(raw, _collect(streams, params.n))
         return builder.response(finals)
 
     async def _start(self, raw, prompts: list[Prompt], params, request_id: str):
         """Start every prompt and wait for its first output; an engine refusal is a 400 (and
         the request's other prompts are aborted)."""
         ids = [p[1] for p in prompts]
-        gens = [self.llm.generate(t, params, f"{request_id}-{i}") for i, t in enumerate(ids)]
+        delta = RequestOutputKind.DELTA
+        gens = [self.llm.generate(t, params, f"{request_id}-{i}", output_kind=delta)
+                for i, t in enumerate(ids)]  # fmt: skip
         firsts = await until_disconnected(
             raw, asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
         )
@@ -134,23 +136,22 @@ class OpenAIServing:
 
     async def _stream(self, streams, builder: ResponseBuilder, include_usage: bool):
         tracker = DeltaTracker(builder)
-        finals: list[RequestOutput | None] = [None] * len(streams)
         try:
             async for i, out in merge(streams):
-                finals[i] = out
                 for chunk in tracker.chunks(i, out):
                     yield sse(chunk)
             if include_usage:
-                yield sse(builder.usage_chunk(finals))
+                yield sse(builder.usage_chunk(tracker.usage()))
         except Exception as e:  # noqa: BLE001 - the status is sent already: report in-band
             yield sse(_api_error(e, len(streams)).body())
         yield sse("[DONE]")
 
 
-async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+async def _collect(streams: list[AsyncIterator[RequestOutput]], n: int) -> list[RequestOutput]:
+    """Each prompt's cumulative output (of `n` completions), from its DELTA outputs."""
     finals: list[RequestOutput | None] = [None] * len(streams)
     async for i, out in merge(streams):
-        finals[i] = out
+        finals[i] = accumulate(finals[i], out, n)
     return finals
 
 

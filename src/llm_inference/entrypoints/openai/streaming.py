@@ -39,6 +39,13 @@ async def prepend(first: RequestOutput, rest: AsyncIterator[RequestOutput]):
 
 async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
     """(index, item) from several iterators as items arrive; the first error is raised."""
+    if len(streams) == 1:  # no tasks and queue for the usual single prompt
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()
+        return
     q: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, it: AsyncIterator[T]) -> None:
