@@ -20,16 +20,32 @@ from llm_inference.kernels.kv_cache import _store_one, check_store_args
 
 
 @triton.jit
+def _cos_sin(pos_ptr, cs_ptr, t, stride_cs, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Token t's cos and sin rows ([1, BLOCK_HALF] float32) from the cache."""
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK_HALF)
+    cs_row = cs_ptr + pos * stride_cs
+    cos = tl.load(cs_row + offs, mask=offs < HALF, other=0.0)[None, :]
+    sin = tl.load(cs_row + HALF + offs, mask=offs < HALF, other=0.0)[None, :]
+    return cos, sin
+
+
+@triton.jit
 def _rotate_heads(base, stride_h, cos, sin, NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
                   HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):  # fmt: skip
+    """Rotate one token's heads in place; returns the two rotated halves [BLOCK_H, BLOCK_HALF]
+    as stored (in base's dtype), for a caller that writes them elsewhere too."""
     offs_h = tl.arange(0, BLOCK_H)
     offs = tl.arange(0, BLOCK_HALF)
     mask = (offs_h[:, None] < NUM_HEADS) & (offs[None, :] < HALF)
     ptrs = base + offs_h[:, None] * stride_h + offs[None, :]
     x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(ptrs, (x1 * cos - x2 * sin).to(base.dtype.element_ty), mask=mask)
-    tl.store(ptrs + HALF, (x2 * cos + x1 * sin).to(base.dtype.element_ty), mask=mask)
+    y1 = (x1 * cos - x2 * sin).to(base.dtype.element_ty)
+    y2 = (x2 * cos + x1 * sin).to(base.dtype.element_ty)
+    tl.store(ptrs, y1, mask=mask)
+    tl.store(ptrs + HALF, y2, mask=mask)
+    return y1, y2
 
 
 @triton.jit
@@ -40,11 +56,7 @@ def _rotary_kernel(
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    offs = tl.arange(0, BLOCK_HALF)
-    cs_row = cs_ptr + pos * stride_cs
-    cos = tl.load(cs_row + offs, mask=offs < HALF, other=0.0)[None, :]
-    sin = tl.load(cs_row + HALF + offs, mask=offs < HALF, other=0.0)[None, :]
+    cos, sin = _cos_sin(pos_ptr, cs_ptr, t, stride_cs, HALF, BLOCK_HALF)
     _rotate_heads(q_ptr + t * stride_qt, stride_qh, cos, sin, NUM_Q, BLOCK_Q, HALF, BLOCK_HALF)
     _rotate_heads(k_ptr + t * stride_kt, stride_kh, cos, sin, NUM_K, BLOCK_K, HALF, BLOCK_HALF)
 
@@ -59,30 +71,22 @@ def _rotary_store_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    offs = tl.arange(0, BLOCK_HALF)
-    cs_row = cs_ptr + pos * stride_cs
-    cos = tl.load(cs_row + offs, mask=offs < HALF, other=0.0)[None, :]
-    sin = tl.load(cs_row + HALF + offs, mask=offs < HALF, other=0.0)[None, :]
+    cos, sin = _cos_sin(pos_ptr, cs_ptr, t, stride_cs, HALF, BLOCK_HALF)
     _rotate_heads(q_ptr + t * stride_qt, stride_qh, cos, sin, NUM_Q, BLOCK_Q, HALF, BLOCK_HALF)
-    # k: rotated in registers, written in place and, unless the slot is -1, into the cache.
-    offs_h = tl.arange(0, BLOCK_K)
-    mask = (offs_h[:, None] < NUM_K) & (offs[None, :] < HALF)
-    k_ptrs = k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs[None, :]
-    x1 = tl.load(k_ptrs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(k_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-    y1 = x1 * cos - x2 * sin
-    y2 = x2 * cos + x1 * sin
-    tl.store(k_ptrs, y1.to(k_ptr.dtype.element_ty), mask=mask)
-    tl.store(k_ptrs + HALF, y2.to(k_ptr.dtype.element_ty), mask=mask)
+    # k is rotated in place and, unless the slot is -1, its rotated halves go to the cache.
+    y1, y2 = _rotate_heads(k_ptr + t * stride_kt, stride_kh, cos, sin, NUM_K, BLOCK_K, HALF,
+                           BLOCK_HALF)  # fmt: skip
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         blk = slot // BLOCK_SIZE
         row = slot % BLOCK_SIZE
+        offs_h = tl.arange(0, BLOCK_K)
+        offs = tl.arange(0, BLOCK_HALF)
+        mask = (offs_h[:, None] < NUM_K) & (offs[None, :] < HALF)
         kc = kc_ptr + blk * stride_kcn + row * stride_kcs + offs_h[:, None] * stride_kch
         kc = kc + offs[None, :]
-        tl.store(kc, y1.to(k_ptr.dtype.element_ty).to(kc_ptr.dtype.element_ty), mask=mask)
-        tl.store(kc + HALF, y2.to(k_ptr.dtype.element_ty).to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(kc, y1.to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(kc + HALF, y2.to(kc_ptr.dtype.element_ty), mask=mask)
         v_dst = vc_ptr + blk * stride_vcn + row * stride_vcs
         _store_one(v_ptr + t * stride_vt, v_dst, stride_vh, stride_vch,
                    NUM_K, HEAD_DIM, BLOCK_K, BLOCK_D)  # fmt: skip
