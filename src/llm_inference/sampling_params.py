@@ -100,6 +100,16 @@ class SamplingParams:
         """True when the request takes the argmax (temperature 0, or below GREEDY_EPS)."""
         return self.temperature < GREEDY_EPS
 
+    @property
+    def has_penalties(self) -> bool:
+        """True when a repetition, presence or frequency penalty is on (they read the
+        request's token lists)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
     def replace(self, **changes) -> SamplingParams:
         """A validated copy with some fields changed (lists are copied, never shared)."""
         kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}

@@ -34,11 +34,7 @@ class KVCacheTooSmallError(ValueError):
 
 def _needs_sync(params: SamplingParams) -> bool:
     """Penalties read every output token, and logprobs are built on the host each step."""
-    return params.logprobs is not None or (
-        params.repetition_penalty != 1.0
-        or params.presence_penalty != 0.0
-        or params.frequency_penalty != 0.0
-    )
+    return params.logprobs is not None or params.has_penalties
 
 
 def child_seed(seed: int, index: int) -> int:

@@ -32,7 +32,7 @@ from llm_inference.config import cdiv
 from llm_inference.core.outputs import SchedulerOutput
 from llm_inference.layers.attention import StepBuffers
 from llm_inference.layers.sampling_metadata import noise_keys_np, seed_hash
-from llm_inference.sampling_params import GREEDY_EPS, SamplingParams
+from llm_inference.sampling_params import SamplingParams
 
 
 @dataclass
@@ -226,7 +226,7 @@ class InputBatch:
 
     def _set_sampling(self, row: int, p: SamplingParams, prompt_len: int) -> None:
         V = self.vocab_size
-        greedy = p.temperature < GREEDY_EPS
+        greedy = p.greedy
         self.params[row] = p
         self.prompt_len[row] = prompt_len
         self.greedy[row] = greedy
@@ -235,13 +235,7 @@ class InputBatch:
         self.top_p[row] = 1.0 if greedy else p.top_p
         self.min_p[row] = 0.0 if greedy else p.min_p
         self.seed_hash[row] = seed_hash(p.seed or 0)
-        self.needs_lists[row] = (
-            p.logprobs is not None
-            or p.min_tokens > 0
-            or p.repetition_penalty != 1.0
-            or p.presence_penalty != 0.0
-            or p.frequency_penalty != 0.0
-        )
+        self.needs_lists[row] = p.logprobs is not None or p.min_tokens > 0 or p.has_penalties
         self.prev_sample[row] = -1
 
     def set_sampled(self, sample_batch_rows: np.ndarray) -> None:

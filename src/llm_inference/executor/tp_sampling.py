@@ -32,9 +32,7 @@ def needs_full_logits(params: SamplingParams, num_output_tokens: int) -> bool:
     """True unless the row is plain greedy: the argmax of its raw logits."""
     plain = (
         params.greedy
-        and params.repetition_penalty == 1.0
-        and params.presence_penalty == 0.0
-        and params.frequency_penalty == 0.0
+        and not params.has_penalties
         and params.logprobs is None
         and num_output_tokens >= params.min_tokens
     )
