@@ -4,6 +4,7 @@ built; and both agree with the pure-Python replay oracle (tests/batch_replay.py)
 
 from __future__ import annotations
 
+import bisect
 import pickle
 
 import numpy as np
@@ -33,7 +34,9 @@ def snapshot(step, buffers: InputBuffers) -> dict:
     assert step.max_query_len == max(b - a for a, b in zip(qsl[:-1], qsl[1:]))
     assert step.max_seq_len == max(lens)
     snap["request_ids"] = step.request_ids
-    snap["placeholders"] = list(zip(step.placeholder_tokens, step.placeholder_requests))
+    # (flat index, request) of each sample still on the device: the request owning that row
+    owner = [step.request_ids[bisect.bisect_right(qsl, t) - 1] for t in step.placeholder_tokens]
+    snap["placeholders"] = list(zip(step.placeholder_tokens, owner))
     m = len(step.placeholder_tokens)
     snap["placeholder_src"] = buffers.np["placeholder_src"][:m].tolist()
     snap["sampling"] = step.sampling

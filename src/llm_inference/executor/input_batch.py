@@ -46,12 +46,10 @@ class StepInputs:
     max_seq_len: int  # the longest sequence's tokens once this step ran
     block_width: int  # columns of the block table the step needs
     sample_rows: list[int]  # batch positions of the sequences that need a sample
-    logits_indices: list[int]  # their last token in the flat batch
     num_outputs: list[int]  # per sample row: output tokens before this sample
     # Async scheduling: tokens whose id is a sample still on the device (the last token of
-    # their sequence): their flat index, and the request whose sample it is.
+    # their sequence): their flat indices (sources: the buffers' `placeholder_src`).
     placeholder_tokens: list[int]
-    placeholder_requests: list[str]
     sample_batch_rows: np.ndarray | None = None  # input-batch rows of the sample rows
     # Sampling inputs written into the buffers (`sample_*`) by `prepare`: set when no sample
     # row needs its token lists (penalties, min_tokens) or logprobs, else None.
@@ -322,10 +320,8 @@ class InputBatch:
             max_seq_len=int(seq_lens.max()),
             block_width=width,
             sample_rows=sample.tolist(),
-            logits_indices=logits_indices.tolist(),
             num_outputs=num_outputs.tolist(),
             placeholder_tokens=ph_dst.tolist(),
-            placeholder_requests=[request_ids[i] for i in ph_seqs],
             sample_batch_rows=sample_rows,
             sampling=self._stage_sampling(sample_rows, num_outputs, b),
         )
