@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from llm_inference.entrypoints.bench import copy_bandwidth
+
 SHAPES = {
     "1b": dict(
         hidden_size=2048,
@@ -85,26 +87,6 @@ def make_checkpoint(shape: str, root: Path) -> Path:
     torch.cuda.empty_cache()
     make_tokenizer(folder, COMMON["vocab_size"])
     return folder
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second."""
-    n = 1 << 30
-    a, b = (
-        torch.empty(n, dtype=torch.uint8, device="cuda"),
-        torch.empty(n, dtype=torch.uint8, device="cuda"),
-    )
-    for _ in range(3):
-        b.copy_(a)
-    times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return 2 * n / statistics.median(times)
 
 
 def timed(fn, warmup=3, reps=10) -> float:

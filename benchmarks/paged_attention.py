@@ -31,6 +31,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from llm_inference.entrypoints.bench import copy_bandwidth
 from llm_inference.kernels import paged_attention as pa
 from llm_inference.kernels import reference
 
@@ -80,14 +81,6 @@ def median_ms(fn, rep: int = 100, flush: str = "read") -> float:
         end.record()
     torch.cuda.synchronize()
     return statistics.median(start.elapsed_time(end) for start, end in events)
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy of 2 GiB of random data, bytes read + written per second."""
-    src = torch.randn(1 << 30, device=DEVICE, dtype=DTYPE)
-    dst = torch.empty_like(src)
-    ms = median_ms(functools.partial(dst.copy_, src))
-    return 2 * src.numel() * src.element_size() / ms * 1e3
 
 
 def make_case(batch: int, seq: int, shape: tuple[int, int, int], gen: torch.Generator):
@@ -199,7 +192,7 @@ def main() -> None:
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     props = torch.cuda.get_device_properties(0)
-    copy_bw = copy_bandwidth()
+    copy_bw = copy_bandwidth(DEVICE, 2 << 30)
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {props.name}, "
           f"{props.multi_processor_count} SMs, torch {torch.__version__}, "
           f"triton {triton.__version__}")  # fmt: skip

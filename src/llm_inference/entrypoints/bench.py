@@ -70,11 +70,12 @@ def random_checkpoint(shape: str, root: Path | None = None) -> Path:
     return folder
 
 
-def copy_bandwidth(device: str = "cuda") -> float:
-    """Device-to-device copy of 1 GiB of random bytes: bytes read + written per second."""
+def copy_bandwidth(device: str = "cuda", nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy of `nbytes` random bytes (median of 10): bytes read + written per
+    second."""
     import torch
 
-    n = 1 << 30
+    n = nbytes
     a = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     times = []
