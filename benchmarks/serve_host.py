@@ -1,8 +1,9 @@
 """The OpenAI server's own host work at saturation, on any machine: no GPU, no model.
 
 The tiny random checkpoint of the tests (its 320-token BPE tokenizer, 1,024 positions) is
-served by our real server (AsyncLLM + FastAPI + uvicorn, one process) on the CPU with the
-model's forward replaced by a stub that returns random hidden states (so the LM head and
+served by our real server (AsyncLLM + FastAPI + uvicorn; the engine core in a process of its
+own, or on a thread of the server with `--engine-thread`) on the CPU with the model's forward
+replaced by a stub that returns random hidden states (so the LM head and
 the sampler still run and greedy decoding yields varied tokens, nearly all with text). What a
 request costs is then the engine's host work per step plus the server's per-token path:
 output processing, the hand-off to the event loop, the chunks, JSON and the SSE writes.
@@ -53,7 +54,15 @@ def stub_forward(runner) -> None:
     runner._forward = forward
 
 
-def serve(ckpt: str, port: int, profile: str | None) -> None:
+def stub_core(core) -> None:
+    """AsyncLLM's core_setup (runs where the core runs): the stubbed forward."""
+    import torch
+
+    torch.set_num_threads(1)
+    stub_forward(core.executor.workers[0].model_runner)
+
+
+def serve(ckpt: str, port: int, profile: str | None, engine_process: bool) -> None:
     """The server subprocess: our app with a stubbed forward, plus two internal routes."""
     import torch
     import uvicorn
@@ -63,8 +72,8 @@ def serve(ckpt: str, port: int, profile: str | None) -> None:
 
     torch.set_num_threads(1)
     llm = AsyncLLM(ckpt, device="cpu", max_num_seqs=256, kv_cache_memory_bytes=256 << 20,
-                   max_num_batched_tokens=8192, max_model_len=1024)  # fmt: skip
-    stub_forward(llm.engine.executor.workers[0].model_runner)
+                   max_num_batched_tokens=8192, max_model_len=1024,
+                   engine_process=engine_process, core_setup=stub_core)  # fmt: skip
     app = build_app(llm, "tiny", shutdown_llm=True)
 
     @app.get("/_host/stats")
@@ -171,6 +180,11 @@ def main() -> None:
         help="also time the engine alone (LLM.generate) with the same stub",
     )
     p.add_argument(
+        "--engine-thread",
+        action="store_true",
+        help="run the engine on a thread of the server (AsyncLLM engine_process=False)",
+    )
+    p.add_argument(
         "--switch-interval",
         type=float,
         default=None,
@@ -180,7 +194,7 @@ def main() -> None:
     if args.serve:
         if args.switch_interval is not None:
             sys.setswitchinterval(args.switch_interval)
-        return serve(args.serve, args.port, args.profile)
+        return serve(args.serve, args.port, args.profile, not args.engine_thread)
 
     import socket
 
@@ -196,6 +210,8 @@ def main() -> None:
     cmd = [sys.executable, __file__, "--serve", str(ckpt), "--port", str(port)]
     if args.switch_interval is not None:
         cmd += ["--switch-interval", str(args.switch_interval)]
+    if args.engine_thread:
+        cmd += ["--engine-thread"]
     if args.profile:
         cmd += ["--profile", args.profile]
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}

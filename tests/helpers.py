@@ -108,3 +108,13 @@ def chat_prompt_ids(folder, questions: list[str]) -> list[list[int]]:
         for c in conversations
     ]
     return [tok(t, add_special_tokens=False).input_ids for t in texts]
+
+
+def explode_on_step(core) -> None:
+    """An AsyncLLM `core_setup` (a module-level function: a core process imports it): every
+    step of the core raises RuntimeError("kernel exploded")."""
+
+    def boom():
+        raise RuntimeError("kernel exploded")
+
+    core.step = boom

@@ -65,7 +65,7 @@ def test_penalties_and_logprobs_run_synchronously_and_match(tiny_ckpt):
     for mode in (False, True):
         with LLM(str(tiny_ckpt), device="cpu", async_scheduling=mode) as llm:
             runs[mode] = llm.generate(_prompts(3), params, use_tqdm=False)
-            assert not llm.engine._sync_ids  # every finished request left the sync set
+            assert not llm.engine.core._sync_ids  # every finished request left the sync set
     for a, b in zip(runs[False], runs[True]):
         assert a.token_ids == b.token_ids
     assert [lp.top for lp in runs[False][1].logprobs] == [lp.top for lp in runs[True][1].logprobs]

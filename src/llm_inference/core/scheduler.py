@@ -37,6 +37,23 @@ from llm_inference.core.outputs import (
 from llm_inference.core.request import Request, RequestStatus
 
 
+def check_request_length(max_len: int, num_prompt_tokens: int, max_tokens: int | None) -> None:
+    """The one prompt-length check: raise ValueError unless the prompt is non-empty, shorter
+    than max_model_len (room for one output token), and prompt + max_tokens fits."""
+    if num_prompt_tokens < 1:
+        raise ValueError("the prompt is empty")
+    if num_prompt_tokens >= max_len:
+        raise ValueError(
+            f"the prompt has {num_prompt_tokens} tokens, which leaves no room to generate "
+            f"within max_model_len={max_len}"
+        )
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_len:
+        raise ValueError(
+            f"{num_prompt_tokens} prompt tokens + max_tokens={max_tokens} = "
+            f"{num_prompt_tokens + max_tokens} exceeds max_model_len={max_len}"
+        )
+
+
 class Scheduler:
     def __init__(
         self,
@@ -60,21 +77,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
 
     def check_request_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        """The one prompt-length check: raise ValueError unless the prompt is non-empty, shorter
-        than max_model_len (room for one output token), and prompt + max_tokens fits."""
-        max_len = self.config.max_model_len
-        if num_prompt_tokens < 1:
-            raise ValueError("the prompt is empty")
-        if num_prompt_tokens >= max_len:
-            raise ValueError(
-                f"the prompt has {num_prompt_tokens} tokens, which leaves no room to generate "
-                f"within max_model_len={max_len}"
-            )
-        if max_tokens is not None and num_prompt_tokens + max_tokens > max_len:
-            raise ValueError(
-                f"{num_prompt_tokens} prompt tokens + max_tokens={max_tokens} = "
-                f"{num_prompt_tokens + max_tokens} exceeds max_model_len={max_len}"
-            )
+        check_request_length(self.config.max_model_len, num_prompt_tokens, max_tokens)
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. Its prompt must leave room for output within max_model_len (so

@@ -19,6 +19,13 @@ Invariants:
 - Validation errors (prompt too long, bad params, duplicate id) go to that request only; an
   error of the step loop goes to every waiting request and ends the engine (EngineDeadError
   for later calls).
+- With `engine_process=True` (the default) the engine core (scheduler, executor: the
+  stepping) runs in a process of its own (core_process.py) and the thread is the front end:
+  it waits on the core's pipe and on a wake-up pipe for the inbox, applies commands (adding a
+  request validates and registers it here, then sends it to the core) and turns each step's
+  records into outputs (detokenizing here, in parallel with the core's next steps). A core
+  process that dies or fails ends the engine like an error of the step loop. With
+  `engine_process=False` the thread runs the whole engine: schedule, execute, process.
 """
 
 from __future__ import annotations
@@ -26,12 +33,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_for
 
 from llm_inference.config import create_engine_config
+from llm_inference.engine.core_process import CoreClient
 from llm_inference.engine.llm_engine import LLMEngine
 from llm_inference.engine.metrics import RequestTimes, ServingMetrics
 from llm_inference.engine.output_processor import child_id
@@ -67,25 +77,49 @@ _STOP = object()
 class AsyncLLM:
     """An engine for concurrent requests from asyncio code (the OpenAI server, chat).
 
-    Arguments: see `config.create_engine_config`. Use `generate` from a running event loop;
-    `shutdown()` (or the context manager) stops the thread and releases the engine.
+    Arguments: see `config.create_engine_config`; `engine_process`: run the engine core in a
+    process of its own (the default; see the module docstring); `core_setup`: a picklable
+    function called with the built `EngineCore` (where it runs), for tests and benchmarks.
+    Use `generate` from a running event loop; `shutdown()` (or the context manager) stops the
+    thread and the core process and releases the engine.
     """
 
-    def __init__(self, model: str | None = None, **engine_args) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        engine_process: bool = True,
+        core_setup=None,
+        **engine_args,
+    ) -> None:
         from llm_inference.models.loader import load_tokenizer
 
         config = create_engine_config(model, **engine_args)
         self.tokenizer = load_tokenizer(config.model_path)
-        self.engine = LLMEngine(config, self.tokenizer)
+        self.core_process = CoreClient(config, core_setup) if engine_process else None
+        try:
+            self.engine = LLMEngine(config, self.tokenizer, core=self.core_process)
+            if core_setup is not None and self.core_process is None:
+                core_setup(self.engine.core)
+        except BaseException:
+            if self.core_process is not None:
+                self.core_process.shutdown()
+            raise
         self.config = self.engine.config  # max_model_len may have been fitted to the cache
         self.metrics = ServingMetrics(engine=self.engine.stats())
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
         self._error: BaseException | None = None
         self._streams: dict[str, _Stream] = {}  # running requests; engine thread only
-        self._unscheduled: dict[str, _Stream] = {}  # of those, not yet scheduled
+        # of those, not yet scheduled, by the core id of their first completion
+        self._unscheduled: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # orders "add" against the thread's final drain
         self._closed = False
+        self._wake_r = self._wake_w = None  # engine_process: wakes the thread for the inbox
+        if self.core_process is not None:
+            self._wake_r, self._wake_w = socket.socketpair()
+            self._wake_r.setblocking(False)
+            self._wake_w.setblocking(False)
         self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
         self._thread.start()
 
@@ -136,7 +170,7 @@ class AsyncLLM:
         stream = _Stream(rid, loop, params.n, RequestTimes(arrival=time.monotonic(), n=params.n))
         with self._lock:
             self._check_alive()
-            self._inbox.put(("add", stream, list(ids), params, text))
+            self._command(("add", stream, list(ids), params, text))
         done = False
         total: RequestOutput | None = None
         try:
@@ -159,21 +193,33 @@ class AsyncLLM:
                     yield copy_output(total)
         finally:
             if not done:
-                self._inbox.put(("abort", rid))
+                self._command(("abort", rid))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request: its stream ends with finish_reason "abort" (if still running)."""
-        self._inbox.put(("abort", request_id))
+        self._command(("abort", request_id))
 
     def abort_all(self) -> None:
         """Abort every running request (thread-safe; for shutdown on a signal)."""
-        self._inbox.put(("abort_all",))
+        self._command(("abort_all",))
 
     def shutdown(self) -> None:
         """Stop the engine thread (running requests get EngineDeadError) and free the engine."""
         if self._thread.is_alive():
-            self._inbox.put((_STOP,))
+            self._command((_STOP,))
             self._thread.join()
+        if self._wake_w is not None:
+            self._wake_w.close()  # a later _command's send fails quietly
+            self._wake_r.close()
+
+    def _command(self, cmd: tuple) -> None:
+        """Hand a command to the engine thread (thread-safe)."""
+        self._inbox.put(cmd)
+        if self._wake_w is not None:
+            try:
+                self._wake_w.send(b"!")
+            except OSError:  # full of wake-ups (the thread will look), or shut down
+                pass
 
     def _check_alive(self) -> None:
         if self._error is not None:
@@ -187,13 +233,10 @@ class AsyncLLM:
         streams = self._streams
         message = "the engine has been shut down"
         try:
-            while self._take_commands(streams, block=not self.engine.has_unfinished_requests()):
-                if self.engine.has_unfinished_requests():
-                    start = time.monotonic()
-                    outputs = self.engine.step()
-                    self._note_scheduled(start)
-                    self._dispatch(streams, outputs, time.monotonic())
-                self._refresh_stats()
+            if self.core_process is None:
+                self._step_loop(streams)
+            else:
+                self._front_loop(streams)
         except BaseException as e:  # noqa: BLE001 - every waiting request must hear of it
             self._error = e
             message = f"the engine loop failed: {e!r}"
@@ -207,6 +250,36 @@ class AsyncLLM:
             self._send([(s, _dead(message, self._error)) for s in streams.values()])
             streams.clear()
             self.engine.shutdown()
+
+    def _step_loop(self, streams: dict[str, _Stream]) -> None:
+        """The whole engine in this thread: commands, then a step, until stopped."""
+        while self._take_commands(streams, block=not self.engine.has_unfinished_requests()):
+            if self.engine.has_unfinished_requests():
+                start = time.monotonic()
+                outputs = self.engine.step()
+                self._note_scheduled(start)
+                self._dispatch(streams, outputs, time.monotonic())
+            self._refresh_stats()
+
+    def _front_loop(self, streams: dict[str, _Stream]) -> None:
+        """The front end of a core process: commands and step results as they come."""
+        core = self.core_process
+        while True:
+            ready = wait_for([core, self._wake_r])
+            if self._wake_r in ready:
+                try:
+                    while self._wake_r.recv(4096):
+                        pass
+                except BlockingIOError:
+                    pass
+                if not self._take_commands(streams, block=False):
+                    return
+            if core in ready:
+                for records, scheduled, start, _ in core.recv(timeout=0):
+                    outputs = self.engine.process_core_outputs(records)
+                    self._note_scheduled(start, scheduled)
+                    self._dispatch(streams, outputs, time.monotonic())
+                self._refresh_stats()
 
     def _take_commands(self, streams: dict[str, _Stream], block: bool) -> bool:
         """Apply every pending command (waiting for one if `block`); False on stop."""
@@ -228,30 +301,36 @@ class AsyncLLM:
 
     def _add(self, streams, stream: _Stream, ids: list[int], params, text) -> None:
         try:
-            self.engine.add_request(stream.request_id, ids, params, prompt=text,
-                                    output_kind=RequestOutputKind.DELTA)  # fmt: skip
+            core_ids = self.engine.add_request(stream.request_id, ids, params, prompt=text,
+                                               output_kind=RequestOutputKind.DELTA)  # fmt: skip
         except (ValueError, TypeError) as e:
             self._send([(stream, e)])
             return
+        except BaseException:  # the engine broke (a dead core process): it hears of it too
+            streams[stream.request_id] = stream
+            raise
         streams[stream.request_id] = stream
-        self._unscheduled[stream.request_id] = stream
+        self._unscheduled[core_ids[0]] = stream
 
     def _abort(self, streams: dict[str, _Stream], request_ids: list[str]) -> None:
         now = time.monotonic()
         for out in self.engine.abort_request(request_ids):
             stream = streams.pop(out.request_id)
-            self._unscheduled.pop(out.request_id, None)
+            self._unscheduled.pop(child_id(stream.request_id, 0, stream.n), None)
             self.metrics.on_output(stream.times, out, now)
             self._send([(stream, out)])
 
-    def _note_scheduled(self, step_start: float) -> None:
-        """Requests scheduled for the first time in the step started at `step_start`."""
+    def _note_scheduled(self, step_start: float, scheduled: list[str] | None = None) -> None:
+        """Requests scheduled for the first time in the step started at `step_start`: those
+        in `scheduled` (core ids), or by default those the engine no longer has waiting."""
         if not self._unscheduled:
             return
-        waiting = self.engine.waiting_request_ids()
-        for rid, s in list(self._unscheduled.items()):
-            if child_id(rid, 0, s.n) not in waiting:
-                del self._unscheduled[rid]
+        if scheduled is None:
+            waiting = self.engine.waiting_request_ids()
+            scheduled = [cid for cid in self._unscheduled if cid not in waiting]
+        for cid in scheduled:
+            s = self._unscheduled.pop(cid, None)
+            if s is not None:
                 self.metrics.on_scheduled(s.times, step_start)
 
     def _dispatch(self, streams, outputs: list[RequestOutput], now: float) -> None:
@@ -277,9 +356,9 @@ class AsyncLLM:
                 loop.call_soon_threadsafe(_deliver, batch)
             except RuntimeError:  # that event loop is closed: nobody listens any more
                 gone = {s.request_id: s for s, _ in items if s.loop is loop}
-                for rid in gone:
+                for rid, s in gone.items():
                     self._streams.pop(rid, None)
-                    self._unscheduled.pop(rid, None)
+                    self._unscheduled.pop(child_id(rid, 0, s.n), None)
                 now = time.monotonic()
                 for out in self.engine.abort_request(list(gone)):
                     self.metrics.on_output(gone[out.request_id].times, out, now)

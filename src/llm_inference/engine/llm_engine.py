@@ -1,16 +1,14 @@
-"""LLMEngine: add_request / step / abort_request.
+"""LLMEngine: add_request / step / abort_request, the front end over an EngineCore.
 
-One step is schedule -> execute -> update (the core, which knows nothing of text) -> process
-outputs (the front end: text, stop strings, n fan-in). `step()` returns a `RequestOutput` for
-every user request that advanced, so callers can stream; a request's last one has
-`finished=True`.
+One step is the core's schedule -> execute -> update (engine_core.py, which knows nothing of
+text) followed by the front end's output processing (text, stop strings, n fan-in). `step()`
+returns a `RequestOutput` for every user request that advanced, so callers can stream; a
+request's last one has `finished=True`.
 
-Async scheduling (`EngineConfig.async_scheduling`, on by default): `step()` schedules and
-launches step n+1 before it waits for step n's tokens, so the host work of one step (schedule,
-input building, updating and detokenizing the previous one) runs while the device computes.
-The scheduler counts each sample in flight as a placeholder token, and the workers feed it to
-the next step straight from the device. Requests with penalties or logprobs need every token
-on the host first: while one is live, steps run one at a time.
+The front end builds the core's `Request`s (a seed for each, one per completion when n > 1)
+and keeps the `OutputProcessor`; the core can be in this thread (`EngineCore`) or in a process
+of its own (`core_process.CoreClient`, which the server's AsyncLLM uses): then the caller feeds
+the core's outputs to `process_core_outputs` instead of calling `step()`.
 """
 
 from __future__ import annotations
@@ -19,22 +17,16 @@ import random
 from collections.abc import Iterable
 from dataclasses import replace
 
-from llm_inference.config import EngineConfig, cdiv
+from llm_inference.config import EngineConfig
+from llm_inference.core.outputs import EngineCoreOutput
 from llm_inference.core.request import Request, RequestStatus
-from llm_inference.core.scheduler import Scheduler
+from llm_inference.core.scheduler import check_request_length
+from llm_inference.engine.engine_core import EngineCore, KVCacheTooSmallError
 from llm_inference.engine.output_processor import OutputProcessor
-from llm_inference.executor.executor import Executor
 from llm_inference.outputs import RequestOutput, RequestOutputKind
 from llm_inference.sampling_params import SamplingParams
 
-
-class KVCacheTooSmallError(ValueError):
-    pass
-
-
-def _needs_sync(params: SamplingParams) -> bool:
-    """Penalties read every output token, and logprobs are built on the host each step."""
-    return params.logprobs is not None or params.has_penalties
+__all__ = ["KVCacheTooSmallError", "LLMEngine", "child_seed"]
 
 
 def child_seed(seed: int, index: int) -> int:
@@ -43,48 +35,21 @@ def child_seed(seed: int, index: int) -> int:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer) -> None:
+    def __init__(self, config: EngineConfig, tokenizer, core=None) -> None:
+        """`core`: an EngineCore-like object (default: an `EngineCore` built here)."""
         self.tokenizer = tokenizer
-        self.executor = Executor(config)
-        try:
-            num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
-            self.config = self._fit_max_model_len(config, num_blocks)
-            self.executor.collective_rpc("allocate_kv_cache", num_blocks)
-        except BaseException:  # stop the worker processes of a half-built engine
-            self.executor.shutdown()
-            raise
-        self.scheduler = Scheduler(
-            self.config.scheduler,
-            num_blocks,
-            config.cache.block_size,
-            enable_prefix_caching=config.cache.enable_prefix_caching,
-        )
+        self.core = core if core is not None else EngineCore(config)
+        self.config = self.core.config  # max_model_len may have been fitted to the cache
         self.output_processor = OutputProcessor(tokenizer)
         self.rng = random.Random(config.seed)
-        self._pending = None  # (SchedulerOutput, PendingOutput) of the step in flight
-        self._sync_ids: set[str] = set()  # live core requests that need synchronous steps
 
-    def _fit_max_model_len(self, config: EngineConfig, num_blocks: int) -> EngineConfig:
-        """The one KV-fits check: a request of max_model_len tokens must fit in the cache. When
-        the user did not set max_model_len, it is capped to what the cache holds instead."""
-        block_size, max_len = config.cache.block_size, config.scheduler.max_model_len
-        if num_blocks * block_size >= max_len:
-            return config
-        if config.scheduler.max_model_len_is_default and num_blocks >= 1:
-            fit = num_blocks * block_size
-            print(
-                f"llm_inference: max_model_len lowered from {max_len} to {fit} tokens, all "
-                f"that the KV cache ({num_blocks} blocks) holds"
-            )
-            return replace(config, scheduler=replace(config.scheduler, max_model_len=fit))
-        per_block = self.executor.collective_rpc("kv_bytes_per_block")[0]
-        need = cdiv(max_len, block_size)
-        raise KVCacheTooSmallError(
-            f"KV cache too small for one request of max_model_len={max_len} tokens: it "
-            f"needs {need} blocks of {block_size} tokens ({need * per_block:,} bytes) but "
-            f"only {num_blocks} blocks ({num_blocks * per_block:,} bytes) fit; raise "
-            "kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len"
-        )
+    @property
+    def scheduler(self):
+        return self.core.scheduler
+
+    @property
+    def executor(self):
+        return self.core.executor
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -96,7 +61,9 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not (type(t) is int and 0 <= t < vocab)]
         if bad:
             raise ValueError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        self.scheduler.check_request_length(len(prompt_token_ids), params.max_tokens)
+        check_request_length(
+            self.config.scheduler.max_model_len, len(prompt_token_ids), params.max_tokens
+        )
 
     def add_request(
         self,
@@ -106,11 +73,11 @@ class LLMEngine:
         prompt: str | None = None,
         stream: bool = True,
         output_kind: RequestOutputKind | None = None,
-    ) -> None:
-        """Queue a request (n > 1 becomes n core requests, one per completion). `step()`
-        reports it every step it advances, or with `stream=False` only when it finishes.
-        `output_kind` (default CUMULATIVE, or FINAL_ONLY with `stream=False`): DELTA reports
-        only what each step added (see output_processor)."""
+    ) -> list[str]:
+        """Queue a request (n > 1 becomes n core requests, one per completion; their ids are
+        returned). `step()` reports it every step it advances, or with `stream=False` only when
+        it finishes. `output_kind` (default CUMULATIVE, or FINAL_ONLY with `stream=False`):
+        DELTA reports only what each step added (see output_processor)."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, not {type(request_id).__name__}")
         if request_id in self.output_processor:
@@ -126,8 +93,8 @@ class LLMEngine:
             request_id, prompt, prompt_token_ids, children, output_kind=kind
         )
         max_len = self.config.scheduler.max_model_len
-        for cid, child in zip(ids, children):
-            request = Request(
+        requests = [
+            Request(
                 cid,
                 list(prompt_token_ids),
                 child,
@@ -138,83 +105,49 @@ class LLMEngine:
                 and not child.stop_strings
                 and child.logprobs is None,
             )
-            self.scheduler.add_request(request)
-            if _needs_sync(child):
-                self._sync_ids.add(cid)
+            for cid, child in zip(ids, children)
+        ]
+        self.core.add_requests(requests)
+        return ids
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Abort user requests (unknown ids are ignored); returns their final outputs."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        outputs = []
+        outputs, core_ids = [], []
         for rid in ids:
-            core_ids = self.output_processor.core_ids(rid)
-            self.scheduler.finish_requests(core_ids, RequestStatus.FINISHED_ABORTED)
-            self._sync_ids.difference_update(core_ids)
+            core_ids += self.output_processor.core_ids(rid)
             out = self.output_processor.abort(rid)
             if out is not None:
                 outputs.append(out)
-        if self._pending is not None and not self.scheduler.has_unfinished_requests():
-            self._finish_pending()  # only aborted requests were in flight: nothing to report
+        if core_ids:
+            self.core.finish_requests(core_ids, RequestStatus.FINISHED_ABORTED)
         return outputs
 
     # ---- stepping --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; return the outputs of every user request that advanced in it (with
-        async scheduling: in the step launched before, whose tokens this one waited for)."""
-        overlap = self.config.async_scheduling and not self._sync_ids
-        outputs = [] if overlap else self._finish_pending()
-        so = self.scheduler.schedule()
-        launched = None
-        if not so.is_empty:
-            launched = (so, self.executor.execute_model(so, sync=not overlap))
-        elif so.finished_request_ids or so.preempted_request_ids:
-            self.executor.execute_model(so)  # nothing to run: the workers only drop states
-        outputs += self._finish_pending()
-        self._pending = launched
-        if not overlap:
-            outputs += self._finish_pending()
-        return outputs
+        """Run one step of the core; return the outputs of every user request that advanced in
+        it (with async scheduling: in the step launched before, whose tokens it waited for)."""
+        return self.process_core_outputs(self.core.step())
 
-    def _finish_pending(self) -> list[RequestOutput]:
-        """Wait for the step in flight, if any, and turn its tokens into outputs."""
-        if self._pending is None:
-            return []
-        so, handle = self._pending
-        self._pending = None
-        core_outputs = self.scheduler.update_from_output(so, handle.result())
+    def process_core_outputs(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        """The front end's half of a step: the core's records -> RequestOutputs; completions
+        that a stop string ended are finished in the core."""
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
         if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        if self._sync_ids:
-            done = [o.request_id for o in core_outputs if o.finished] + stopped
-            self._sync_ids.difference_update(done)
+            self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._pending is not None
+        return self.core.has_unfinished_requests()
 
     def stats(self) -> dict[str, int]:
-        kv = self.scheduler.kv_cache_manager
-        return {
-            "num_kv_blocks": kv.num_blocks,
-            "num_free_kv_blocks": kv.num_free_blocks,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_steps": self.scheduler.num_steps,
-            "num_unfinished_requests": self.scheduler.get_num_unfinished_requests(),
-            "num_running_requests": len(self.scheduler.running),
-            "num_waiting_requests": len(self.scheduler.waiting),
-            # tokens of admitted requests, and those of them found in the prefix cache
-            "prefix_cache_queries": kv.prefix_cache_queries,
-            "prefix_cache_hits": kv.prefix_cache_hits,
-        }
+        return self.core.stats()
 
     def waiting_request_ids(self) -> set[str]:
         """Core ids of requests not yet scheduled (or preempted back to the queue): for the
         queue-time metric."""
-        return {r.request_id for r in self.scheduler.waiting}
+        return self.core.waiting_request_ids()
 
     def shutdown(self) -> None:
-        if self.executor is not None:
-            self.executor.shutdown()
-            self.executor = None
+        self.core.shutdown()

@@ -168,7 +168,7 @@ def cmd_serve(args) -> int:
 
     run_server(args.model, host=args.host, port=args.port, api_key=args.api_key,
                served_model_name=args.served_model_name, log_level=args.log_level,
-               **_engine_kwargs(args))  # fmt: skip
+               engine_process=args.engine_process, **_engine_kwargs(args))  # fmt: skip
     return 0
 
 
@@ -229,6 +229,13 @@ def _add_serve_parsers(sub) -> None:
         help="the model's name in the API (default: --model, or the default model's folder)",
     )
     s.add_argument("--log-level", default="info", help="uvicorn's log level")
+    s.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine core (scheduler, model) in a process of its own, beside the "
+        "HTTP front end (default: on; --no-engine-process runs it on a thread of the server)",
+    )
     s.set_defaults(func=cmd_serve)
 
     from llm_inference.entrypoints.bench_serve import add_cli_args

@@ -1,0 +1,253 @@
+"""The engine core in a process of its own, for the server.
+
+In one process the front end (HTTP, detokenizing, one stream per request) and the core's
+stepping (schedule, launch, update) share one GIL: under load each waits for the other, and
+the GPU waits for both. Here the core runs in a child process (started with `spawn`) and steps
+as fast as the device allows, while the parent's front end works on the steps already done.
+
+- `CoreClient` (parent) has the methods of `EngineCore` that the front end calls
+  (`add_requests`, `finish_requests`, `stats`, `shutdown`), plus `recv()` for the results of
+  the core's steps. It is not thread-safe: one thread (AsyncLLM's) uses it.
+- The child (`_core_main`) builds an `EngineCore` and reports `("ready", config)` (its
+  max_model_len may have been fitted to the cache) or the error that stopped it. Then it loops:
+  apply every pending command (waiting for one when nothing is left to run), run a step, hand
+  its results to a sender thread. The sender sends everything that waits as one message, so
+  the step loop never waits on the pipe, and a parent that lags gets several steps at once.
+- Messages are pickled over one duplex `multiprocessing` pipe; the parent only unpickles what
+  its own child wrote. Commands and results keep their order: a request is added before any
+  command that finishes it, and steps arrive in the order they ran.
+- A step's result is `(records, scheduled, start, stats)`: the core's `EngineCoreOutput`s, the
+  ids first scheduled in that step and when it started (for queue time), and the core's stats
+  after it. Records of requests the front end has already dropped are ignored there. A core
+  that runs out of work after a command (an abort) sends a result with no records, for the
+  stats (its blocks are free).
+- Failure: an error in the child is sent as `("error", text)` before it exits; a child that
+  dies closes the pipe. Either makes `recv()` raise `EngineCoreError`. The child exits when the
+  pipe closes or the parent process is gone. Shutdown: a `stop` command, a join with a timeout,
+  then terminate and kill; also run at interpreter exit and when the client is collected.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from multiprocessing import util as mp_util
+from multiprocessing.connection import Connection
+from typing import Any
+
+from llm_inference.config import EngineConfig
+from llm_inference.core.request import Request, RequestStatus
+
+JOIN_TIMEOUT_S = 10.0
+
+
+class EngineCoreError(RuntimeError):
+    """The engine core process failed or exited."""
+
+
+# ---- the child ------------------------------------------------------------------------------
+
+
+def _send_results(conn: Connection, results: queue.SimpleQueue) -> None:
+    """Sender thread: every step result waiting goes out as one message."""
+    while (item := results.get()) is not None:
+        batch = [item]
+        while True:
+            try:
+                item = results.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                results.put(None)
+                break
+            batch.append(item)
+        try:
+            conn.send(("steps", batch))
+        except (OSError, EOFError):  # the parent is gone
+            return
+
+
+def _core_main(config: EngineConfig, conn: Connection, parent_pid: int, setup) -> None:
+    """The body of the core process."""
+    from llm_inference.engine.engine_core import EngineCore
+    from llm_inference.executor.multiproc import _watch_parent
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    try:
+        core = EngineCore(config)
+        if setup is not None:
+            setup(core)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    results: queue.SimpleQueue = queue.SimpleQueue()
+    sender = threading.Thread(target=_send_results, args=(conn, results), daemon=True)
+    try:
+        conn.send(("ready", (core.config, core.stats())))
+        sender.start()
+        unscheduled: set[str] = set()
+        running = True
+        while running:
+            block = not core.has_unfinished_requests()
+            while block or conn.poll():
+                block = False
+                cmd = conn.recv()  # EOFError: the parent closed the pipe
+                if cmd[0] == "add":
+                    core.add_requests(cmd[1])
+                    unscheduled.update(r.request_id for r in cmd[1])
+                elif cmd[0] == "finish":
+                    core.finish_requests(cmd[1], cmd[2])
+                elif cmd[0] == "stop":
+                    running = False
+                    break
+            if running and not core.has_unfinished_requests():
+                results.put(([], [], time.monotonic(), core.stats()))  # idle: the stats only
+            elif running:
+                start = time.monotonic()
+                records = core.step()
+                scheduled = []
+                if unscheduled:
+                    waiting = core.waiting_request_ids()
+                    scheduled = [i for i in unscheduled if i not in waiting]
+                    unscheduled.difference_update(scheduled)
+                results.put((records, scheduled, start, core.stats()))
+    except EOFError:
+        pass
+    except BaseException:
+        results.put(None)
+        sender.join(JOIN_TIMEOUT_S)
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except (OSError, EOFError):
+            pass
+    finally:
+        results.put(None)
+        if sender.is_alive():
+            sender.join(JOIN_TIMEOUT_S)
+        core.shutdown()
+        conn.close()
+
+
+# ---- the parent -----------------------------------------------------------------------------
+
+
+def _stop(proc, conn: Connection) -> None:
+    """Ask the child to stop, then join, terminate, kill."""
+    try:
+        conn.send(("stop",))
+    except (OSError, EOFError, ValueError):
+        pass
+    proc.join(JOIN_TIMEOUT_S)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(2.0)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(2.0)
+    conn.close()
+
+
+class CoreClient:
+    """An `EngineCore` in a child process (see the module docstring). `setup`: a picklable
+    function called in the child with the built core (tests and benchmarks use it)."""
+
+    def __init__(self, config: EngineConfig, setup=None) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe(duplex=True)
+        # Not a daemon: with tensor parallelism the core starts the worker processes.
+        self._proc = ctx.Process(
+            target=_core_main,
+            args=(config, child_conn, os.getpid(), setup),
+            name="llm_inference-core",
+            daemon=False,
+        )
+        self._proc.start()
+        child_conn.close()
+        self._finalizer = mp_util.Finalize(self, _stop, (self._proc, self._conn), exitpriority=50)
+        try:
+            kind, payload = self._recv_message()
+            if kind != "ready":
+                raise EngineCoreError(f"the engine core failed to start:\n{payload}")
+        except BaseException:
+            self.shutdown()
+            raise
+        self.config, self._stats = payload
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def _recv_message(self, timeout: float | None = None) -> tuple[str, Any] | None:
+        """The next message, or None after `timeout` seconds. Raises EngineCoreError when the
+        child has exited or sent an error."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
+            if self._conn.poll(left):
+                break
+            if not self._proc.is_alive() and not self._conn.poll():
+                raise EngineCoreError(f"the engine core process exited ({self._exit_text()})")
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+        try:
+            message = self._conn.recv()
+        except (EOFError, OSError):
+            raise EngineCoreError(f"the engine core process exited ({self._exit_text()})") from None
+        if message[0] == "error":
+            raise EngineCoreError(f"the engine core failed:\n{message[1]}")
+        return message
+
+    def _exit_text(self) -> str:
+        self._proc.join(1.0)
+        code = self._proc.exitcode
+        if code is None:
+            return "its pipe closed"
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
+
+    # ---- what the front end calls -----------------------------------------------------------
+
+    def add_requests(self, requests: list[Request]) -> None:
+        self._command(("add", requests))
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> None:
+        self._command(("finish", list(request_ids), status))
+
+    def _command(self, cmd: tuple) -> None:
+        try:
+            self._conn.send(cmd)
+        except OSError:  # the child is gone: raise its error, or that it exited
+            while self._recv_message(timeout=2.0) is not None:
+                pass  # results of steps before it failed: nobody will read them now
+            raise EngineCoreError(f"the engine core process exited ({self._exit_text()})") from None
+
+    def stats(self) -> dict[str, int]:
+        """The core's stats after the last step received."""
+        return dict(self._stats)
+
+    def fileno(self) -> int:
+        """For `multiprocessing.connection.wait`: readable when results (or an error) came."""
+        return self._conn.fileno()
+
+    def recv(self, timeout: float | None = None) -> list[tuple]:
+        """The results of the steps run since the last call (waiting up to `timeout` seconds
+        for one; [] after it): a list of (records, scheduled ids, step start, stats)."""
+        message = self._recv_message(timeout)
+        if message is None:
+            return []
+        steps = message[1]
+        self._stats = steps[-1][3]
+        return steps
+
+    def shutdown(self) -> None:
+        self._finalizer()

@@ -1,0 +1,153 @@
+"""EngineCore: the scheduler and the executor, stepping; no text, no tokenizer.
+
+One step is schedule -> execute -> update. The core takes whole `Request`s (the front end,
+`LLMEngine`, builds them: seeds, n fan-out) and reports plain `EngineCoreOutput` records, so
+it can run in the caller's thread (`LLM`) or in a process of its own (`core_process`, the
+server's default) with the front end on the other side of a pipe.
+
+Async scheduling (`EngineConfig.async_scheduling`, on by default): `step()` schedules and
+launches step n+1 before it waits for step n's tokens, so the host work of one step (schedule,
+input building, updating the previous one, and the front end's work on what it returns) runs
+while the device computes. The scheduler counts each sample in flight as a placeholder token,
+and the workers feed it to the next step straight from the device. Requests with penalties or
+logprobs need every token on the host first: while one is live, steps run one at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+
+from llm_inference.config import EngineConfig, cdiv
+from llm_inference.core.outputs import EngineCoreOutput
+from llm_inference.core.request import Request, RequestStatus
+from llm_inference.core.scheduler import Scheduler
+from llm_inference.executor.executor import Executor
+from llm_inference.sampling_params import SamplingParams
+
+
+class KVCacheTooSmallError(ValueError):
+    pass
+
+
+def needs_sync(params: SamplingParams) -> bool:
+    """Penalties read every output token, and logprobs are built on the host each step."""
+    return params.logprobs is not None or params.has_penalties
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.executor = Executor(config)
+        try:
+            num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
+            self.config = self._fit_max_model_len(config, num_blocks)
+            self.executor.collective_rpc("allocate_kv_cache", num_blocks)
+        except BaseException:  # stop the worker processes of a half-built engine
+            self.executor.shutdown()
+            raise
+        self.scheduler = Scheduler(
+            self.config.scheduler,
+            num_blocks,
+            config.cache.block_size,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+        )
+        self._pending = None  # (SchedulerOutput, PendingOutput) of the step in flight
+        self._sync_ids: set[str] = set()  # live requests that need synchronous steps
+
+    def _fit_max_model_len(self, config: EngineConfig, num_blocks: int) -> EngineConfig:
+        """The one KV-fits check: a request of max_model_len tokens must fit in the cache. When
+        the user did not set max_model_len, it is capped to what the cache holds instead."""
+        block_size, max_len = config.cache.block_size, config.scheduler.max_model_len
+        if num_blocks * block_size >= max_len:
+            return config
+        if config.scheduler.max_model_len_is_default and num_blocks >= 1:
+            fit = num_blocks * block_size
+            print(
+                f"llm_inference: max_model_len lowered from {max_len} to {fit} tokens, all "
+                f"that the KV cache ({num_blocks} blocks) holds"
+            )
+            return replace(config, scheduler=replace(config.scheduler, max_model_len=fit))
+        per_block = self.executor.collective_rpc("kv_bytes_per_block")[0]
+        need = cdiv(max_len, block_size)
+        raise KVCacheTooSmallError(
+            f"KV cache too small for one request of max_model_len={max_len} tokens: it "
+            f"needs {need} blocks of {block_size} tokens ({need * per_block:,} bytes) but "
+            f"only {num_blocks} blocks ({num_blocks * per_block:,} bytes) fit; raise "
+            "kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len"
+        )
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def add_requests(self, requests: list[Request]) -> None:
+        """Queue requests the front end has validated (their ids are new)."""
+        for request in requests:
+            self.scheduler.add_request(request)
+            if needs_sync(request.sampling_params):
+                self._sync_ids.add(request.request_id)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside (an abort, a stop string); unknown ids are ignored.
+        Their blocks are free before the next step."""
+        ids = list(request_ids)
+        self.scheduler.finish_requests(ids, status)
+        self._sync_ids.difference_update(ids)
+        if self._pending is not None and not self.scheduler.has_unfinished_requests():
+            self._finish_pending()  # only finished requests were in flight: nothing to report
+
+    # ---- stepping --------------------------------------------------------------------------
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one step; return the records of every request that advanced in it (with async
+        scheduling: in the step launched before, whose tokens this one waited for)."""
+        overlap = self.config.async_scheduling and not self._sync_ids
+        outputs = [] if overlap else self._finish_pending()
+        so = self.scheduler.schedule()
+        launched = None
+        if not so.is_empty:
+            launched = (so, self.executor.execute_model(so, sync=not overlap))
+        elif so.finished_request_ids or so.preempted_request_ids:
+            self.executor.execute_model(so)  # nothing to run: the workers only drop states
+        outputs += self._finish_pending()
+        self._pending = launched
+        if not overlap:
+            outputs += self._finish_pending()
+        return outputs
+
+    def _finish_pending(self) -> list[EngineCoreOutput]:
+        """Wait for the step in flight, if any, and update the scheduler with its tokens."""
+        if self._pending is None:
+            return []
+        so, handle = self._pending
+        self._pending = None
+        outputs = self.scheduler.update_from_output(so, handle.result())
+        if self._sync_ids:
+            self._sync_ids.difference_update(o.request_id for o in outputs if o.finished)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self._pending is not None
+
+    def stats(self) -> dict[str, int]:
+        kv = self.scheduler.kv_cache_manager
+        return {
+            "num_kv_blocks": kv.num_blocks,
+            "num_free_kv_blocks": kv.num_free_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.scheduler.num_steps,
+            "num_unfinished_requests": self.scheduler.get_num_unfinished_requests(),
+            "num_running_requests": len(self.scheduler.running),
+            "num_waiting_requests": len(self.scheduler.waiting),
+            # tokens of admitted requests, and those of them found in the prefix cache
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+        }
+
+    def waiting_request_ids(self) -> set[str]:
+        """Ids of requests not yet scheduled (or preempted back to the queue): for the
+        queue-time metric."""
+        return {r.request_id for r in self.scheduler.waiting}
+
+    def shutdown(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown()
+            self.executor = None
