@@ -1,10 +1,12 @@
 """The custom (symmetric-memory) all-reduce of distributed/custom_all_reduce.py.
 
-On the CPU: the routing rule (which messages it takes, which go to NCCL), its set-up's
-agreement across ranks and fallback (gloo ranks with a stand-in implementation), the gloo path
-(no custom all-reduce), and the plain gloo all-reduce. On 2+ GPUs: against NCCL for several
-sizes and dtypes, eagerly and in a CUDA graph replayed with changing inputs, with the messages
-above the threshold, in other dtypes or not contiguous going to NCCL."""
+On the CPU: the routing rule (which messages it takes, which go to NCCL); its set-up's
+agreement across ranks and fallback (gloo ranks with a stand-in implementation); gloo ranks
+(no custom all-reduce, the plain gloo sum); the `disable_custom_all_reduce` plumbing from the
+engine arguments and the CLI to the worker's `init_distributed`. On 2+ GPUs: against NCCL for
+several sizes and dtypes, eagerly and in a CUDA graph replayed with changing inputs, with the
+messages above the threshold, in other dtypes or not contiguous going to NCCL; a wrong sum at
+set-up falls back to NCCL."""
 
 from __future__ import annotations
 
@@ -22,8 +24,11 @@ import torch
 import torch.distributed as dist
 from tp_helpers import run_ranks
 
+from llm_inference.config import create_engine_config
 from llm_inference.distributed import custom_all_reduce as car
 from llm_inference.distributed import parallel_state as ps
+from llm_inference.entrypoints import cli
+from llm_inference.executor import multiproc
 
 KiB, MiB = car.KiB, car.MiB
 
@@ -134,6 +139,39 @@ def _gloo_all_reduce(rank, world_size):
 
 def test_gloo_ranks_have_no_custom_all_reduce():
     assert run_ranks(_gloo_all_reduce, 2) == [(True, [3.0]), (True, [3.0])]
+
+
+# ---- the engine argument, down to init_distributed ------------------------------------------
+
+
+def test_flag_reaches_the_workers_init_distributed(tiny_ckpt, monkeypatch):
+    seen = []
+    monkeypatch.setattr(
+        multiproc, "init_distributed", lambda *a, **kw: seen.append(kw["use_custom_all_reduce"])
+    )
+    threads = torch.get_num_threads()
+    try:
+        for flag in (False, True):
+            config = create_engine_config(
+                tiny_ckpt, device="cpu", tensor_parallel_size=2, disable_custom_all_reduce=flag
+            )
+            assert config.parallel.disable_custom_all_reduce is flag
+            assert multiproc.join_group(config, 1, 2, 0) == torch.device("cpu")
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [True, False]
+    assert not create_engine_config(tiny_ckpt, device="cpu").parallel.disable_custom_all_reduce
+    with pytest.raises(ValueError, match="disable_custom_all_reduce"):
+        create_engine_config(tiny_ckpt, device="cpu", disable_custom_all_reduce="yes")
+
+
+def test_cli_flag():
+    parser = cli.build_parser()
+    assert not parser.parse_args(["generate", "hi"]).disable_custom_all_reduce
+    args = parser.parse_args(["generate", "hi", "--disable-custom-all-reduce"])
+    assert cli._engine_kwargs(args)["disable_custom_all_reduce"] is True
+    bench = parser.parse_args(["bench", "latency", "--disable-custom-all-reduce"])
+    assert bench.disable_custom_all_reduce
 
 
 # ---- on 2 GPUs ------------------------------------------------------------------------------
