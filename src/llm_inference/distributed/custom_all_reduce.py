@@ -47,10 +47,11 @@ import torch.distributed as dist
 
 KiB, MiB = 1 << 10, 1 << 20
 # Largest message through symmetric memory, by world size (also the buffer's size); larger
-# ones go to NCCL, whose bandwidth wins there. benchmarks/all_reduce.py measures both.
+# ones (prefill chunks) go to NCCL. Starting points, not measurements: 8 MiB is vLLM's custom
+# all-reduce default; benchmarks/all_reduce.py times every path at every size to set them.
 MAX_BYTES = {2: 8 * MiB, 4: 8 * MiB, 8: 8 * MiB}
 # One-shot up to this size, two-shot above. With two ranks both read the whole peer message,
-# and one-shot does it in one pass: it is used for every size.
+# and one-shot does it in one pass and one kernel: it takes every size.
 ONE_SHOT_MAX_BYTES = {2: 8 * MiB, 4: 256 * KiB, 8: 128 * KiB}
 DTYPES = (torch.bfloat16, torch.float32)
 ONE_SHOT, TWO_SHOT, NCCL = "one_shot", "two_shot", "nccl"
