@@ -5,8 +5,8 @@ agreement across ranks and fallback (gloo ranks with a stand-in implementation);
 (no custom all-reduce, the plain gloo sum); the `disable_custom_all_reduce` plumbing from the
 engine arguments and the CLI to the worker's `init_distributed`. On 2+ GPUs: against NCCL for
 several sizes and dtypes, eagerly and in a CUDA graph replayed with changing inputs, with the
-messages above the threshold, in other dtypes or not contiguous going to NCCL; a wrong sum at
-set-up falls back to NCCL."""
+messages above the threshold, in float16 or misaligned going to NCCL; a wrong sum at set-up
+falls back to NCCL."""
 
 from __future__ import annotations
 
@@ -274,11 +274,12 @@ def _eager(rank, err):
             assert y is x and nccl[0] == 0, (shape, dtype)
             _check(x, ref, dtype)
             sums.append(x.double().sum().item())
-    # To NCCL: just above the limit, float16, not contiguous.
+    # To NCCL: just above the limit, float16, at an offset not 16-byte aligned. (Not a
+    # non-contiguous tensor: NCCL refuses those; the routing test covers it.)
     for x in [
         _data((comm.max_bytes // 2 + 8,), torch.bfloat16, rank, 2),
         _data((8, 3072), torch.float16, rank, 3),
-        _data((3072, 8), torch.float32, rank, 4).t(),
+        _data((2, 3074), torch.bfloat16, rank, 4)[1],
     ]:
         ref = x.clone()
         dist.all_reduce(ref)
