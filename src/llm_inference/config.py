@@ -362,6 +362,9 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    # NCCL for every all-reduce: no symmetric-memory all-reduce of small messages on CUDA
+    # (distributed/custom_all_reduce.py; vLLM's name).
+    disable_custom_all_reduce: bool = False
 
 
 @dataclass(frozen=True)
@@ -465,6 +468,7 @@ def create_engine_config(
     async_scheduling: bool = True,
     enable_prefix_caching: bool = True,
     mixed_cuda_graph_sizes: list[int] | tuple[int, ...] | None = None,
+    disable_custom_all_reduce: bool = False,
 ) -> EngineConfig:
     """Every engine argument checked and resolved in one place (LLM, the CLI and the server
     call this): the model path (None: the default model), device, dtype, kernel backend and
@@ -491,6 +495,10 @@ def create_engine_config(
         raise ValueError(
             f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}"
         )
+    if not isinstance(disable_custom_all_reduce, bool):
+        raise ValueError(
+            f"disable_custom_all_reduce must be True or False, got {disable_custom_all_reduce!r}"
+        )
     budget = max_num_batched_tokens or max(8192, max_num_seqs)
     graph_sizes = _graph_sizes(mixed_cuda_graph_sizes, budget)
     dev = resolve_device(device)
@@ -513,7 +521,7 @@ def create_engine_config(
             max_model_len=max_len,
             max_model_len_is_default=max_model_len is None,
         ),
-        parallel=ParallelConfig(tensor_parallel_size),
+        parallel=ParallelConfig(tensor_parallel_size, disable_custom_all_reduce),
         device=dev,
         dtype=resolve_dtype(dtype, model_config.torch_dtype, dev.split(":")[0]),
         kernel_backend=backend,

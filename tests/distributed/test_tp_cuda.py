@@ -1,6 +1,7 @@
-"""On 2+ GPUs: TP=2 (one process per GPU, NCCL; collectives captured in the decode CUDA
-graphs, or eager) gives the same greedy tokens as TP=1 on a small random half-precision model,
-with steps one at a time (logprobs) and with async scheduling.
+"""On 2+ GPUs: TP=2 (one process per GPU, NCCL and the symmetric-memory all-reduce, or NCCL
+alone; collectives captured in the decode CUDA graphs, or eager) gives the same greedy tokens as
+TP=1 on a small random half-precision model, with steps one at a time (logprobs) and with async
+scheduling.
 
 The LM head is sharpened (as in tests/engine/test_triton_engine.py) so that near-ties, where
 the different summation order of the all-reduce may legitimately flip an argmax, are rare:
@@ -36,7 +37,7 @@ def prompts():
     return [torch.randint(2, 320, (n,), generator=g).tolist() for n in (1, 7, 33, 120, 250, 64)]
 
 
-def generate(folder, dtype, tp, eager, logprobs=5):
+def generate(folder, dtype, tp, eager, logprobs=5, custom_all_reduce=True):
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=logprobs)
     with LLM(
         str(folder),
@@ -46,26 +47,41 @@ def generate(folder, dtype, tp, eager, logprobs=5):
         kv_cache_memory_bytes=64 << 20,
         enforce_eager=eager,
         max_num_seqs=8,
+        disable_custom_all_reduce=not custom_all_reduce,
     ) as llm:
-        assert llm.engine.executor.collective_rpc("uses_cuda_graphs") == [not eager] * tp
+        rpc = llm.engine.executor.collective_rpc
+        assert rpc("uses_cuda_graphs") == [not eager] * tp
+        # The symmetric-memory all-reduce is set up on every rank (bfloat16 steps use it;
+        # float16 ones go to NCCL).
+        assert rpc("uses_custom_all_reduce") == [tp > 1 and custom_all_reduce] * tp
         return llm.generate(prompts(), params, use_tqdm=False)
+
+
+def assert_same_greedy(got, ref, dtype, what=""):
+    for i, (a, b) in enumerate(zip(got, ref)):
+        x, y = a.token_ids, b.token_ids
+        if dtype == "float16":
+            assert x == y, f"prompt {i} {what}"
+            continue
+        j = next((k for k in range(len(x)) if x[k] != y[k]), None)
+        if j is not None:
+            top = b.outputs[0].logprobs[j].top
+            assert x[j] in top and top[y[j]] - top[x[j]] < NEAR_TIE, f"prompt {i} step {j} {what}"
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_tp2_greedy_equals_tp1(folder, dtype):
     ref = generate(folder, dtype, 1, eager=False)
     for eager in (False, True):
-        got = generate(folder, dtype, 2, eager)
-        for i, (a, b) in enumerate(zip(got, ref)):
-            x, y = a.token_ids, b.token_ids
-            if dtype == "float16":
-                assert x == y, f"prompt {i} (eager={eager})"
-                continue
-            j = next((k for k in range(len(x)) if x[k] != y[k]), None)
-            if j is not None:
-                top = b.outputs[0].logprobs[j].top
-                assert x[j] in top and top[y[j]] - top[x[j]] < NEAR_TIE, f"prompt {i} step {j}"
+        assert_same_greedy(generate(folder, dtype, 2, eager), ref, dtype, f"(eager={eager})")
     assert child_processes() == []
+
+
+def test_tp2_without_custom_all_reduce(folder):
+    """disable_custom_all_reduce: NCCL for every all-reduce, the same tokens."""
+    ref = generate(folder, "bfloat16", 1, eager=False)
+    got = generate(folder, "bfloat16", 2, eager=False, custom_all_reduce=False)
+    assert_same_greedy(got, ref, "bfloat16")
 
 
 def test_tp2_async_greedy_equals_tp1(folder):

@@ -50,6 +50,7 @@ BAD_ENGINE_ARGS = [
     ("mixed_cuda_graph_sizes", [256, 1 << 20]),  # more than max_num_batched_tokens
     ("mixed_cuda_graph_sizes", "256"),
     ("mixed_cuda_graph_sizes", [128.0]),
+    ("disable_custom_all_reduce", "yes"),
 ]
 
 

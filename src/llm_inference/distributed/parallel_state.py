@@ -7,6 +7,11 @@ at construction. In a single rank (world size 1, no process group) every helper 
 
 The collectives are plain `torch.distributed` calls on the default group: with NCCL they are
 capturable in CUDA graphs once the communicator exists (the first, eager forward creates it).
+Except `all_reduce` on CUDA: `init_distributed` also sets up the custom all-reduce
+(custom_all_reduce.py: symmetric memory, peer-to-peer over NVLink, checked once at set-up,
+unless `use_custom_all_reduce=False`), which sums the small messages (bfloat16 or float32, up
+to a few MB) and leaves the others to NCCL; capturable as well. On the CPU (gloo), or when its
+set-up fails, every all-reduce is NCCL's or gloo's.
 """
 
 from __future__ import annotations
@@ -19,8 +24,11 @@ import sys
 import torch
 import torch.distributed as dist
 
+from llm_inference.distributed import custom_all_reduce
+
 _TP_RANK = 0
 _TP_SIZE = 1
+_CUSTOM_ALL_REDUCE: custom_all_reduce.CustomAllReduce | None = None
 
 
 def get_tp_rank() -> int:
@@ -29,6 +37,11 @@ def get_tp_rank() -> int:
 
 def get_tp_size() -> int:
     return _TP_SIZE
+
+
+def get_custom_all_reduce() -> custom_all_reduce.CustomAllReduce | None:
+    """The custom all-reduce in use, or None (one rank, CPU, disabled or failed set-up)."""
+    return _CUSTOM_ALL_REDUCE
 
 
 def free_port() -> int:
@@ -44,11 +57,14 @@ def init_distributed(
     port: int,
     device: torch.device | str = "cpu",
     timeout_s: float = 600.0,
+    use_custom_all_reduce: bool = True,
 ) -> None:
     """Join the tensor-parallel group as `rank` of `world_size` (rendezvous at 127.0.0.1:port).
+    On CUDA, then set up the custom all-reduce (every rank; NCCL alone if it fails) unless
+    `use_custom_all_reduce` is False.
 
     World size 1 sets the globals and creates no group."""
-    global _TP_RANK, _TP_SIZE
+    global _TP_RANK, _TP_SIZE, _CUSTOM_ALL_REDUCE
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world size {world_size}")
     device = torch.device(device)
@@ -70,20 +86,32 @@ def init_distributed(
             timeout=datetime.timedelta(seconds=timeout_s),
             **kw,
         )
+        if device.type == "cuda" and use_custom_all_reduce:
+            with torch.cuda.device(device):
+                _CUSTOM_ALL_REDUCE = custom_all_reduce.create(device)
     _TP_RANK, _TP_SIZE = rank, world_size
 
 
 def destroy_distributed() -> None:
-    global _TP_RANK, _TP_SIZE
+    global _TP_RANK, _TP_SIZE, _CUSTOM_ALL_REDUCE
+    if _CUSTOM_ALL_REDUCE is not None:
+        _CUSTOM_ALL_REDUCE.close()  # before the group its buffer was mapped over
+        _CUSTOM_ALL_REDUCE = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _TP_RANK, _TP_SIZE = 0, 1
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum `x` over the ranks, in place; every rank gets the sum."""
+    """Sum `x` over the ranks, in place; every rank gets the sum. Small messages on CUDA go
+    through the custom all-reduce (custom_all_reduce.algorithm decides), the rest to NCCL."""
     if _TP_SIZE > 1:
-        dist.all_reduce(x)
+        custom = _CUSTOM_ALL_REDUCE
+        algo = custom_all_reduce.NCCL if custom is None else custom.algorithm(x)
+        if algo == custom_all_reduce.NCCL:
+            dist.all_reduce(x)
+        else:
+            custom.all_reduce(x, algo)
     return x
 
 

@@ -229,6 +229,9 @@ def add_bench_args(p: argparse.ArgumentParser, kind: str | None = None) -> None:
     p.add_argument("--sync", action="store_true", help="no async scheduling (one step at a time)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs to shard over")
     p.add_argument(
+        "--disable-custom-all-reduce", action="store_true", help="NCCL for every all-reduce"
+    )
+    p.add_argument(
         "--enable-prefix-caching",
         action="store_true",
         help="off by default here: repeated prompts would measure cache hits",
@@ -256,6 +259,8 @@ def run_bench(args) -> dict:
         kw["async_scheduling"] = False
     if args.tensor_parallel_size > 1:
         kw["tensor_parallel_size"] = args.tensor_parallel_size
+    if args.disable_custom_all_reduce:
+        kw["disable_custom_all_reduce"] = res["disable_custom_all_reduce"] = True
     if not args.enable_prefix_caching:
         kw["enable_prefix_caching"] = False
     with LLM(str(folder), **kw) as llm:

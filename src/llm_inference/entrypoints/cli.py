@@ -82,6 +82,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel-backend", default="auto", help="auto, triton or reference")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
+        "--disable-custom-all-reduce",
+        action="store_true",
+        help="tensor parallelism on CUDA: NCCL for every all-reduce, not the symmetric-memory "
+        "one for small messages",
+    )
+    p.add_argument(
         "--seed",
         type=int,
         default=0,
@@ -101,6 +107,7 @@ ENGINE_ARGS = (
     "device", "dtype", "max_model_len", "kv_cache_memory_bytes", "enable_prefix_caching",
     "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "block_size",
     "tensor_parallel_size", "kernel_backend", "enforce_eager", "seed", "async_scheduling",
+    "disable_custom_all_reduce",
 )  # fmt: skip
 
 

@@ -3,8 +3,9 @@
 The engine's process keeps the scheduler; `MultiprocWorkers` starts N processes with the
 `spawn` method (rank r on CUDA device r, or on the CPU), each joined to the parent by two
 one-way `multiprocessing` pipes (calls in, replies out). A worker joins the process group (NCCL
-on CUDA, gloo on CPU; rendezvous on 127.0.0.1 at a port the parent picked free), builds its
-`Worker` (model shard, rank-local paged KV cache) and reports ready.
+on CUDA, with the custom all-reduce of distributed/custom_all_reduce.py unless
+`disable_custom_all_reduce`; gloo on CPU; rendezvous on 127.0.0.1 at a port the parent picked
+free), builds its `Worker` (model shard, rank-local paged KV cache) and reports ready.
 
 Protocol (every message pickled once, sent as bytes): the parent sends `(seq, method, args)`
 to every rank, in rank order, and each rank replies `(seq, ok, result or traceback text)`. The
@@ -172,6 +173,19 @@ def _send_replies(conn: Connection, replies: queue.SimpleQueue, calls: queue.Sim
         calls.put(None)  # the parent is gone (or this thread failed): stop the main loop
 
 
+def join_group(config: EngineConfig, rank: int, world_size: int, port: int) -> torch.device:
+    """Take rank `rank`'s device (or CPU threads) and join the process group; returns the
+    device."""
+    device = worker_device(config, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    custom = not config.parallel.disable_custom_all_reduce
+    init_distributed(rank, world_size, port, device, use_custom_all_reduce=custom)
+    return device
+
+
 def worker_main(
     config: EngineConfig,
     rank: int,
@@ -185,12 +199,7 @@ def worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     try:
-        device = worker_device(config, rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        else:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        init_distributed(rank, world_size, port, device)
+        device = join_group(config, rank, world_size, port)
         worker = Worker(config, rank)
     except BaseException:
         _send(replies_conn, 0, False, traceback.format_exc())

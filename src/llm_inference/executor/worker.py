@@ -9,6 +9,7 @@ import torch
 
 from llm_inference.config import EngineConfig
 from llm_inference.core.outputs import SchedulerOutput
+from llm_inference.distributed.parallel_state import get_custom_all_reduce
 from llm_inference.executor.model_runner import ModelRunner
 
 
@@ -40,6 +41,9 @@ class Worker:
 
     def uses_cuda_graphs(self) -> bool:
         return self.model_runner.graphs is not None
+
+    def uses_custom_all_reduce(self) -> bool:
+        return get_custom_all_reduce() is not None
 
     def execute_model(self, scheduler_output: SchedulerOutput, sync: bool = True):
         """Launch the step. Rank 0: a PendingOutput (a worker process sends its result()

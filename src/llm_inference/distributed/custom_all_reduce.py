@@ -1,0 +1,223 @@
+"""A low-latency all-reduce for small messages on one host: PyTorch symmetric memory.
+
+NCCL spends ~15-25 us on an all-reduce of a few KB between two NVLink GPUs; tensor parallelism
+does two per layer per decode step. Here every rank owns one persistent buffer allocated with
+`torch.distributed._symmetric_memory.empty` and mapped into every peer (`rendezvous`), and a
+kernel of `torch.ops.symm_mem` reads the peers' buffers directly over NVLink:
+
+- one-shot (`one_shot_all_reduce_copy_out(buffer, x, "sum", group, x)`): one kernel copies `x`
+  into this rank's buffer, waits for every peer to have done the same, sums all the buffers and
+  writes the sum into `x`. Each rank reads all of every peer's message: the fewest steps, so
+  the lowest latency; the choice for small messages and for two ranks at any size.
+- two-shot (`x` copied into the buffer, then `two_shot_all_reduce_out(buffer, "sum", group,
+  x)`): each rank sums 1/world of the message from every peer, then gathers the other parts;
+  reads less per rank than one-shot for more than two ranks (larger messages at TP 4 and 8).
+
+Neither uses NVLink multicast (multimem), which the target machines disable; peer-to-peer
+loads only. (On torch without the fused copy variant, one-shot is a copy then
+`one_shot_all_reduce_out`.)
+
+Invariants:
+
+- Used only at world size 2, 4 or 8 on CUDA, when `init_distributed` set it up (not with
+  `disable_custom_all_reduce`) and its self-check passed: one all-reduce of each dtype at the
+  smallest and largest routed sizes, through it and through NCCL, equal on every rank.
+  Otherwise rank 0 prints one line saying why and NCCL does every all-reduce of the run.
+- Per call, `algorithm(x)` routes: bfloat16 or float32 (the symm_mem kernels have no float16),
+  contiguous, at a 16-byte-aligned offset in its storage, a non-zero multiple of 4 bytes and
+  at most `max_bytes` (MAX_BYTES, by world size) -> one-shot up to `one_shot_max_bytes`, then
+  two-shot; anything else -> NCCL. The route depends only on shape and dtype, so every rank
+  takes the same one (ranks must call all-reduce in the same order with the same shapes, as
+  with NCCL).
+- In place: the sum is written into `x`.
+- CUDA graphs: the ranks synchronize inside the kernels, through flags in each other's signal
+  pads (device memory); no host step, so a call can be captured, and a replay reuses the same
+  buffer addresses. The buffer is shared by every call: all-reduces must not run concurrently
+  on different streams (the engine runs one stream).
+- The kernels end by waiting for every peer, so when one returns no peer still reads this
+  rank's buffer: the next call may overwrite it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+KiB, MiB = 1 << 10, 1 << 20
+# Largest message through symmetric memory, by world size (also the buffer's size); larger
+# ones (prefill chunks) go to NCCL. Starting points, not measurements: 8 MiB is vLLM's custom
+# all-reduce default; benchmarks/all_reduce.py times every path at every size to set them.
+MAX_BYTES = {2: 8 * MiB, 4: 8 * MiB, 8: 8 * MiB}
+# One-shot up to this size, two-shot above. With two ranks both read the whole peer message,
+# and one-shot does it in one pass and one kernel: it takes every size.
+ONE_SHOT_MAX_BYTES = {2: 8 * MiB, 4: 256 * KiB, 8: 128 * KiB}
+DTYPES = (torch.bfloat16, torch.float32)
+ONE_SHOT, TWO_SHOT, NCCL = "one_shot", "two_shot", "nccl"
+
+
+def algorithm(x: torch.Tensor, max_bytes: int, one_shot_max_bytes: int) -> str:
+    """ONE_SHOT, TWO_SHOT or NCCL for summing `x` (the routing rule of the module docstring)."""
+    nbytes = x.numel() * x.element_size()
+    if (
+        x.dtype not in DTYPES
+        or not x.is_contiguous()
+        or (x.storage_offset() * x.element_size()) % 16
+        or nbytes == 0
+        or nbytes % 4
+        or nbytes > max_bytes
+    ):
+        return NCCL
+    return ONE_SHOT if nbytes <= one_shot_max_bytes else TWO_SHOT
+
+
+class CustomAllReduce:
+    """Sums over the default process group through a symmetric-memory buffer of `max_bytes`.
+
+    Built in two steps so that every rank can agree between them (see `create`): the
+    constructor allocates, `rendezvous()` (collective) maps the peers' buffers."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        max_bytes: int | None = None,
+        one_shot_max_bytes: int | None = None,
+    ) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        world = dist.get_world_size()
+        if world not in MAX_BYTES:
+            raise RuntimeError(f"world size {world} is not supported (2, 4 or 8 only)")
+        for name in ("one_shot_all_reduce_out", "two_shot_all_reduce_"):
+            if not hasattr(torch.ops.symm_mem, name):
+                raise RuntimeError(f"torch {torch.__version__} has no symm_mem.{name}")
+        self.max_bytes = MAX_BYTES[world] if max_bytes is None else max_bytes
+        self.one_shot_max_bytes = (
+            ONE_SHOT_MAX_BYTES[world] if one_shot_max_bytes is None else one_shot_max_bytes
+        )
+        if self.max_bytes <= 0 or self.max_bytes % 16:
+            raise ValueError(f"max_bytes must be a positive multiple of 16, not {self.max_bytes}")
+        self.group_name = dist.group.WORLD.group_name
+        self.buffer = symm_mem.empty(self.max_bytes, dtype=torch.uint8, device=device)
+        self.handle = None
+        ops = torch.ops.symm_mem
+        # Present in recent torch only; otherwise a copy and the plain variant.
+        self._one_shot_copy = getattr(ops, "one_shot_all_reduce_copy_out", None)
+        self._two_shot_out = getattr(ops, "two_shot_all_reduce_out", None)
+
+    def rendezvous(self) -> None:
+        """Map every peer's buffer (a collective call: every rank, once)."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if torch.__version__ < (2, 11):  # later versions resolve the group by name themselves
+            symm_mem.enable_symm_mem_for_group(self.group_name)
+        self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
+
+    def algorithm(self, x: torch.Tensor) -> str:
+        return algorithm(x, self.max_bytes, self.one_shot_max_bytes)
+
+    def all_reduce(self, x: torch.Tensor, algo: str | None = None) -> torch.Tensor:
+        """Sum `x` over the ranks in place by `algo` (default: `algorithm(x)`, which must
+        not be NCCL: the caller routes those)."""
+        algo = algo or self.algorithm(x)
+        flat = x.view(-1)
+        buf = self.buffer[: x.numel() * x.element_size()].view(x.dtype)
+        ops, name = torch.ops.symm_mem, self.group_name
+        if algo == ONE_SHOT:
+            if self._one_shot_copy is not None:
+                self._one_shot_copy(buf, flat, "sum", name, flat)
+            else:
+                buf.copy_(flat)
+                ops.one_shot_all_reduce_out(buf, "sum", name, flat)
+        elif algo == TWO_SHOT:
+            buf.copy_(flat)
+            if self._two_shot_out is not None:
+                self._two_shot_out(buf, "sum", name, flat)
+            else:
+                ops.two_shot_all_reduce_(buf, "sum", name)
+                flat.copy_(buf)
+        else:
+            raise ValueError(f"cannot all-reduce {x.dtype} {tuple(x.shape)} by {algo}")
+        return x
+
+    def close(self) -> None:
+        self.handle = None
+        self.buffer = None
+
+
+def _verify(comm, device: torch.device) -> str:
+    """Run one all-reduce of each dtype, at the smallest and largest routed sizes, through
+    `comm` and through NCCL: '' when they agree, else the first difference. Small integers:
+    every sum is exact in every dtype, so the results must be equal. Every rank runs every
+    case (the same collectives in the same order) whatever it finds."""
+    rank = dist.get_rank()
+    problems = []
+    for dtype in DTYPES:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        for nbytes in sorted({min(64 * KiB, comm.max_bytes), comm.max_bytes}):
+            n = nbytes // itemsize
+            x = ((torch.arange(n, device=device) * (rank + 1)) % 13 - 6).to(dtype)
+            algo = comm.algorithm(x)
+            if algo == NCCL:  # the same on every rank
+                problems.append(f"{n} x {dtype} would not be routed to it")
+                continue
+            ref = x.clone()
+            dist.all_reduce(ref)
+            comm.all_reduce(x)
+            if not torch.equal(x, ref):
+                bad = int((x != ref).sum())
+                problems.append(
+                    f"{algo} all-reduce of {n} x {dtype} differs from NCCL at {bad} elements"
+                )
+    return problems[0] if problems else ""
+
+
+def _failures(reason: str) -> list[tuple[int, str]]:
+    """Every rank's (rank, reason) for those that failed (a collective call)."""
+    reasons: list = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, reason)
+    return [(r, why) for r, why in enumerate(reasons) if why]
+
+
+def _error(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def create(device: torch.device, impl=CustomAllReduce) -> CustomAllReduce | None:
+    """Set up and check the custom all-reduce on every rank of the default group (a collective
+    call, right after the group exists). Returns it, or None on every rank when any rank
+    failed, after rank 0 printed one line naming the first failure. `impl` is for tests.
+
+    The ranks agree after each step (allocate, rendezvous, check), so that a rank that failed
+    one is not waited for by the others in the next step's collectives. (Within the check, a
+    custom all-reduce that raised on one rank only would still leave the others waiting; its
+    errors come from the arguments, the same on every rank.)"""
+    comm = None
+    for step in ("allocate", "rendezvous", "check"):
+        reason = ""
+        try:
+            if step == "allocate":
+                comm = impl(device)
+            elif step == "rendezvous":
+                comm.rendezvous()
+            else:
+                reason = _verify(comm, device)
+        except Exception as e:
+            reason = f"{step}: {_error(e)}"
+        failed = _failures(reason)
+        if failed:
+            break
+    else:
+        return comm
+    if comm is not None:
+        comm.close()
+    if dist.get_rank() == 0:
+        rank, why = failed[0]
+        print(
+            f"llm_inference: custom all-reduce off, NCCL for every all-reduce (rank {rank}: {why})",
+            file=sys.stderr,
+            flush=True,
+        )
+    return None
