@@ -21,8 +21,11 @@ NEAR_TIE = 8 * 0.15
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def run_turns(folder, fast: bool, **kw):
-    """The three turns; the reference run asks for logprobs (to judge a difference)."""
+def run_turns(folder, fast: bool, follow: list[int] | None = None, **kw):
+    """The three turns; the reference run asks for logprobs (to judge a difference). The
+    follow-up turn resends the first conversation with its answer: `follow` (the fast run's
+    answer, so that both runs get the same prompt even where their answers parted at a near
+    tie), by default the run's own."""
     params = PARAMS if fast else PARAMS.replace(logprobs=5)
     with LLM(
         str(folder), device="cuda", dtype="bfloat16", block_size=16,
@@ -30,7 +33,8 @@ def run_turns(folder, fast: bool, **kw):
     ) as llm:  # fmt: skip
         first = llm.generate(FIRST, params, use_tqdm=False)
         second = llm.generate(SECOND, params, use_tqdm=False)
-        follow_up = FIRST[0] + first[0].token_ids + tokens(4, 6)
+        answer = first[0].token_ids if follow is None else follow
+        follow_up = FIRST[0] + answer + tokens(4, 6)
         third = llm.generate([follow_up], params, use_tqdm=False)
         stats = llm.stats()
     return first + second + third, stats
@@ -50,7 +54,8 @@ BLOCK_BYTES = 16 * 2 * 2 * 2 * 64 * 2  # tokens x layers x (K, V) x KV heads x h
 def test_caching_on_triton_equals_reference_off(tmp_path, kw):
     folder = make_sharp_checkpoint(tmp_path, num_hidden_layers=2)
     fast, fast_stats = run_turns(folder, True, **kw)
-    ref, _ = run_turns(folder, False, **kw)
+    ref, _ = run_turns(folder, False, follow=fast[0].token_ids, **kw)
+    assert [o.prompt_token_ids for o in fast] == [o.prompt_token_ids for o in ref]
     assert fast_stats["prefix_cache_hits"] >= 2 * 16  # the cache was used
     if "max_model_len" in kw:
         assert fast_stats["num_preemptions"] > 0

@@ -36,6 +36,13 @@ def test_step_bytes_counts_weights_once_and_kv_per_token():
     weights = 2 * (2 * per_layer + 10 * 4)  # bf16; the tied head counted once
     assert bench.step_bytes(c, batch=3, context=5) == weights + 3 * 5 * 2 * 2 * 2 * 2
     assert bench.step_bytes({**c, "tie_word_embeddings": False}, 1, 0) == weights + 2 * 10 * 4
+    # a rank's share: 1/tp of the weights; the one KV head is replicated, every rank reads it
+    kv = 3 * 5 * 2 * 2 * 2 * 2
+    assert bench.step_bytes(c, batch=3, context=5, tp=2) == weights // 2 + kv
+    assert bench.step_bytes(c, batch=3, context=5, tp=4) == weights // 4 + kv
+    # with 4 KV heads, two ranks read two heads each: half the KV bytes
+    c4 = {**c, "num_attention_heads": 4, "num_key_value_heads": 4}
+    assert bench.step_bytes(c4, 3, 5, tp=2) - bench.step_bytes(c4, 3, 0, tp=2) == 2 * kv
 
 
 @pytest.mark.parametrize("kind", ["latency", "throughput", "prefill"])

@@ -90,16 +90,18 @@ def copy_bandwidth(device: str = "cuda", nbytes: int = 1 << 30) -> float:
     return 2 * n / statistics.median(times)
 
 
-def step_bytes(config: dict, batch: int, context: int) -> int:
-    """Bytes one decode step must read: every bf16 weight once (a tied head once) and each
-    sequence's K and V of `context` tokens."""
+def step_bytes(config: dict, batch: int, context: int, tp: int = 1) -> int:
+    """Bytes one decode step must read on each GPU: every bf16 weight once (a tied head once)
+    and each sequence's K and V of `context` tokens; at tensor parallel size `tp`, a rank's
+    share (1/tp of the weights, its KV heads: replicated when tp exceeds them)."""
     h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
     hd = config.get("head_dim") or h // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
     heads = 1 if config.get("tie_word_embeddings") else 2
     weights = 2 * (layers * per_layer + heads * config["vocab_size"] * h)
-    return weights + batch * context * 2 * layers * kv * 2
+    kv_rank = -(-config["num_key_value_heads"] // tp) * hd
+    return weights // tp + batch * context * 2 * layers * kv_rank * 2
 
 
 def _timed_generate(llm, prompts, params) -> float:
@@ -273,7 +275,7 @@ def run_bench(args) -> dict:
             res["copy_bandwidth_TBps"] = bw / 1e12
             batches = [int(b) for b in args.batches.split(",")]
             for bs, ms in decode_latency(llm, batches).items():
-                floor = step_bytes(config, bs, 128 + 72) / bw * 1e3  # the mean context
+                floor = step_bytes(config, bs, 128 + 72, args.tensor_parallel_size) / bw * 1e3
                 res[f"bs{bs}"] = {"ms_per_step": ms, "floor_ms": floor}
             for bs in [int(b) for b in args.profile.split(",") if b]:
                 res[f"profile_bs{bs}"] = profile_decode(llm, bs)
