@@ -8,10 +8,11 @@ kernel of `torch.ops.symm_mem` reads the peers' buffers directly over NVLink:
 - one-shot (`one_shot_all_reduce_copy_out(buffer, x, "sum", group, x)`): one kernel copies `x`
   into this rank's buffer, waits for every peer to have done the same, sums all the buffers and
   writes the sum into `x`. Each rank reads all of every peer's message: the fewest steps, so
-  the lowest latency; the choice for small messages and for two ranks at any size.
+  the lowest latency; the choice for small messages.
 - two-shot (`x` copied into the buffer, then `two_shot_all_reduce_out(buffer, "sum", group,
   x)`): each rank sums 1/world of the message from every peer, then gathers the other parts;
-  reads less per rank than one-shot for more than two ranks (larger messages at TP 4 and 8).
+  reads less per rank than one-shot: faster for larger messages (above 1 MiB at two ranks,
+  measured).
 
 Neither uses NVLink multicast (multimem), which the target machines disable; peer-to-peer
 loads only. (On torch without the fused copy variant, one-shot is a copy then
@@ -47,12 +48,14 @@ import torch.distributed as dist
 
 KiB, MiB = 1 << 10, 1 << 20
 # Largest message through symmetric memory, by world size (also the buffer's size); larger
-# ones (prefill chunks) go to NCCL. Starting points, not measurements: 8 MiB is vLLM's custom
-# all-reduce default; benchmarks/all_reduce.py times every path at every size to set them.
+# ones (prefill chunks) go to NCCL. Measured at 2 ranks on two H200s (benchmarks/results/
+# all_reduce_2026-11-30_h200x2.json, us per call in a CUDA graph): one-shot 6.7-10 us up to
+# 384 KB against NCCL's 11-15; at 1.5 MB two-shot 17.4, one-shot 18.6, NCCL 23.3; from 6 MB
+# one-shot is slower than NCCL (49 vs 44) while two-shot stays ahead up to 8 MB (42 vs 51) and
+# about even beyond (104 vs 116 at 24 MB). 4 and 8 ranks: starting points, not measured.
 MAX_BYTES = {2: 8 * MiB, 4: 8 * MiB, 8: 8 * MiB}
-# One-shot up to this size, two-shot above. With two ranks both read the whole peer message,
-# and one-shot does it in one pass and one kernel: it takes every size.
-ONE_SHOT_MAX_BYTES = {2: 8 * MiB, 4: 256 * KiB, 8: 128 * KiB}
+# One-shot up to this size, two-shot above.
+ONE_SHOT_MAX_BYTES = {2: 1 * MiB, 4: 256 * KiB, 8: 128 * KiB}
 DTYPES = (torch.bfloat16, torch.float32)
 ONE_SHOT, TWO_SHOT, NCCL = "one_shot", "two_shot", "nccl"
 
