@@ -13,16 +13,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import multiprocessing
 import os
 import pickle
-import time
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-from tp_helpers import run_ranks
+from tp_helpers import run_ranks, spawn_ranks
 
 from llm_inference.config import create_engine_config
 from llm_inference.distributed import custom_all_reduce as car
@@ -204,33 +202,7 @@ def _gpu_rank_main(rank, world_size, port, conn, body):
 
 def run_gpu_ranks(body, world_size=2, timeout=180.0) -> list:
     """`body(rank, set-up stderr)` on `world_size` GPU ranks; their results in rank order."""
-    ctx = multiprocessing.get_context("spawn")
-    port = ps.free_port()
-    procs, conns = [], []
-    for rank in range(world_size):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=_gpu_rank_main, args=(rank, world_size, port, child, body))
-        p.start()
-        child.close()
-        procs.append(p)
-        conns.append(parent)
-    results = []
-    try:
-        deadline = time.monotonic() + timeout
-        for rank, conn in enumerate(conns):
-            while not conn.poll(0.2):
-                if time.monotonic() > deadline or not procs[rank].is_alive():
-                    raise AssertionError(f"rank {rank} died or timed out")
-            ok, value = pickle.loads(conn.recv_bytes())
-            assert ok, f"rank {rank} raised:\n{value}"
-            results.append(value)
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return results
+    return spawn_ranks(_gpu_rank_main, world_size, (body,), timeout)
 
 
 @contextlib.contextmanager

@@ -63,6 +63,14 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 def run_ranks(target, world_size: int, *args, timeout: float = 120.0) -> list:
     """Run `target(rank, world_size, port, *args)` in `world_size` spawned processes joined by
     gloo; return what each returned (sent back over a pipe), in rank order."""
+    return spawn_ranks(_rank_main, world_size, (target, args), timeout)
+
+
+def spawn_ranks(main, world_size: int, main_args: tuple, timeout: float) -> list:
+    """Start `main(rank, world_size, port, conn, *main_args)` in `world_size` spawned processes
+    (`port` free for their rendezvous); each sends `(ok, result or traceback)` pickled over
+    `conn`. Returns the results in rank order; raises AssertionError for a rank that raised,
+    died or timed out."""
     from llm_inference.distributed.parallel_state import free_port
 
     ctx = multiprocessing.get_context("spawn")
@@ -70,7 +78,7 @@ def run_ranks(target, world_size: int, *args, timeout: float = 120.0) -> list:
     procs, conns = [], []
     for rank in range(world_size):
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=_rank_main, args=(target, rank, world_size, port, child, args))
+        p = ctx.Process(target=main, args=(rank, world_size, port, child, *main_args))
         p.start()
         child.close()
         procs.append(p)
@@ -88,14 +96,14 @@ def run_ranks(target, world_size: int, *args, timeout: float = 120.0) -> list:
             results.append(value)
     finally:
         for p in procs:
-            p.join(5)
+            p.join(10)
             if p.is_alive():
                 p.kill()
                 p.join()
     return results
 
 
-def _rank_main(target, rank, world_size, port, conn, args):
+def _rank_main(rank, world_size, port, conn, target, args):
     import traceback
 
     from llm_inference.distributed.parallel_state import destroy_distributed, init_distributed

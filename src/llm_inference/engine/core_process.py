@@ -204,16 +204,9 @@ class CoreClient:
         return message
 
     def _exit_text(self) -> str:
-        self._proc.join(1.0)
-        code = self._proc.exitcode
-        if code is None:
-            return "its pipe closed"
-        if code < 0:
-            try:
-                return f"killed by {signal.Signals(-code).name}"
-            except ValueError:
-                return f"killed by signal {-code}"
-        return f"exit code {code}"
+        from llm_inference.executor.multiproc import exit_text
+
+        return exit_text(self._proc)
 
     # ---- what the front end calls -----------------------------------------------------------
 

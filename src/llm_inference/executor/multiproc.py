@@ -253,7 +253,8 @@ def worker_main(
 # ---- the parent -----------------------------------------------------------------------------
 
 
-def _exit_text(proc) -> str:
+def exit_text(proc) -> str:
+    """How a child process ended (for an error message): its exit code or signal."""
     proc.join(0.5)
     code = proc.exitcode
     if code is None:
@@ -395,7 +396,7 @@ class MultiprocWorkers:
         self._unusable = f"worker rank {rank} died"
         raise WorkerError(
             f"tensor-parallel worker rank {rank} (pid {proc.pid}) died during {method} "
-            f"({_exit_text(proc)}); the engine cannot continue"
+            f"({exit_text(proc)}); the engine cannot continue"
         )
 
     def _read_reply(self, rank: int) -> None:
