@@ -376,3 +376,50 @@ def test_worker_start_up_error_is_reported_and_cleaned_up(tiny_ckpt, tmp_path):
     with pytest.raises(multiproc.WorkerError, match=r"(?s)start-up.*missing tensors"):
         LLM(str(broken), tensor_parallel_size=2, device="cpu", max_model_len=64)
     assert child_processes() == []
+
+
+def test_tp4_replicates_kv_heads_and_matches_tp1(tiny_ckpt, runs):
+    """TP=4 over 2 KV heads: each rank holds a replica of one KV head (and one query head);
+    greedy outputs under preemption equal TP=1's."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with LLM(str(tiny_ckpt), tensor_parallel_size=4, **ENGINE) as llm:
+            got = run_all(llm)
+            pids = llm.engine.executor.worker_pids
+    finally:
+        torch.set_num_threads(threads)
+    assert got["greedy"] == runs[1]["greedy"]
+    assert got["seeded"] == runs[1]["seeded"]
+    assert got["stats"]["num_preemptions"] > 0
+    assert len(pids) == 4
+    assert not wait_gone(pids, 10)
+
+
+def test_async_llm_core_process_runs_tensor_parallel(tiny_ckpt, runs):
+    """The server's engine core process starts the TP workers itself: AsyncLLM at TP=2 streams
+    TP=1's greedy outputs, and after shutdown neither the core process nor a worker is left."""
+    import asyncio
+
+    from llm_inference import AsyncLLM
+
+    async def main(llm):
+        async def one(prompt):
+            last = None
+            async for out in llm.generate(prompt, GREEDY):
+                last = out
+            return last.outputs[0].token_ids
+
+        return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+    llm = AsyncLLM(str(tiny_ckpt), tensor_parallel_size=2, **ENGINE)
+    try:
+        core = llm.core_process.pid
+        workers = [pid for pid, _ in child_processes(core)]
+        assert len(workers) == 2
+        greedy = asyncio.run(main(llm))
+    finally:
+        llm.shutdown()
+    assert greedy == runs[1]["greedy"]
+    assert not wait_gone([core, *workers], 10)
+    assert not child_processes()
