@@ -93,7 +93,7 @@ class IncrementalDetokenizer:
                 new_text = self._decode_new()
             if new_text:
                 self._text += new_text
-                if len(self.token_ids) > self.params.min_tokens:
+                if self.params.stop_strings and len(self.token_ids) > self.params.min_tokens:
                     self._check_stop(len(new_text))
         return self.stop_string
 
