@@ -21,7 +21,7 @@ Invariants:
   for later calls).
 - With `engine_process=True` (the default) the engine core (scheduler, executor: the
   stepping) runs in a process of its own (core_process.py) and the thread is the front end:
-  it waits on the core's pipe and on a wake-up pipe for the inbox, applies commands (adding a
+  it waits on the core's pipe and on a wake-up socket for the inbox, applies commands (adding a
   request validates and registers it here, then sends it to the core) and turns each step's
   records into outputs (detokenizing here, in parallel with the core's next steps). A core
   process that dies or fails ends the engine like an error of the step loop. With
