@@ -1,8 +1,9 @@
-"""The skinny GEMM (kernels/skinny_gemm.py).
+"""The skinny GEMM (kernels/skinny_gemm.py) and its wiring into the layers.
 
 CPU: skinny_gemm_checks.py in a child process under TRITON_INTERPRET=1 (float32 and float16,
 M = 1, 3, 8, 16, N and K not multiples of the blocks, split-K off and on, the fused SiLU
-variant); the config rule; the launchers' input checks.
+variant, the model at one rank and the parallel layers at two gloo ranks with the kernels let
+through on CPU); the config rule; the launchers' input checks.
 GPU (skipped without CUDA): bfloat16 at the Llama 3.2 1B and 3B shapes (and their TP=2 halves)
 against float64 math, with the default configs; replay inside a CUDA graph.
 """
@@ -109,6 +110,19 @@ def test_launchers_reject_bad_inputs():
         sg.skinny_gemm_silu(x, torch.randn(47, 32))
     with pytest.raises(ValueError, match="block_k"):
         sg.GemmConfig(block_k=48)
+
+
+def test_layers_take_the_kernel_only_on_cuda_half_and_few_rows():
+    from llm_inference.layers.linear import SKINNY_MAX_ROWS, skinny_applies
+
+    assert SKINNY_MAX_ROWS == sg.MAX_ROWS
+    w = torch.randn(8, 4, dtype=torch.bfloat16)
+    assert not skinny_applies(torch.randn(2, 4, dtype=torch.bfloat16), w)  # CPU
+    if torch.cuda.is_available():
+        wc = w.cuda()
+        assert skinny_applies(torch.randn(16, 4, dtype=torch.bfloat16, device="cuda"), wc)
+        assert not skinny_applies(torch.randn(17, 4, dtype=torch.bfloat16, device="cuda"), wc)
+        assert not skinny_applies(torch.randn(2, 4, device="cuda"), wc.float())  # float32
 
 
 @cuda
