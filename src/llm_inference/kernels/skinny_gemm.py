@@ -87,9 +87,7 @@ def default_config(n: int, k: int, sms: int) -> GemmConfig:
     block_k = min(128, max(16, triton.next_power_of_2(k)))
     blocks = triton.cdiv(n, block_n)
     split = 1
-    while blocks * split < FILL * sms and k // (2 * split) >= MIN_K_PER_SPLIT:
-        if split == MAX_SPLIT:
-            break
+    while split < MAX_SPLIT and blocks * split < FILL * sms and k // (2 * split) >= MIN_K_PER_SPLIT:
         split *= 2
     return GemmConfig(block_n, block_k, split)
 
