@@ -51,6 +51,8 @@ BAD_ENGINE_ARGS = [
     ("mixed_cuda_graph_sizes", "256"),
     ("mixed_cuda_graph_sizes", [128.0]),
     ("disable_custom_all_reduce", "yes"),
+    ("skinny_gemm", "yes"),
+    ("skinny_gemm", True),  # on CPU: needs the Triton kernels on CUDA
 ]
 
 

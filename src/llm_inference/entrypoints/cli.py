@@ -82,6 +82,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel-backend", default="auto", help="auto, triton or reference")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
+        "--skinny-gemm",
+        action="store_true",
+        help="CUDA: decode matmuls (at most 16 rows) through the Triton skinny GEMM",
+    )
+    p.add_argument(
         "--disable-custom-all-reduce",
         action="store_true",
         help="tensor parallelism on CUDA: NCCL for every all-reduce, not the symmetric-memory "
@@ -107,7 +112,7 @@ ENGINE_ARGS = (
     "device", "dtype", "max_model_len", "kv_cache_memory_bytes", "enable_prefix_caching",
     "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "block_size",
     "tensor_parallel_size", "kernel_backend", "enforce_eager", "seed", "async_scheduling",
-    "disable_custom_all_reduce",
+    "disable_custom_all_reduce", "skinny_gemm",
 )  # fmt: skip
 
 

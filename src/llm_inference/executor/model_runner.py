@@ -28,7 +28,9 @@ class ModelRunner:
         ops = get_ops(config.kernel_backend, device)
         # The reference kernels sync with the host, which a graph capture forbids.
         self.use_cuda_graphs = config.kernel_backend == "triton" and not config.enforce_eager
-        self.model = load_model(config.model_path, ops, device, self.dtype, config.model)
+        self.model = load_model(
+            config.model_path, ops, device, self.dtype, config.model, config.skinny_gemm
+        )
         self.sampler = Sampler(use_triton=config.kernel_backend == "triton")
         self.block_size = config.cache.block_size
         sched = config.scheduler

@@ -6,7 +6,12 @@ own part of each tensor); `copy_` converts the dtype. No bias: Llama checkpoints
 are bias-free.
 
 Column-parallel layers (qkv_proj, gate_up_proj) keep their output sharded; the row-parallel
-ones (o_proj, down_proj) take it sharded and sum the partial outputs with one all-reduce."""
+ones (o_proj, down_proj) take it sharded and sum the partial outputs with one all-reduce.
+
+`skinny_gemm=True` (the engine option of that name) sends the matmuls of at most SKINNY_MAX_ROWS
+rows on CUDA in half precision to the Triton skinny GEMM (kernels/skinny_gemm.py), decode
+batches, whose time is the weight bytes; everything else stays F.linear. Inside a CUDA graph the
+row count is the graph's batch size, so the choice is made once per graph."""
 
 from __future__ import annotations
 
@@ -16,6 +21,31 @@ from torch import nn
 
 from llm_inference.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size
 
+SKINNY_MAX_ROWS = 16
+
+
+def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the skinny GEMM computes x @ weight^T: 2-D x of 1 to SKINNY_MAX_ROWS rows on
+    CUDA, float16 or bfloat16 like the weight, both contiguous in their last dim."""
+    return (
+        x.is_cuda
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= SKINNY_MAX_ROWS
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and weight.dtype == x.dtype
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, skinny_gemm: bool = False) -> torch.Tensor:
+    """x @ weight^T: the Triton skinny GEMM when `skinny_gemm` and it applies, else F.linear."""
+    if skinny_gemm and skinny_applies(x, weight):
+        from llm_inference.kernels import skinny_gemm as kernels
+
+        return kernels.skinny_gemm(x, weight)
+    return F.linear(x, weight)
+
 
 def _divide(a: int, b: int) -> int:
     if a % b:
@@ -24,21 +54,25 @@ def _divide(a: int, b: int) -> int:
 
 
 class LinearBase(nn.Module):
-    def __init__(self, in_features: int, out_features: int) -> None:
+    def __init__(self, in_features: int, out_features: int, skinny_gemm: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.skinny_gemm = skinny_gemm
+
+    def uses_skinny_gemm(self, x: torch.Tensor) -> bool:
+        return self.skinny_gemm and skinny_applies(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight, self.skinny_gemm)
 
 
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks (dim 0 of the weight)."""
 
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__(in_features, _divide(out_features, get_tp_size()))
+    def __init__(self, in_features: int, out_features: int, skinny_gemm: bool = False) -> None:
+        super().__init__(in_features, _divide(out_features, get_tp_size()), skinny_gemm)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         size = param.shape[0]
@@ -48,10 +82,12 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(LinearBase):
     """Several column-parallel outputs fused in one weight (gate_proj and up_proj)."""
 
-    def __init__(self, in_features: int, output_sizes: list[int]) -> None:
+    def __init__(
+        self, in_features: int, output_sizes: list[int], skinny_gemm: bool = False
+    ) -> None:
         tp = get_tp_size()
         self.shard_sizes = [_divide(s, tp) for s in output_sizes]
-        super().__init__(in_features, sum(self.shard_sizes))
+        super().__init__(in_features, sum(self.shard_sizes), skinny_gemm)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         size = self.shard_sizes[shard_id]
@@ -64,7 +100,10 @@ class QKVParallelLinear(LinearBase):
     """q, k and v projections fused; heads split across ranks. When there are fewer KV heads
     than ranks, each KV head is replicated on tp_size // num_kv_heads ranks."""
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int) -> None:
+    def __init__(
+        self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
+        skinny_gemm: bool = False,
+    ) -> None:  # fmt: skip
         tp = get_tp_size()
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, tp)
@@ -75,7 +114,7 @@ class QKVParallelLinear(LinearBase):
             self.num_kv_heads = _divide(num_kv_heads, tp)
         self.total_kv_heads = num_kv_heads
         q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
-        super().__init__(hidden, q + 2 * kv)
+        super().__init__(hidden, q + 2 * kv, skinny_gemm)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -93,12 +132,12 @@ class QKVParallelLinear(LinearBase):
 class RowParallelLinear(LinearBase):
     """Input features split across ranks (dim 1); partial outputs summed by one all-reduce."""
 
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__(_divide(in_features, get_tp_size()), out_features)
+    def __init__(self, in_features: int, out_features: int, skinny_gemm: bool = False) -> None:
+        super().__init__(_divide(in_features, get_tp_size()), out_features, skinny_gemm)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         size = param.shape[1]
         param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(F.linear(x, self.weight))
+        return all_reduce(linear(x, self.weight, self.skinny_gemm))

@@ -4,6 +4,10 @@
 holding the tokens of several sequences back to back, and either an `AttentionMetadata` or the
 list of sequence lengths (then attention is causal within each sequence, with no KV cache).
 It returns hidden states [T, hidden]; `compute_logits` maps selected rows to the vocabulary.
+
+`skinny_gemm=True` runs the linear layers and the LM head on at most 16 rows (decode batches) on
+CUDA through the Triton skinny GEMM, the MLP's gate_up projection fused with SiLU-and-mul
+(kernels/skinny_gemm.py); see layers/linear.py.
 """
 
 from __future__ import annotations
@@ -27,17 +31,23 @@ from llm_inference.layers.rotary import RotaryEmbedding
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        skinny_gemm: bool = False,
     ) -> None:
         super().__init__()
         c = config
         self.qkv_proj = QKVParallelLinear(
-            c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+            c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, skinny_gemm
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = c.head_dim
-        self.o_proj = RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size)
+        self.o_proj = RowParallelLinear(
+            c.num_attention_heads * c.head_dim, c.hidden_size, skinny_gemm
+        )
         self.rotary = rotary
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, c.head_dim, c.head_dim**-0.5, backend
@@ -56,14 +66,19 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, skinny_gemm: bool = False) -> None:
         super().__init__()
         i = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [i, i])
-        self.down_proj = RowParallelLinear(i, config.hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [i, i], skinny_gemm)
+        self.down_proj = RowParallelLinear(i, config.hidden_size, skinny_gemm)
         self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj.uses_skinny_gemm(x):
+            # gate_up and SiLU-and-mul in one kernel: no [T, 2I] intermediate.
+            from llm_inference.kernels.skinny_gemm import skinny_gemm_silu
+
+            return self.down_proj(skinny_gemm_silu(x, self.gate_up_proj.weight))
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
@@ -74,10 +89,11 @@ class LlamaDecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
         ops: KernelOps,
+        skinny_gemm: bool = False,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, backend)
-        self.mlp = LlamaMLP(config, ops)
+        self.self_attn = LlamaAttention(config, rotary, backend, skinny_gemm)
+        self.mlp = LlamaMLP(config, ops, skinny_gemm)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -102,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, skinny_gemm: bool = False) -> None:
         super().__init__()
         self.config = config
         self.attn_backend = AttentionBackend(ops)
@@ -115,11 +131,11 @@ class LlamaForCausalLM(nn.Module):
             ops,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, self.attn_backend, ops)
+            LlamaDecoderLayer(config, rotary, self.attn_backend, ops, skinny_gemm)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, skinny_gemm)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

@@ -251,9 +251,11 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     config: ModelConfig | None = None,
+    skinny_gemm: bool = False,
 ) -> LlamaForCausalLM:
     """Build our model for the checkpoint at `path` (a folder or a .gguf file) and load it,
-    running its kernels through `ops` (see kernels.get_ops)."""
+    running its kernels through `ops` (see kernels.get_ops); `skinny_gemm`: decode-sized
+    matmuls on CUDA through the Triton skinny GEMM (models/llama.py)."""
     path = Path(path)
     config = config or load_model_config(path)
     if is_gguf(path):
@@ -268,7 +270,7 @@ def load_model(
     try:
         torch.set_default_dtype(dtype)
         with torch.device(device):
-            model = LlamaForCausalLM(config, ops)
+            model = LlamaForCausalLM(config, ops, skinny_gemm)
     finally:
         torch.set_default_dtype(default_dtype)
     with torch.no_grad():

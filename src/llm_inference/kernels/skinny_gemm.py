@@ -1,0 +1,254 @@
+"""Skinny GEMM for decode steps: out[M, N] = x[M, K] @ W[N, K]^T for 1 <= M <= 16, W in
+nn.Linear's layout, float32 accumulation; and the gate_up projection fused with SiLU-and-mul:
+out[M, I] = silu(x @ Wg^T) * (x @ Wu^T), where W = [Wg; Wu] is [2I, K].
+
+At decode the weights are nearly all the bytes a step reads, so the kernel's job is to stream
+W once at the memory bandwidth:
+
+- Blocking. A program owns BLOCK_N output columns (rows of W) for all M rows and walks K in
+  BLOCK_K tiles: per step one [BLOCK_N, BLOCK_K] tile of W and one [BLOCK_K, 16] tile of x^T
+  (loaded once, used for all BLOCK_N rows), one `tl.dot` into a [BLOCK_N, 16] float32
+  accumulator. W is the left operand, so the long side (BLOCK_N >= 64) is the MMA's M and the
+  batch, padded to 16 rows of zeros, its N; the padding costs tensor-core work, never bytes.
+  The fused variant loads the gate tile (rows n) and the up tile (rows I + n) of the same
+  columns, keeps two accumulators and applies the activation in registers: no [M, 2I]
+  intermediate, one launch fewer.
+- Split-K. Few column blocks (down at 1B: N = 2048 is 32 blocks of 64) cannot fill 132 SMs, so
+  K is cut into `split_k` contiguous ranges, program (n, s) covering range s. Partial sums go to
+  a float32 workspace [split_k, M, N] (gate and up side by side when fused) and a second small
+  kernel adds them in split order, then casts (and applies SiLU-and-mul). Not atomics: float32
+  atomic adds need a zeroed buffer (a memset launch) and, for a bf16 output, a cast launch, so
+  they save no launch, and their order changes from run to run, so would the rounding and, at
+  near-ties, greedy tokens. The workspace is M x N x split_k x 4 bytes (down at 1B, M = 16,
+  split 4: 512 KB), small beside W's 32 MB.
+- Configs come from a fixed rule (`default_config`), not `triton.autotune`: autotuning would
+  time candidates at each shape's first call (the engine's eager warm-up before each CUDA graph
+  capture would allow it) but each rank and each run could pick differently, and so round
+  differently. The rule: BLOCK_N 64, BLOCK_K 128 (clamped to small shapes), and split-K doubled
+  while the programs fill less than FILL of the SMs and each range keeps MIN_K_PER_SPLIT.
+  benchmarks/skinny_gemm.py --sweep times alternatives on the GPU to tune it.
+
+M, the batch, is not specialized (`do_not_specialize`): one compiled kernel per config serves
+every decode bucket of 1..16 rows. Rows beyond M are masked, W's rows beyond N are clamped
+(read in bounds, never stored), and K needs masks only when it is not a multiple of
+BLOCK_K * split_k (EVEN_K). float32 inputs (the interpreter tests) use IEEE dot products.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # the most rows (decode batch) a launch takes; also the dot's padded M
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FILL = 0.8  # split K while the programs fill less than this fraction of the SMs
+MIN_K_PER_SPLIT = 512  # ... and each K range keeps at least this many columns
+MAX_SPLIT = 16
+REDUCE_BLOCK = 512
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One launch's tiling. `split_k` is an upper bound: the launcher never makes empty
+    K ranges."""
+
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if not 1 <= self.split_k <= 64:
+            raise ValueError(f"split_k must be in [1, 64], got {self.split_k}")
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 elsewhere: the CPU interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_config(n: int, k: int, sms: int) -> GemmConfig:
+    """The rule: BLOCK_N 64 and BLOCK_K 128, clamped to small shapes; split-K doubled while
+    the cdiv(n, BLOCK_N) column blocks times the split fill less than FILL of `sms` and each
+    K range keeps MIN_K_PER_SPLIT columns. `n` is the output width (I when fused)."""
+    block_n = min(64, max(16, triton.next_power_of_2(n)))
+    block_k = min(128, max(16, triton.next_power_of_2(k)))
+    blocks = triton.cdiv(n, block_n)
+    split = 1
+    while split < MAX_SPLIT and blocks * split < FILL * sms and k // (2 * split) >= MIN_K_PER_SPLIT:
+        split *= 2
+    return GemmConfig(block_n, block_k, split)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_gemm_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os, k_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FUSED: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Program (n, s): columns [n * BLOCK_N, +BLOCK_N) over K range s. N is the output width
+    (I when FUSED: up rows start N rows below gate rows). PARTIAL: store float32 sums to the
+    workspace slice s (up sums at column N + n), else the result in out's dtype."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = offs_n % N  # in bounds: rows past N compute garbage that is never stored
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    k0 = pid_s * k_per_split
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + (k0 + offs_k)[None, :]
+    # x^T tile [BLOCK_K, BLOCK_M]: the right operand of the dot.
+    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None]
+    up_ptrs = w_ptr + (rows + N).to(tl.int64)[:, None] * stride_wn + (k0 + offs_k)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(0, k_per_split, BLOCK_K):
+        if EVEN_K:
+            xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs)
+            if FUSED:
+                w_up = tl.load(up_ptrs)
+        else:
+            k_mask = k0 + k + offs_k < K
+            xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+            if FUSED:
+                w_up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0)
+        acc = tl.dot(w, xt, acc, input_precision=PRECISION)
+        if FUSED:
+            acc_up = tl.dot(w_up, xt, acc_up, input_precision=PRECISION)
+        w_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    out_ptrs = out_ptr + pid_s * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
+    mask = (offs_n < N)[:, None] & m_mask[None, :]
+    if PARTIAL:
+        tl.store(out_ptrs, acc, mask=mask)
+        if FUSED:
+            tl.store(out_ptrs + N, acc_up, mask=mask)
+    else:
+        if FUSED:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["split"])
+def _reduce_kernel(
+    ws_ptr, out_ptr, N, split, stride_ws, stride_wm, stride_om,
+    FUSED: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """out[m, cols] = the sum over splits of ws[s, m, cols] (FUSED: silu(gate sum) * up sum,
+    the up sums at column N + col), in split order."""
+    m = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    ptrs = ws_ptr + m * stride_wm + cols
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(split):
+        acc += tl.load(ptrs + s * stride_ws, mask=mask, other=0.0)
+        if FUSED:
+            acc_up += tl.load(ptrs + s * stride_ws + N, mask=mask, other=0.0)
+    if FUSED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    tl.store(out_ptr + m * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int]:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"x must have 1 to {MAX_ROWS} rows, got {x.shape[0]}")
+    if x.dtype not in DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"x and weight must share a dtype of {DTYPES}: {x.dtype}, {weight.dtype}")
+    if x.device != weight.device:
+        raise ValueError(f"x is on {x.device}, weight on {weight.device}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x and weight must be contiguous in their last dim")
+    return x.shape[0], x.shape[1], weight.shape[0]
+
+
+def _output(out: torch.Tensor | None, shape: tuple[int, int], x: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=x.dtype, device=x.device)
+    if tuple(out.shape) != shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"out must be {shape} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    if out.stride(1) != 1:
+        raise ValueError("out must be contiguous in its last dim")
+    return out
+
+
+def split_plan(k: int, config: GemmConfig) -> tuple[int, int]:
+    """(K ranges, columns per range): at most config.split_k ranges of whole BLOCK_K tiles,
+    none empty; the last may be short."""
+    k_tiles = triton.cdiv(k, config.block_k)
+    k_per_split = triton.cdiv(k_tiles, min(config.split_k, k_tiles)) * config.block_k
+    return triton.cdiv(k, k_per_split), k_per_split
+
+
+def _launch(x, weight, out, n: int, fused: bool, config: GemmConfig | None) -> torch.Tensor:
+    m, k = x.shape
+    cfg = config or default_config(n, k, num_sms(x.device))
+    split, k_per_split = split_plan(k, cfg)
+    blocks = triton.cdiv(n, cfg.block_n)
+    partial = split > 1
+    width = 2 * n if fused else n
+    dest = torch.empty((split, m, width), dtype=torch.float32, device=x.device) if partial else out
+    stride_om, stride_os = (width, m * width) if partial else (out.stride(0), 0)
+    _skinny_gemm_kernel[(blocks, split)](
+        x, weight, dest, m, n, k, x.stride(0), weight.stride(0), stride_om, stride_os,
+        k_per_split, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FUSED=fused,
+        PARTIAL=partial, EVEN_K=split * k_per_split == k,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if partial:
+        _reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](
+            dest, out, n, split, stride_os, width, out.stride(0),
+            FUSED=fused, BLOCK=REDUCE_BLOCK, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def skinny_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T -> [M, N] in x's dtype, 1 <= M <= MAX_ROWS, accumulated in
+    float32. `config` None: `default_config` for the shape and device."""
+    m, _, n = _check(x, weight)
+    return _launch(x, weight, _output(out, (m, n), x), n, False, config)
+
+
+def skinny_gemm_silu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T) -> [M, I], where weight = [gate; up] is [2I, K] (the
+    gate_up projection's layout; reference.silu_and_mul of skinny_gemm, in one kernel)."""
+    m, _, two_i = _check(x, weight)
+    if two_i % 2:
+        raise ValueError(f"weight must be [2*I, K] (gate then up), got {tuple(weight.shape)}")
+    inter = two_i // 2
+    return _launch(x, weight, _output(out, (m, inter), x), inter, True, config)

@@ -1,0 +1,261 @@
+"""Checks of the skinny GEMM (kernels/skinny_gemm.py), shared by the CPU and GPU tests.
+
+Each `check_*` draws fresh inputs, writes into a NaN-poisoned output that is a column slice of
+a wider buffer (so a store past N, or a missed one, fails), and compares with float64 math.
+The CPU tests run this file in a child process under TRITON_INTERPRET=1 (`python
+skinny_gemm_checks.py [CHECK ...]`, one `RESULT <check> ok|FAIL` line each): the kernels at
+small sizes that are not multiples of the blocks, split-K on and off, and the engine's wiring
+(the model at one rank and the parallel layers at two gloo ranks) with the CPU let through.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.6e-2}
+INTERPRETER_CHECKS = ("gemm", "gemm_split", "silu", "silu_split", "model", "tensor_parallel")
+
+
+def _inputs(device, dtype, m, n, k, seed):
+    """x [m, k] (a view with a row stride > k) and W [n, k] scaled so outputs are ~N(0, 1)."""
+    g = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(m, k + 3, generator=g, device=device).to(dtype)[:, :k]
+    w = (torch.randn(n, k, generator=g, device=device) / k**0.5).to(dtype)
+    return x, w
+
+
+def _poisoned(m, n, device, dtype):
+    """A NaN buffer [m, n + 5] and its first n columns, the output."""
+    buf = torch.full((m, n + 5), float("nan"), device=device, dtype=dtype)
+    return buf, buf[:, :n]
+
+
+def _assert_close(got, want, buf, n, dtype, what):
+    assert torch.isfinite(got).all(), f"{what}: unwritten (NaN) or non-finite outputs"
+    assert buf[:, n:].isnan().all(), f"{what}: stores past column {n}"
+    err = (got.double() - want).abs().max().item()
+    tol = TOL[dtype] * max(1.0, want.abs().max().item())
+    assert err <= tol, f"{what}: max abs error {err:.3e} > {tol:.3e}"
+
+
+def check_gemm(device, dtype, m, n, k, config=None, seed=0, want_split=None):
+    from llm_inference.kernels import skinny_gemm as sg
+
+    x, w = _inputs(device, dtype, m, n, k, seed)
+    buf, out = _poisoned(m, n, device, dtype)
+    got = sg.skinny_gemm(x, w, out=out, config=config)
+    assert got.data_ptr() == out.data_ptr()
+    what = f"skinny_gemm {dtype} M={m} N={n} K={k} {config}"
+    if want_split is not None:
+        assert sg.split_plan(k, config or sg.default_config(n, k, sg.num_sms(x.device)))[0] == (
+            want_split
+        ), what
+    _assert_close(got, x.double() @ w.double().T, buf, n, dtype, what)
+
+
+def check_silu(device, dtype, m, inter, k, config=None, seed=0, want_split=None):
+    from llm_inference.kernels import skinny_gemm as sg
+
+    x, w = _inputs(device, dtype, m, 2 * inter, k, seed)
+    buf, out = _poisoned(m, inter, device, dtype)
+    got = sg.skinny_gemm_silu(x, w, out=out, config=config)
+    y = x.double() @ w.double().T
+    want = F.silu(y[:, :inter]) * y[:, inter:]
+    what = f"skinny_gemm_silu {dtype} M={m} I={inter} K={k} {config}"
+    if want_split is not None:
+        cfg = config or sg.default_config(inter, k, sg.num_sms(x.device))
+        assert sg.split_plan(k, cfg)[0] == want_split, what
+    _assert_close(got, want, buf, inter, dtype, what)
+
+
+# ---- the wiring, under the interpreter -----------------------------------------------------
+
+
+def let_cpu_through() -> dict[str, int]:
+    """Make the layers take the skinny GEMM on CPU in any float dtype (the interpreter runs it),
+    and count the kernels' calls: {"gemm": n, "silu": n}."""
+    from llm_inference.kernels import skinny_gemm as sg
+    from llm_inference.layers import linear
+
+    calls = {"gemm": 0, "silu": 0}
+    gemm, silu = sg.skinny_gemm, sg.skinny_gemm_silu
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    sg.skinny_gemm, sg.skinny_gemm_silu = counted("gemm", gemm), counted("silu", silu)
+    linear.skinny_applies = lambda x, w: x.dim() == 2 and 1 <= x.shape[0] <= 16
+    return calls
+
+
+def _randomize(module: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for name, p in module.named_parameters():
+        base = 1.0 if name.endswith("layernorm.weight") or name == "norm.weight" else 0.0
+        p.data.copy_(base + 0.3 * torch.randn(p.shape, generator=g))
+
+
+def check_model() -> None:
+    """A tiny Llama with skinny_gemm on equals it off: at 7 tokens every linear layer and the
+    LM head ran the kernels (qkv, o, down and the head the GEMM, gate_up the fused variant);
+    at 20 tokens none did."""
+    from llm_inference.config import ModelConfig
+    from llm_inference.kernels import reference
+    from llm_inference.models.llama import LlamaForCausalLM
+
+    calls = let_cpu_through()
+    config = ModelConfig.from_dict({
+        "model_type": "llama", "hidden_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 80,
+        "vocab_size": 300, "max_position_embeddings": 128, "rms_norm_eps": 1e-5,
+    })  # fmt: skip
+    models = {flag: LlamaForCausalLM(config, reference, skinny_gemm=flag) for flag in (0, 1)}
+    for model in models.values():
+        _randomize(model, 0)
+    g = torch.Generator().manual_seed(1)
+    for tokens, want_calls in ((7, {"gemm": 2 * 3 + 1, "silu": 2}), (20, {"gemm": 0, "silu": 0})):
+        ids = torch.randint(0, 300, (tokens,), generator=g)
+        pos = torch.arange(tokens)
+        out = {}
+        with torch.no_grad():
+            for flag, model in models.items():
+                calls.update(gemm=0, silu=0)
+                out[flag] = model.compute_logits(model(ids, pos, [tokens]))
+                assert calls == (want_calls if flag else {"gemm": 0, "silu": 0}), (flag, calls)
+        err = (out[0] - out[1]).abs().max().item()
+        assert err < 1e-4 * max(1.0, out[0].abs().max().item()), f"{tokens} tokens: {err}"
+
+
+H, HEADS, KV, D, INTER, V = 32, 4, 2, 8, 48, 37
+
+
+def _full_weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shapes = {"q": (HEADS * D, H), "k": (KV * D, H), "v": (KV * D, H), "o": (H, HEADS * D),
+              "gate": (INTER, H), "up": (INTER, H), "down": (H, INTER), "head": (V, H)}  # fmt: skip
+    return {n: torch.randn(*s, generator=g) / s[1] ** 0.5 for n, s in shapes.items()}
+
+
+def _tp_rank_body(rank: int, world_size: int) -> dict:
+    """The parallel layers at this rank with skinny_gemm on: qkv, o, the MLP (fused gate_up,
+    row-parallel down) and the LM head on 5 rows."""
+    from llm_inference.config import ModelConfig
+    from llm_inference.kernels import reference
+    from llm_inference.layers.embedding import ParallelLMHead
+    from llm_inference.layers.linear import QKVParallelLinear, RowParallelLinear
+    from llm_inference.models.llama import LlamaMLP
+
+    calls = let_cpu_through()
+    w = _full_weights()
+    qkv = QKVParallelLinear(H, D, HEADS, KV, skinny_gemm=True)
+    o = RowParallelLinear(HEADS * D, H, skinny_gemm=True)
+    cfg = ModelConfig.from_dict({
+        "model_type": "llama", "hidden_size": H, "num_hidden_layers": 1,
+        "num_attention_heads": HEADS, "num_key_value_heads": KV, "intermediate_size": INTER,
+        "vocab_size": V,
+    })  # fmt: skip
+    mlp = LlamaMLP(cfg, reference, skinny_gemm=True)
+    head = ParallelLMHead(V, H, skinny_gemm=True)
+    for sid in ("q", "k", "v"):
+        qkv.weight_loader(qkv.weight, w[sid], sid)
+    o.weight_loader(o.weight, w["o"])
+    mlp.gate_up_proj.weight_loader(mlp.gate_up_proj.weight, w["gate"], 0)
+    mlp.gate_up_proj.weight_loader(mlp.gate_up_proj.weight, w["up"], 1)
+    mlp.down_proj.weight_loader(mlp.down_proj.weight, w["down"])
+    head.weight_loader(head.weight, w["head"])
+    g = torch.Generator().manual_seed(1)
+    x, xq = torch.randn(5, H, generator=g), torch.randn(5, HEADS * D, generator=g)
+    q_in = HEADS * D // world_size
+    with torch.no_grad():
+        out = {
+            "qkv": qkv(x),
+            "o": o(xq[:, rank * q_in : (rank + 1) * q_in].contiguous()),
+            "mlp": mlp(x),
+            "logits": head.compute_logits(x),
+        }
+    return {**out, "calls": dict(calls)}
+
+
+def check_tensor_parallel() -> None:
+    """Two gloo ranks: the row-parallel outputs (o, the MLP's down) are all-reduced to the full
+    result, the column-parallel qkv is this rank's slice, the logits are whole."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+    from tp_helpers import run_ranks
+
+    ranks = run_ranks(_tp_rank_body, 2, timeout=300)
+    w = {n: t.double() for n, t in _full_weights().items()}
+    g = torch.Generator().manual_seed(1)
+    x, xq = torch.randn(5, H, generator=g).double(), torch.randn(5, HEADS * D, generator=g).double()
+    full = {
+        "qkv": x @ torch.cat([w["q"], w["k"], w["v"]]).T,
+        "o": xq @ w["o"].T,
+        "mlp": (F.silu(x @ w["gate"].T) * (x @ w["up"].T)) @ w["down"].T,
+        "logits": x @ w["head"].T,
+    }
+    q, kv = HEADS * D // 2, KV * D // 2
+    for rank, out in enumerate(ranks):
+        assert out["calls"] == {"gemm": 4, "silu": 1}, (rank, out["calls"])
+        fq, fk, fv = full["qkv"].split([HEADS * D, KV * D, KV * D], dim=-1)
+        want_qkv = torch.cat([fq[:, rank * q :][:, :q], fk[:, rank * kv :][:, :kv],
+                              fv[:, rank * kv :][:, :kv]], dim=1)  # fmt: skip
+        for name, want in (("qkv", want_qkv), ("o", full["o"]), ("mlp", full["mlp"]),
+                           ("logits", full["logits"])):  # fmt: skip
+            err = (out[name].double() - want).abs().max().item()
+            assert err < 1e-4, f"rank {rank} {name}: max abs error {err}"
+
+
+# ---- the interpreter cases -----------------------------------------------------------------
+
+
+def run_interpreter(check: str) -> None:
+    from llm_inference.kernels.skinny_gemm import GemmConfig
+
+    small = GemmConfig(block_n=32, block_k=32)
+    for i, dtype in enumerate((torch.float32, torch.float16)):
+        for m in (1, 3, 8, 16):
+            seed = 10 * i + m
+            if check == "gemm":  # one K range; masked K (300) and even K (256)
+                check_gemm("cpu", dtype, m, 100, 300, small, seed, want_split=1)
+                check_gemm("cpu", dtype, m, 64, 256, GemmConfig(16, 64), seed, want_split=1)
+            elif check == "gemm_split":  # ragged last range; even ranges; the rule's choice
+                check_gemm("cpu", dtype, m, 70, 200, GemmConfig(16, 32, 3), seed, want_split=3)
+                check_gemm("cpu", dtype, m, 48, 256, GemmConfig(32, 32, 4), seed, want_split=4)
+                check_gemm("cpu", dtype, m, 40, 1100, None, seed, want_split=2)
+            elif check == "silu":
+                check_silu("cpu", dtype, m, 50, 300, small, seed, want_split=1)
+                check_silu("cpu", dtype, m, 32, 128, GemmConfig(16, 64), seed, want_split=1)
+            elif check == "silu_split":
+                check_silu("cpu", dtype, m, 50, 200, GemmConfig(16, 32, 3), seed, want_split=3)
+                check_silu("cpu", dtype, m, 24, 1100, None, seed, want_split=2)
+            else:
+                raise ValueError(check)
+
+
+def main(checks: list[str]) -> None:
+    """Run each check; print one `RESULT <check> ok|FAIL` line each."""
+    import traceback
+
+    for check in checks:
+        try:
+            if check == "model":
+                check_model()
+            elif check == "tensor_parallel":
+                check_tensor_parallel()
+            else:
+                run_interpreter(check)
+            print(f"RESULT {check} ok", flush=True)
+        except Exception:
+            traceback.print_exc()
+            print(f"RESULT {check} FAIL", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or list(INTERPRETER_CHECKS))

@@ -1,0 +1,166 @@
+"""The skinny GEMM (kernels/skinny_gemm.py) and its wiring into the layers.
+
+CPU: skinny_gemm_checks.py in a child process under TRITON_INTERPRET=1 (float32 and float16,
+M = 1, 3, 8, 16, N and K not multiples of the blocks, split-K off and on, the fused SiLU
+variant, the model at one rank and the parallel layers at two gloo ranks with the kernels let
+through on CPU); the config rule; the launchers' input checks.
+GPU (skipped without CUDA): bfloat16 at the Llama 3.2 1B and 3B shapes (and their TP=2 halves)
+against float64 math, with the default configs; replay inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import skinny_gemm_checks as checks  # noqa: E402
+from interpreter import run_checks  # noqa: E402
+
+from llm_inference.kernels import skinny_gemm as sg  # noqa: E402
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# (N, K) of each linear layer; gate_up is [2I, K] (the fused kernel's output is I wide).
+SHAPES = {
+    "1B": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
+           "down": (2048, 8192), "lm_head": (128256, 2048)},
+    "3B": {"qkv": (5120, 3072), "o": (3072, 3072), "gate_up": (16384, 3072),
+           "down": (3072, 8192), "lm_head": (128256, 3072)},
+}  # fmt: skip
+H200_SMS = 132
+
+
+def _tp2(name: str, n: int, k: int) -> tuple[int, int]:
+    """One rank's shape at TP=2: column-parallel layers halve N, row-parallel ones K."""
+    return (n, k // 2) if name in ("o", "down") else (n // 2, k)
+
+
+GPU_CASES = [(f"{model} {name}", n, k) for model, layers in SHAPES.items()
+             for name, (n, k) in layers.items()]  # fmt: skip
+GPU_CASES += [(f"{model} {name} tp2", *_tp2(name, n, k)) for model, layers in SHAPES.items()
+              for name, (n, k) in layers.items() if name != "lm_head"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> tuple[dict[str, str], str]:
+    return run_checks(HERE / "skinny_gemm_checks.py")
+
+
+@pytest.mark.parametrize("check", checks.INTERPRETER_CHECKS)
+def test_skinny_gemm_in_interpreter(interpreter_results, check):
+    results, log = interpreter_results
+    assert results.get(check) == "ok", log[-8000:]
+
+
+def test_default_config_fills_the_sms():
+    """At the real shapes on 132 SMs: blocks x split reach FILL of the SMs unless another
+    doubling would cut K ranges below MIN_K_PER_SPLIT; split-K only where blocks are few."""
+    for model, layers in SHAPES.items():
+        for name, (n, k) in layers.items():
+            for n_out, k_in in ((n, k), _tp2(name, n, k)):
+                n_out = n_out // 2 if name == "gate_up" else n_out  # the fused output
+                cfg = sg.default_config(n_out, k_in, H200_SMS)
+                blocks = -(-n_out // cfg.block_n)
+                split, _ = sg.split_plan(k_in, cfg)
+                assert split == cfg.split_k, (model, name, cfg)
+                full = blocks * split >= sg.FILL * H200_SMS
+                assert full or k_in // (2 * split) < sg.MIN_K_PER_SPLIT, (model, name, cfg)
+                if split > 1:
+                    assert blocks * split // 2 < sg.FILL * H200_SMS, (model, name, cfg)
+    assert sg.default_config(2048, 8192, H200_SMS).split_k == 4  # 1B down: 32 blocks
+    assert sg.default_config(8192, 2048, H200_SMS).split_k == 1  # 1B gate_up, fused
+    assert sg.default_config(128256, 3072, H200_SMS).split_k == 1  # LM head
+    tiny = sg.default_config(40, 24, H200_SMS)
+    assert (tiny.block_n, tiny.block_k, tiny.split_k) == (64, 32, 1)
+
+
+def test_split_plan_never_makes_empty_ranges():
+    for k in (16, 100, 128, 129, 1000, 8192):
+        for split_k in (1, 2, 3, 8, 64):
+            cfg = sg.GemmConfig(block_n=32, block_k=64, split_k=split_k)
+            split, per = sg.split_plan(k, cfg)
+            assert per % 64 == 0 and 1 <= split <= split_k
+            assert (split - 1) * per < k <= split * per, (k, split_k, split, per)
+
+
+def test_launchers_reject_bad_inputs():
+    x, w = torch.randn(3, 32), torch.randn(48, 32)
+    with pytest.raises(ValueError, match="rows"):
+        sg.skinny_gemm(torch.randn(17, 32), w)
+    with pytest.raises(ValueError, match="rows"):
+        sg.skinny_gemm(torch.randn(0, 32), w)
+    with pytest.raises(ValueError, match=r"\[N, K\]"):
+        sg.skinny_gemm(x, torch.randn(48, 31))
+    with pytest.raises(ValueError, match="dtype"):
+        sg.skinny_gemm(x, w.half())
+    with pytest.raises(ValueError, match="dtype"):
+        sg.skinny_gemm(x.double(), w.double())
+    with pytest.raises(ValueError, match="last dim"):
+        sg.skinny_gemm(x, torch.randn(32, 48).t())
+    with pytest.raises(ValueError, match="out must be"):
+        sg.skinny_gemm(x, w, out=torch.empty(3, 47))
+    with pytest.raises(ValueError, match="gate then up"):
+        sg.skinny_gemm_silu(x, torch.randn(47, 32))
+    with pytest.raises(ValueError, match="block_k"):
+        sg.GemmConfig(block_k=48)
+
+
+def test_layers_take_the_kernel_only_on_cuda_half_and_few_rows():
+    from llm_inference.layers.linear import SKINNY_MAX_ROWS, skinny_applies
+
+    assert SKINNY_MAX_ROWS == sg.MAX_ROWS
+    w = torch.randn(8, 4, dtype=torch.bfloat16)
+    assert not skinny_applies(torch.randn(2, 4, dtype=torch.bfloat16), w)  # CPU
+    if torch.cuda.is_available():
+        wc = w.cuda()
+        assert skinny_applies(torch.randn(16, 4, dtype=torch.bfloat16, device="cuda"), wc)
+        assert not skinny_applies(torch.randn(17, 4, dtype=torch.bfloat16, device="cuda"), wc)
+        assert not skinny_applies(torch.randn(2, 4, device="cuda"), wc.float())  # float32
+
+
+@cuda
+@pytest.mark.parametrize("case,n,k", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_skinny_gemm_gpu_bf16(case, n, k):
+    for m in (1, 3, 8, 16):
+        if "gate_up" in case:
+            checks.check_silu("cuda", torch.bfloat16, m, n // 2, k, seed=m)
+            if m in (1, 16):
+                checks.check_gemm("cuda", torch.bfloat16, m, n, k, seed=m)
+        else:
+            checks.check_gemm("cuda", torch.bfloat16, m, n, k, seed=m)
+
+
+@cuda
+def test_skinny_gemm_gpu_fp16_and_forced_splits():
+    cfg = sg.GemmConfig(block_n=32, block_k=64, split_k=8)
+    checks.check_gemm("cuda", torch.float16, 5, 2048, 8192, seed=1)
+    checks.check_gemm("cuda", torch.bfloat16, 5, 1000, 3000, cfg, seed=2, want_split=8)
+    checks.check_silu("cuda", torch.bfloat16, 16, 1000, 3000, cfg, seed=3, want_split=8)
+    checks.check_gemm("cuda", torch.float32, 2, 300, 700, seed=4)  # IEEE dot products
+
+
+@cuda
+@pytest.mark.parametrize("fused", [False, True])
+def test_skinny_gemm_replays_in_cuda_graph(fused):
+    """Workspace allocated and reduce launched inside the capture; new inputs, same graph."""
+    n, k = (4096, 2048) if fused else (2048, 8192)  # a split-K shape on any large GPU
+    g = torch.Generator("cuda").manual_seed(0)
+    w = (torch.randn(n, k, generator=g, device="cuda") / k**0.5).bfloat16()
+    x = torch.randn(8, k, generator=g, device="cuda").bfloat16()
+    fn = sg.skinny_gemm_silu if fused else sg.skinny_gemm
+    fn(x, w)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(x, w)
+    for _ in range(3):
+        x.copy_(torch.randn(8, k, generator=g, device="cuda"))
+        graph.replay()
+        torch.testing.assert_close(out, fn(x, w), rtol=0, atol=0)
