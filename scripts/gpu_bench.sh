@@ -16,7 +16,8 @@ if [ "${TESTS:-1}" = 1 ]; then
     tests/engine/test_prefix_caching_gpu.py \
     tests/kernels/test_triton_kernels.py tests/kernels/test_unified_attention.py \
     tests/layers/test_sampler_gpu.py tests/distributed/test_tp_cuda.py \
-    tests/distributed/test_custom_all_reduce.py} \
+    tests/distributed/test_custom_all_reduce.py tests/kernels/test_skinny_gemm.py \
+    tests/engine/test_skinny_gemm_engine.py} \
     -k "not interpreter" 2>&1 | tail -40 > "$OUT/pytest_cuda.log"
   tail -4 "$OUT/pytest_cuda.log"
 fi
