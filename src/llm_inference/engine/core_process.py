@@ -121,7 +121,8 @@ def _core_main(config: EngineConfig, conn: Connection, parent_pid: int, setup) -
         pass
     except BaseException:
         results.put(None)
-        sender.join(JOIN_TIMEOUT_S)
+        if sender.is_alive():
+            sender.join(JOIN_TIMEOUT_S)  # the steps before the error go out first
         try:
             conn.send(("error", traceback.format_exc()))
         except (OSError, EOFError):
