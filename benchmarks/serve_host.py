@@ -62,12 +62,13 @@ def stub_core(core) -> None:
     stub_forward(core.executor.workers[0].model_runner)
 
 
-def serve(ckpt: str, port: int, profile: str | None, engine_process: bool) -> None:
+def serve(ckpt: str, port: int, profile: str | None, engine_process: bool, no_freeze: bool) -> None:
     """The server subprocess: our app with a stubbed forward, plus two internal routes."""
     import torch
     import uvicorn
 
     from llm_inference import AsyncLLM
+    from llm_inference.engine.core_process import freeze_startup_heap
     from llm_inference.entrypoints.openai.api_server import build_app
 
     torch.set_num_threads(1)
@@ -75,6 +76,8 @@ def serve(ckpt: str, port: int, profile: str | None, engine_process: bool) -> No
                    max_num_batched_tokens=8192, max_model_len=1024,
                    engine_process=engine_process, core_setup=stub_core)  # fmt: skip
     app = build_app(llm, "tiny", shutdown_llm=True)
+    if not no_freeze:
+        freeze_startup_heap()  # as run_server does
 
     @app.get("/_host/stats")
     async def stats():
@@ -185,6 +188,11 @@ def main() -> None:
         help="run the engine on a thread of the server (AsyncLLM engine_process=False)",
     )
     p.add_argument(
+        "--no-gc-freeze",
+        action="store_true",
+        help="leave the server's startup heap to the GC (run_server freezes it)",
+    )
+    p.add_argument(
         "--switch-interval",
         type=float,
         default=None,
@@ -194,7 +202,7 @@ def main() -> None:
     if args.serve:
         if args.switch_interval is not None:
             sys.setswitchinterval(args.switch_interval)
-        return serve(args.serve, args.port, args.profile, not args.engine_thread)
+        return serve(args.serve, args.port, args.profile, not args.engine_thread, args.no_gc_freeze)
 
     import socket
 
@@ -212,6 +220,8 @@ def main() -> None:
         cmd += ["--switch-interval", str(args.switch_interval)]
     if args.engine_thread:
         cmd += ["--engine-thread"]
+    if args.no_gc_freeze:
+        cmd += ["--no-gc-freeze"]
     if args.profile:
         cmd += ["--profile", args.profile]
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
@@ -238,6 +248,7 @@ def main() -> None:
             reports.append(r)
             print(f"run {run}: {r['completed']}/{r['num_prompts']} ok, "
                   f"{r['output_throughput']:.0f} out tok/s, mean ITL {r['mean_itl_ms']:.2f} ms, "
+                  f"p99 ITL {r['p99_itl_ms']:.1f} ms, p99 TPOT {r['p99_tpot_ms']:.1f} ms, "
                   f"mean TTFT {r['mean_ttft_ms']:.0f} ms, {r['steps_per_s']:.1f} steps/s, "
                   f"{r['tokens_per_step']:.0f} tok/step", flush=True)  # fmt: skip
         if args.profile:
@@ -251,7 +262,15 @@ def main() -> None:
             server.wait(30)
         except subprocess.TimeoutExpired:
             server.kill()
-    keys = ("output_throughput", "mean_itl_ms", "mean_ttft_ms", "steps_per_s", "tokens_per_step")
+    keys = (
+        "output_throughput",
+        "mean_itl_ms",
+        "p99_itl_ms",
+        "p99_tpot_ms",
+        "mean_ttft_ms",
+        "steps_per_s",
+        "tokens_per_step",
+    )
     summary = {}
     for k in keys:
         values = [r[k] for r in reports]

@@ -118,3 +118,12 @@ def explode_on_step(core) -> None:
         raise RuntimeError("kernel exploded")
 
     core.step = boom
+
+
+def report_gc_freeze(core) -> None:
+    """An AsyncLLM `core_setup`: the core's stats() also report how many objects the cyclic GC
+    holds frozen where the core runs (gc.get_freeze_count())."""
+    import gc
+
+    stats = core.stats
+    core.stats = lambda: {**stats(), "gc_frozen": gc.get_freeze_count()}

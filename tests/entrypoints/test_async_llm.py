@@ -11,7 +11,7 @@ import time
 
 import pytest
 from conftest import ENGINE_ARGS, wait_all_blocks_free
-from helpers import explode_on_step
+from helpers import explode_on_step, report_gc_freeze
 
 from llm_inference import AsyncLLM, SamplingParams
 from llm_inference.engine.async_llm import EngineDeadError
@@ -156,6 +156,13 @@ def test_killed_core_process_fails_requests_and_leaves_nothing(tiny_ckpt):
     finally:
         llm.shutdown()
     assert not psutil_alive(pid)
+
+
+def test_core_process_freezes_its_startup_heap(tiny_ckpt):
+    """The core process moves its startup heap (torch, the model) out of the GC's reach, so
+    full collections there do not stall the steps."""
+    with AsyncLLM(str(tiny_ckpt), core_setup=report_gc_freeze, **ENGINE_ARGS) as llm:
+        assert llm.stats()["gc_frozen"] > 10_000
 
 
 def psutil_alive(pid: int) -> bool:

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
 from llm_inference.engine.async_llm import AsyncLLM
+from llm_inference.engine.core_process import freeze_startup_heap
 from llm_inference.entrypoints.openai import metrics
 from llm_inference.entrypoints.openai.protocol import (
     APIError,
@@ -226,6 +227,7 @@ def run_server(
     llm = AsyncLLM(model, **engine_args)
     name = served_model_name or model or llm.config.model_path.rstrip("/").split("/")[-1]
     app = build_app(llm, name, api_key=api_key, shutdown_llm=True)
+    freeze_startup_heap()
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
