@@ -68,7 +68,7 @@ def serve(ckpt: str, port: int, profile: str | None, engine_process: bool, no_fr
     import uvicorn
 
     from llm_inference import AsyncLLM
-    from llm_inference.engine.core_process import freeze_startup_heap
+    from llm_inference.engine.core_process import freeze_startup_heap, thaw_heap
     from llm_inference.entrypoints.openai.api_server import build_app
 
     torch.set_num_threads(1)
@@ -98,6 +98,7 @@ def serve(ckpt: str, port: int, profile: str | None, engine_process: bool, no_fr
         return {}
 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    thaw_heap()
 
 
 def write_profile(yappi, path: str) -> None:

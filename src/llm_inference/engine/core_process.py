@@ -53,9 +53,15 @@ def freeze_startup_heap() -> None:
     cyclic GC's permanent generation, so that its full collections scan only what the run
     creates. Without it each full collection walked the whole startup heap: ~0.2 s pauses in
     the server on a CPU, seen as stalls of every stream. Objects made later are collected as
-    usual."""
+    usual. Call `thaw_heap()` before the process exits."""
     gc.collect()
     gc.freeze()
+
+
+def thaw_heap() -> None:
+    """Undo `freeze_startup_heap` at exit: objects left frozen are never finalized, and native
+    extensions (Triton's nanobind bindings) then print pages of leak warnings."""
+    gc.unfreeze()
 
 
 class EngineCoreError(RuntimeError):
@@ -146,6 +152,7 @@ def _core_main(config: EngineConfig, conn: Connection, parent_pid: int, setup) -
             sender.join(JOIN_TIMEOUT_S)
         core.shutdown()
         conn.close()
+        thaw_heap()
 
 
 # ---- the parent -----------------------------------------------------------------------------
