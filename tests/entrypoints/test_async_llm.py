@@ -158,6 +158,40 @@ def test_killed_core_process_fails_requests_and_leaves_nothing(tiny_ckpt):
     assert not psutil_alive(pid)
 
 
+def test_core_process_start_up_error_is_the_engine_s_own(tiny_ckpt):
+    """A KV cache too small for one request, found in the core process: the same error (type
+    and message) as in one process, the child's traceback chained; no process left."""
+    from llm_inference.engine.core_process import EngineCoreError
+    from llm_inference.engine.llm_engine import KVCacheTooSmallError
+
+    before = set(_children())
+    with pytest.raises(KVCacheTooSmallError, match=r"KV cache too small.*max_model_len=512") as e:
+        AsyncLLM(str(tiny_ckpt), device="cpu", kv_cache_memory_bytes=40_000, max_model_len=512)
+    assert isinstance(e.value.__cause__, EngineCoreError)
+    assert "Traceback" in str(e.value.__cause__)
+    deadline = time.monotonic() + 10
+    while set(_children()) - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not set(_children()) - before
+
+
+def _children() -> list[int]:
+    """Live child processes of this one (not multiprocessing's resource tracker)."""
+    me, out = os.getpid(), []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and psutil_alive(int(name)):
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().split(")")[-1].split()[1])
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if ppid == me and b"resource_tracker" not in cmd:
+                out.append(int(name))
+    return out
+
+
 def test_core_process_freezes_its_startup_heap(tiny_ckpt):
     """The core process moves its startup heap (torch, the model) out of the GC's reach, so
     full collections there do not stall the steps."""

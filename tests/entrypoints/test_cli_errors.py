@@ -179,6 +179,14 @@ def test_chat_and_serve_errors_are_one_line(tiny_ckpt, capsys, command, extra):
     _one_error_line(capsys)
 
 
+def test_serve_kv_cache_too_small_is_one_line(tiny_ckpt, capsys):
+    """Found in the server's engine core process, reported as in one process."""
+    extra = ["--kv-cache-memory-bytes", "40000", "--max-model-len", "512"]
+    assert main(["serve", "--model", str(tiny_ckpt), "--device", "cpu", *extra]) == 1
+    line = _one_error_line(capsys)
+    assert re.search(r"^error: KV cache too small for one request of max_model_len=512", line), line
+
+
 def _raise(exc):
     def fail(*args, **kwargs):
         raise exc

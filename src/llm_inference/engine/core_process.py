@@ -21,10 +21,13 @@ as fast as the device allows, while the parent's front end works on the steps al
   after it. Records of requests the front end has already dropped are ignored there. A core
   that runs out of work after a command (an abort) sends a result with no records, for the
   stats (its blocks are free).
-- Failure: an error in the child is sent as `("error", text)` before it exits; a child that
-  dies closes the pipe. Either makes `recv()` raise `EngineCoreError`. The child exits when the
-  pipe closes or the parent process is gone. Shutdown: a `stop` command, a join with a timeout,
-  then terminate and kill; also run at interpreter exit and when the client is collected.
+- Failure: an error in the child is sent as `("error", traceback, exception)` before it exits
+  (the exception when it pickles), and the parent raises that exception (so a bad checkpoint or
+  a KV cache too small reads as it does in one process), the child's traceback chained as an
+  `EngineCoreError`; a child that dies closes the pipe, and `recv()` raises `EngineCoreError`.
+  The child exits when the pipe closes or the parent process is gone. Shutdown: a `stop`
+  command, a join with a timeout, then terminate and kill; also run at interpreter exit and
+  when the client is collected.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import pickle
 import queue
 import signal
 import threading
@@ -90,6 +94,17 @@ def _send_results(conn: Connection, results: queue.SimpleQueue) -> None:
             return
 
 
+def _portable(e: BaseException) -> Exception | None:
+    """`e` if the parent can re-raise it (an Exception that pickles), else None."""
+    if not isinstance(e, Exception):
+        return None
+    try:
+        pickle.loads(pickle.dumps(e))
+    except Exception:
+        return None
+    return e
+
+
 def _core_main(config: EngineConfig, conn: Connection, parent_pid: int, setup) -> None:
     """The body of the core process."""
     from llm_inference.engine.engine_core import EngineCore
@@ -101,8 +116,8 @@ def _core_main(config: EngineConfig, conn: Connection, parent_pid: int, setup) -
         core = EngineCore(config)
         if setup is not None:
             setup(core)
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
+    except BaseException as e:
+        conn.send(("error", traceback.format_exc(), _portable(e)))
         return
     freeze_startup_heap()
     results: queue.SimpleQueue = queue.SimpleQueue()
@@ -138,12 +153,12 @@ def _core_main(config: EngineConfig, conn: Connection, parent_pid: int, setup) -
                 results.put((records, scheduled, start, core.stats()))
     except EOFError:
         pass
-    except BaseException:
+    except BaseException as e:
         results.put(None)
         if sender.is_alive():
             sender.join(JOIN_TIMEOUT_S)  # the steps before the error go out first
         try:
-            conn.send(("error", traceback.format_exc()))
+            conn.send(("error", traceback.format_exc(), _portable(e)))
         except (OSError, EOFError):
             pass
     finally:
@@ -220,8 +235,11 @@ class CoreClient:
             message = self._conn.recv()
         except (EOFError, OSError):
             raise EngineCoreError(f"the engine core process exited ({self._exit_text()})") from None
-        if message[0] == "error":
-            raise EngineCoreError(f"the engine core failed:\n{message[1]}")
+        if message[0] == "error":  # the child's own exception when it pickled, its traceback
+            failure = EngineCoreError(f"the engine core failed:\n{message[1]}")  # the cause
+            if message[2] is not None:
+                raise message[2] from failure
+            raise failure
         return message
 
     def _exit_text(self) -> str:
