@@ -127,3 +127,24 @@ def report_gc_freeze(core) -> None:
 
     stats = core.stats
     core.stats = lambda: {**stats(), "gc_frozen": gc.get_freeze_count()}
+
+
+def assert_greedy_close(fast, ref, near_tie: float, who: str = "the fast path") -> None:
+    """Greedy outputs of two numerically different paths (`ref` asked for logprobs=5): where a
+    sequence first differs the reference must have found the two tokens nearly tied (gap under
+    `near_tie`); at least half the sequences identical and 75% of the tokens before any
+    difference."""
+    exact, agreed = 0, 0
+    for f, r in zip(fast, ref):
+        a, b = f.token_ids, r.token_ids
+        j = next((i for i in range(len(a)) if a[i] != b[i]), None)
+        agreed += len(a) if j is None else j
+        if j is None:
+            exact += 1
+            continue
+        top = r.outputs[0].logprobs[j].top
+        assert a[j] in top, f"{who} picked {a[j]} outside the reference top-5 at step {j}"
+        gap = top[b[j]] - top[a[j]]
+        assert gap < near_tie, f"first difference at step {j} with log-prob gap {gap:.3f}"
+    assert exact >= len(fast) // 2, f"only {exact} identical sequences"
+    assert agreed >= 0.75 * sum(len(o.token_ids) for o in fast)

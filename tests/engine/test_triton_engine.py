@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_sharp_checkpoint
+from helpers import assert_greedy_close, make_sharp_checkpoint
 
 from llm_inference import LLM, SamplingParams
 
@@ -47,19 +47,6 @@ def test_triton_greedy_equals_reference(tmp_path, head_dim, block_size, eager):
             if backend == "auto":
                 assert (llm.engine.executor.workers[0].model_runner.graphs is None) == eager
             runs[backend] = llm.generate(_prompts(), params, use_tqdm=False)
-    exact, agreed = 0, 0
-    for fast, ref in zip(runs["auto"], runs["reference"]):
-        a, b = fast.token_ids, ref.token_ids
-        j = next((i for i in range(len(a)) if a[i] != b[i]), None)
-        agreed += len(a) if j is None else j
-        if j is None:
-            exact += 1
-            continue
-        # Before the first difference the sequences are identical; at it, the reference
-        # must have found the two tokens nearly tied.
-        top = ref.outputs[0].logprobs[j].top
-        assert a[j] in top, f"Triton picked {a[j]} outside the reference top-5 at step {j}"
-        gap = top[b[j]] - top[a[j]]
-        assert gap < NEAR_TIE, f"first difference at step {j} with log-prob gap {gap:.3f}"
-    assert exact >= len(runs["auto"]) // 2, f"only {exact} identical sequences"
-    assert agreed >= 0.75 * sum(len(o.token_ids) for o in runs["auto"])
+    # Before the first difference the sequences are identical; at it, the reference must have
+    # found the two tokens nearly tied.
+    assert_greedy_close(runs["auto"], runs["reference"], NEAR_TIE, "Triton")
