@@ -79,8 +79,10 @@ class AsyncLLM:
 
     Arguments: see `config.create_engine_config`; `engine_process`: run the engine core in a
     process of its own (the default; see the module docstring); `core_setup`: a picklable
-    function called with the built `EngineCore` (where it runs), for tests and benchmarks.
-    Use `generate` from a running event loop; `shutdown()` (or the context manager) stops the
+    function called with the built `EngineCore` (where it runs), for tests and benchmarks. The
+    core process is started with `spawn` (it re-imports the caller's main module): a script
+    creating an AsyncLLM needs the `if __name__ == "__main__":` guard. Use `generate` from a
+    running event loop; `shutdown()` (or the context manager) stops the
     thread and the core process and releases the engine.
     """
 
