@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_sharp_checkpoint
-from tp_helpers import child_processes
+from helpers import child_processes, make_sharp_checkpoint
 
 from llm_inference import LLM, SamplingParams
 

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tp_helpers import child_processes, is_running, wait_gone
+from helpers import child_processes, is_running, wait_gone
 
 from llm_inference import LLM
 from llm_inference.core.outputs import CachedRequestData, SchedulerOutput

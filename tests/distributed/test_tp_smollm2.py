@@ -7,8 +7,7 @@ import sys
 
 import pytest
 import torch
-from helpers import chat_prompt_ids
-from tp_helpers import child_processes
+from helpers import chat_prompt_ids, child_processes
 
 from llm_inference import LLM
 from llm_inference.models.default_model import resolve_model

@@ -1,63 +1,10 @@
-"""Helpers of the tensor-parallel tests: the process table (/proc) and rank processes."""
+"""Helpers of the tensor-parallel tests: rank processes (the process table is in helpers.py)."""
 
 from __future__ import annotations
 
 import multiprocessing
-import os
 import pickle
 import time
-from pathlib import Path
-
-
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, parent pid) of a process, or None when it does not exist."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text.rsplit(")", 1)[1].split()
-    return fields[0], int(fields[1])
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def child_processes(parent: int | None = None) -> list[tuple[int, str]]:
-    """Children of `parent` (this process by default), zombies included, except
-    multiprocessing's resource tracker (one per parent, started by any spawn; not a worker)."""
-    parent = os.getpid() if parent is None else parent
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        st = _stat(int(name))
-        if st is None or st[1] != parent:
-            continue
-        cmd = _cmdline(int(name))
-        if "resource_tracker" in cmd:
-            continue
-        out.append((int(name), f"[{st[0]}] {cmd}"))
-    return out
-
-
-def is_running(pid: int) -> bool:
-    """True while the process exists and is not a zombie."""
-    st = _stat(pid)
-    return st is not None and st[0] != "Z"
-
-
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    """Wait until none of `pids` runs; return those still running at the timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = [p for p in pids if is_running(p)]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
 
 
 def run_ranks(target, world_size: int, *args, timeout: float = 120.0) -> list:

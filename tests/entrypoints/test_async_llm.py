@@ -11,7 +11,13 @@ import time
 
 import pytest
 from conftest import ENGINE_ARGS, wait_all_blocks_free
-from helpers import explode_on_step, report_gc_freeze
+from helpers import (
+    child_processes,
+    explode_on_step,
+    is_running,
+    report_gc_freeze,
+    wait_gone,
+)
 
 from llm_inference import AsyncLLM, SamplingParams
 from llm_inference.engine.async_llm import EngineDeadError
@@ -155,7 +161,7 @@ def test_killed_core_process_fails_requests_and_leaves_nothing(tiny_ckpt):
             asyncio.run(_final(llm, "after", SamplingParams(max_tokens=2)))
     finally:
         llm.shutdown()
-    assert not psutil_alive(pid)
+    assert not is_running(pid)
 
 
 def test_core_process_start_up_error_is_the_engine_s_own(tiny_ckpt):
@@ -164,32 +170,12 @@ def test_core_process_start_up_error_is_the_engine_s_own(tiny_ckpt):
     from llm_inference.engine.core_process import EngineCoreError
     from llm_inference.engine.llm_engine import KVCacheTooSmallError
 
-    before = set(_children())
+    before = {pid for pid, _ in child_processes()}
     with pytest.raises(KVCacheTooSmallError, match=r"KV cache too small.*max_model_len=512") as e:
         AsyncLLM(str(tiny_ckpt), device="cpu", kv_cache_memory_bytes=40_000, max_model_len=512)
     assert isinstance(e.value.__cause__, EngineCoreError)
     assert "Traceback" in str(e.value.__cause__)
-    deadline = time.monotonic() + 10
-    while set(_children()) - before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not set(_children()) - before
-
-
-def _children() -> list[int]:
-    """Live child processes of this one (not multiprocessing's resource tracker)."""
-    me, out = os.getpid(), []
-    for name in os.listdir("/proc"):
-        if name.isdigit() and psutil_alive(int(name)):
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    ppid = int(f.read().split(")")[-1].split()[1])
-                with open(f"/proc/{name}/cmdline", "rb") as f:
-                    cmd = f.read()
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            if ppid == me and b"resource_tracker" not in cmd:
-                out.append(int(name))
-    return out
+    assert not wait_gone([pid for pid, _ in child_processes() if pid not in before], 10)
 
 
 def test_core_process_freezes_its_startup_heap(tiny_ckpt):
@@ -197,15 +183,6 @@ def test_core_process_freezes_its_startup_heap(tiny_ckpt):
     full collections there do not stall the steps."""
     with AsyncLLM(str(tiny_ckpt), core_setup=report_gc_freeze, **ENGINE_ARGS) as llm:
         assert llm.stats()["gc_frozen"] > 10_000
-
-
-def psutil_alive(pid: int) -> bool:
-    """Whether process `pid` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _joined(deltas, n=1):
