@@ -114,6 +114,18 @@ def steps_interleaved(llm: LLM) -> dict:
     return {"owed": owed, "blocks": blocks, "tokens": tokens, "left": sched.requests}
 
 
+def profiled(llm: LLM) -> dict:
+    """LLM.start_profile / stop_profile around a generate: each rank's summary and trace."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        llm.start_profile(folder)
+        llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+        ranks = llm.stop_profile()
+        traces = {p: json.loads(open(os.path.join(folder, p)).read()) for p in os.listdir(folder)}
+    return {"ranks": ranks, "traces": traces}
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_ckpt):
     threads = torch.get_num_threads()
@@ -144,6 +156,7 @@ def _run_configs(tiny_ckpt) -> dict:
                 res["max_owed"] = max(owed, default=None)
                 if name == 2:
                     res["interleaved"] = steps_interleaved(llm)
+                    res["profile"] = profiled(llm)
         res["children_after"] = child_processes()
     return results
 
@@ -154,6 +167,19 @@ def test_greedy_under_preemption_matches_tp1(runs):
     assert runs[1]["stats"]["num_preemptions"] > 0
     assert runs[2]["stats"]["num_preemptions"] > 0
     assert runs[2]["stats"]["num_kv_blocks"] == 2 * runs[1]["stats"]["num_kv_blocks"]
+
+
+def test_profiler_runs_on_every_rank(runs):
+    """Each worker process profiles itself: two summaries, each with the matmuls the rank ran
+    (on the CPU, operators), and one Chrome trace per rank."""
+    prof = runs[2]["profile"]
+    assert [r["rank"] for r in prof["ranks"]] == [0, 1]
+    for r in prof["ranks"]:
+        assert r["device"] == "cpu" and r["total_ms"] > 0
+        mm = [k for name, k in r["kernels"].items() if name in ("aten::mm", "aten::addmm")]
+        assert mm and sum(k["calls"] for k in mm) >= 2 * 24  # 2 layers, 24+ forward passes
+    assert sorted(prof["traces"]) == ["rank0.json", "rank1.json"]
+    assert all(t["traceEvents"] for t in prof["traces"].values())
 
 
 @pytest.mark.parametrize("name", ["1-sync", "2-sync", "chunked-1", "chunked-2"])

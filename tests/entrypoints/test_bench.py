@@ -29,6 +29,36 @@ def test_decode_latency_is_positive_per_batch(llm, monkeypatch):
     assert set(res) == {1, 2} and all(ms > 0 for ms in res.values())
 
 
+def test_profile_decode_per_step_kernels(llm, monkeypatch):
+    """The per-step kernel profile of the 8 + new minus 8-token runs (on the CPU: operators)."""
+    monkeypatch.setattr(bench, "VOCAB", 320)
+    res = bench.profile_decode(llm, bs=2, prompt_len=4, new=8)
+    (rank,) = res["ranks"]
+    assert res["wall_ms_per_step"] > 0 and res["gpu_ms_per_step"] == rank["gpu_ms_per_step"]
+    top = rank["top_kernels_ms_per_step"]
+    assert "aten::mm" in top or "aten::addmm" in top
+    assert 0 < len(top) <= 15 and list(top.values()) == sorted(top.values(), reverse=True)
+
+
+def test_per_step_subtracts_the_short_run():
+    long = {
+        "total_ms": 10.0,
+        "kernels": {"a": {"ms": 8.0, "calls": 4}, "b": {"ms": 2.0, "calls": 1}},
+    }
+    short = {"total_ms": 4.0, "kernels": {"a": {"ms": 4.0, "calls": 2}}}
+    res = bench._per_step(long, short, steps=2)
+    assert res == {"gpu_ms_per_step": 3.0, "top_kernels_ms_per_step": {"a": 2.0, "b": 1.0}}
+
+
+def test_profiler_start_stop_errors(llm):
+    with pytest.raises(RuntimeError, match="not running"):
+        llm.stop_profile()
+    llm.start_profile()
+    with pytest.raises(RuntimeError, match="already running"):
+        llm.start_profile()
+    assert llm.stop_profile()[0]["rank"] == 0
+
+
 def test_step_bytes_counts_weights_once_and_kv_per_token():
     c = dict(hidden_size=4, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2)
     c |= dict(num_key_value_heads=1, head_dim=2, vocab_size=10, tie_word_embeddings=True)

@@ -147,6 +147,13 @@ class EngineCore:
         queue-time metric."""
         return {r.request_id for r in self.scheduler.waiting}
 
+    def start_profile(self, trace_dir: str | None = None) -> None:
+        self.executor.collective_rpc("start_profile", trace_dir)
+
+    def stop_profile(self) -> list[dict]:
+        """Each rank's summary (executor/profiler.py), in rank order."""
+        return self.executor.collective_rpc("stop_profile")
+
     def shutdown(self) -> None:
         if self.executor is not None:
             self.executor.shutdown()

@@ -136,14 +136,34 @@ def decode_latency(llm, batches=BATCHES, prompt_len: int = 128, seed: int = 0) -
     return out
 
 
+def _kernel_profile(llm, prompts, params) -> list[dict]:
+    """Each rank's profile (LLM.start_profile) of one timed generate."""
+    llm.start_profile()
+    try:
+        _timed_generate(llm, prompts, params)
+    finally:
+        ranks = llm.stop_profile()
+    return ranks
+
+
+def _per_step(long: dict, short: dict, steps: int, top: int = 15) -> dict:
+    """Kernel ms per step from the difference of two profiles: total and the `top` kernels."""
+    diff = {
+        name: (k["ms"] - short["kernels"].get(name, {"ms": 0.0})["ms"]) / steps
+        for name, k in long["kernels"].items()
+    }
+    ranked = sorted(diff.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "gpu_ms_per_step": (long["total_ms"] - short["total_ms"]) / steps,
+        "top_kernels_ms_per_step": {name: ms for name, ms in ranked},
+    }
+
+
 def profile_decode(llm, bs: int, prompt_len: int = 128, new: int = 64, seed: int = 0) -> dict:
     """Wall and GPU-kernel milliseconds per decode step at batch `bs`, each from the difference
-    of runs of 8 + `new` and 8 tokens: wall time unprofiled (median of 3), kernel time summed by
-    the torch profiler (after a profiled warm-up). Wall minus kernel time is host time the GPU
-    waits for."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
+    of runs of 8 + `new` and 8 tokens: wall time unprofiled (median of 3), kernel time from
+    each rank's profiler (after a profiled warm-up), with the kernels that take the most.
+    Wall minus kernel time is host time the GPU waits for."""
     from llm_inference import SamplingParams
 
     rng = random.Random(seed)
@@ -154,22 +174,21 @@ def profile_decode(llm, bs: int, prompt_len: int = 128, new: int = 64, seed: int
 
     wall = {n: statistics.median(_timed_generate(llm, prompts, sp(n)) for _ in range(3))
             for n in (8, 8 + new)}  # fmt: skip
-    kernels = {}
+    prof = {}
     for n in (8, 8, 8 + new):  # the first run warms the profiler up
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            _timed_generate(llm, prompts, sp(n))
-        kernels[n] = sum(
-            e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-        )
+        prof[n] = _kernel_profile(llm, prompts, sp(n))
+    ranks = [_per_step(long, short, new) for long, short in zip(prof[8 + new], prof[8])]
     return {
         "wall_ms_per_step": (wall[8 + new] - wall[8]) * 1e3 / new,
-        "gpu_ms_per_step": (kernels[8 + new] - kernels[8]) / 1e3 / new,
+        "gpu_ms_per_step": ranks[0]["gpu_ms_per_step"],
+        "ranks": ranks,
     }
 
 
-def prefill(llm, seed: int = 0) -> dict:
+def prefill(llm, seed: int = 0, profile: bool = False) -> dict:
     """ms to prefill one 8,000-token prompt, and 64 prompts of 512 tokens (each generating one
-    token): median of 5 after 2 warm-ups, as vLLM's comparison script times it."""
+    token): median of 5 after 2 warm-ups, as vLLM's comparison script times it. With
+    `profile`, also each case's GPU kernel time and top kernels (rank 0)."""
     from llm_inference import SamplingParams
 
     rng = random.Random(seed)
@@ -183,6 +202,10 @@ def prefill(llm, seed: int = 0) -> dict:
         out[f"prefill_{name}_ms"] = 1e3 * statistics.median(
             _timed_generate(llm, prompts, sp) for _ in range(5)
         )
+        if profile:
+            empty = {"total_ms": 0.0, "kernels": {}}
+            rank0 = _kernel_profile(llm, prompts, sp)[0]
+            out[f"profile_{name}"] = _per_step(rank0, empty, 1)
     return out
 
 
@@ -245,7 +268,10 @@ def add_bench_args(p: argparse.ArgumentParser, kind: str | None = None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size")
     p.add_argument("--seed", type=int, default=0, help="engine seed")
-    p.add_argument("--profile", default="", help="latency: also profile these batch sizes")
+    p.add_argument(
+        "--profile", default="",
+        help="latency: also profile these batch sizes (e.g. 1,64); prefill: any value profiles",
+    )  # fmt: skip
     p.add_argument("--json", default=None, help="also write the results to this file")
 
 
@@ -274,7 +300,7 @@ def run_bench(args) -> dict:
         if args.kind == "throughput":
             res.update(throughput(llm, args.num_prompts))
         elif args.kind == "prefill":
-            res.update(prefill(llm))
+            res.update(prefill(llm, profile=bool(args.profile)))
         else:
             bw = copy_bandwidth()
             res["copy_bandwidth_TBps"] = bw / 1e12
@@ -292,11 +318,16 @@ def run_bench(args) -> dict:
 
 def format_result(res: dict) -> str:
     if res["kind"] == "prefill":
-        return f"{res['model']}: " + ", ".join(
+        lines = [f"{res['model']}: " + ", ".join(
             f"{k.removeprefix('prefill_').removesuffix('_ms')} {v:.1f} ms"
             for k, v in res.items()
             if k.startswith("prefill_")
-        )
+        )]  # fmt: skip
+        for key, v in res.items():
+            if key.startswith("profile_"):
+                lines.append(f"profile {key[8:]}: GPU kernels {v['gpu_ms_per_step']:.2f} ms")
+                lines += _kernel_lines(v)
+        return "\n".join(lines)
     if res["kind"] == "throughput":
         return (
             f"{res['model']}: {res['requests_per_s']:.2f} requests/s, "
@@ -309,11 +340,19 @@ def format_result(res: dict) -> str:
         if key.startswith("bs"):
             lines.append(f"| {key[2:]} | {v['ms_per_step']:.3f} | {v['floor_ms']:.3f} |")
         elif key.startswith("profile_bs"):
+            ranks = ", ".join(f"{r['gpu_ms_per_step']:.3f}" for r in v["ranks"])
             lines.append(
                 f"profile batch {key[10:]}: wall {v['wall_ms_per_step']:.3f} ms/step, GPU "
-                f"kernels {v['gpu_ms_per_step']:.3f} ms/step"
+                f"kernels {ranks} ms/step (per rank)"
             )
+            lines += _kernel_lines(v["ranks"][0])
     return "\n".join(lines)
+
+
+def _kernel_lines(prof: dict, width: int = 90) -> list[str]:
+    return [
+        f"    {ms:8.4f} ms  {name[:width]}" for name, ms in prof["top_kernels_ms_per_step"].items()
+    ]
 
 
 if __name__ == "__main__":

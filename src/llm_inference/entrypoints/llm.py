@@ -70,6 +70,16 @@ class LLM:
     def stats(self) -> dict[str, int]:
         return self._engine().stats()
 
+    def start_profile(self, trace_dir: str | None = None) -> None:
+        """Start the torch profiler on every rank (GPU kernels on CUDA, operators on the CPU);
+        with `trace_dir`, `stop_profile` also writes a Chrome trace per rank there."""
+        self._engine().core.start_profile(trace_dir)
+
+    def stop_profile(self) -> list[dict]:
+        """Stop the profiler; per rank: {"rank", "device", "total_ms", "kernels": {name:
+        {"ms", "calls"}}}, kernels sorted by time."""
+        return self._engine().core.stop_profile()
+
     def _engine(self) -> LLMEngine:
         if self.engine is None:
             raise RuntimeError("this LLM has been closed; create a new one")

@@ -11,6 +11,7 @@ from llm_inference.config import EngineConfig
 from llm_inference.core.outputs import SchedulerOutput
 from llm_inference.distributed.parallel_state import get_custom_all_reduce
 from llm_inference.executor.model_runner import ModelRunner
+from llm_inference.executor.profiler import RankProfiler
 
 
 def worker_device(config: EngineConfig, rank: int) -> torch.device:
@@ -29,6 +30,7 @@ class Worker:
             torch.cuda.set_device(device)
         torch.manual_seed(config.seed)
         self.model_runner = ModelRunner(config, device)
+        self.profiler = RankProfiler(rank, device)
 
     def determine_num_blocks(self) -> int:
         return self.model_runner.determine_num_blocks()
@@ -50,6 +52,12 @@ class Worker:
         once the tokens are on the host, while it goes on with the next call); other
         ranks: None."""
         return self.model_runner.execute_model(scheduler_output, sync)
+
+    def start_profile(self, trace_dir: str | None = None) -> None:
+        self.profiler.start(trace_dir)
+
+    def stop_profile(self) -> dict:
+        return self.profiler.stop()
 
     def shutdown(self) -> None:
         self.model_runner.release()
