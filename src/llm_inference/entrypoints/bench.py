@@ -17,6 +17,7 @@ another checkout of the package (`PYTHONPATH=other/src python3 .../bench.py ...`
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import statistics
@@ -136,14 +137,26 @@ def decode_latency(llm, batches=BATCHES, prompt_len: int = 128, seed: int = 0) -
     return out
 
 
-def _kernel_profile(llm, prompts, params) -> list[dict]:
-    """Each rank's profile (LLM.start_profile) of one timed generate."""
-    llm.start_profile()
+def _kernel_profile(llm, run, trace_dir: str | None = None) -> list[dict]:
+    """Each rank's profile (LLM.start_profile) of one call of `run()`."""
+    llm.start_profile(trace_dir)
     try:
-        _timed_generate(llm, prompts, params)
+        run()
     finally:
         ranks = llm.stop_profile()
     return ranks
+
+
+def _kernel_profile_throughput(llm, num_prompts: int, **workload) -> dict:
+    """The throughput workload again under each rank's profiler: its wall seconds (slower than
+    unprofiled) and per rank the GPU kernel seconds and the top kernels."""
+    timed = {}
+    ranks = _kernel_profile(llm, lambda: timed.update(throughput(llm, num_prompts, **workload)))
+    empty = {"total_ms": 0.0, "kernels": {}}
+    return {
+        "wall_s": timed["seconds"],
+        "ranks": [_per_step(r, empty, 1000) for r in ranks],  # ms / 1000: seconds
+    }
 
 
 def _per_step(long: dict, short: dict, steps: int, top: int = 15) -> dict:
@@ -176,7 +189,7 @@ def profile_decode(llm, bs: int, prompt_len: int = 128, new: int = 64, seed: int
             for n in (8, 8 + new)}  # fmt: skip
     prof = {}
     for n in (8, 8, 8 + new):  # the first run warms the profiler up
-        prof[n] = _kernel_profile(llm, prompts, sp(n))
+        prof[n] = _kernel_profile(llm, functools.partial(_timed_generate, llm, prompts, sp(n)))
     ranks = [_per_step(long, short, new) for long, short in zip(prof[8 + new], prof[8])]
     return {
         "wall_ms_per_step": (wall[8 + new] - wall[8]) * 1e3 / new,
@@ -185,10 +198,11 @@ def profile_decode(llm, bs: int, prompt_len: int = 128, new: int = 64, seed: int
     }
 
 
-def prefill(llm, seed: int = 0, profile: bool = False) -> dict:
+def prefill(llm, seed: int = 0, profile: bool = False, trace_dir: str | None = None) -> dict:
     """ms to prefill one 8,000-token prompt, and 64 prompts of 512 tokens (each generating one
     token): median of 5 after 2 warm-ups, as vLLM's comparison script times it. With
-    `profile`, also each case's GPU kernel time and top kernels (rank 0)."""
+    `profile`, also each case's GPU kernel time and top kernels (rank 0), and with `trace_dir`
+    a Chrome trace of each case there."""
     from llm_inference import SamplingParams
 
     rng = random.Random(seed)
@@ -204,7 +218,9 @@ def prefill(llm, seed: int = 0, profile: bool = False) -> dict:
         )
         if profile:
             empty = {"total_ms": 0.0, "kernels": {}}
-            rank0 = _kernel_profile(llm, prompts, sp)[0]
+            trace = f"{trace_dir}/prefill_{name}" if trace_dir else None
+            run = functools.partial(_timed_generate, llm, prompts, sp)
+            rank0 = _kernel_profile(llm, run, trace)[0]
             out[f"profile_{name}"] = _per_step(rank0, empty, 1)
     return out
 
@@ -272,6 +288,7 @@ def add_bench_args(p: argparse.ArgumentParser, kind: str | None = None) -> None:
         "--profile", default="",
         help="latency: also profile these batch sizes (e.g. 1,64); prefill: any value profiles",
     )  # fmt: skip
+    p.add_argument("--trace-dir", default=None, help="prefill --profile: Chrome traces here")
     p.add_argument("--json", default=None, help="also write the results to this file")
 
 
@@ -299,8 +316,11 @@ def run_bench(args) -> dict:
     with LLM(str(folder), **kw) as llm:
         if args.kind == "throughput":
             res.update(throughput(llm, args.num_prompts))
+            if args.profile:  # a second run, profiled: each rank's kernel time against the wall
+                ranks = _kernel_profile_throughput(llm, args.num_prompts)
+                res["profile"] = ranks
         elif args.kind == "prefill":
-            res.update(prefill(llm, profile=bool(args.profile)))
+            res.update(prefill(llm, profile=bool(args.profile), trace_dir=args.trace_dir))
         else:
             bw = copy_bandwidth()
             res["copy_bandwidth_TBps"] = bw / 1e12
@@ -329,10 +349,21 @@ def format_result(res: dict) -> str:
                 lines += _kernel_lines(v)
         return "\n".join(lines)
     if res["kind"] == "throughput":
-        return (
+        line = (
             f"{res['model']}: {res['requests_per_s']:.2f} requests/s, "
             f"{res['output_tok_per_s']:,.0f} output tok/s, {res['total_tok_per_s']:,.0f} "
             f"total tok/s ({res['output_tokens']} output tokens in {res['seconds']:.2f} s)"
+        )
+        if "profile" not in res:
+            return line
+        prof = res["profile"]
+        ranks = ", ".join(f"{r['gpu_ms_per_step']:.3f}" for r in prof["ranks"])
+        lines = [
+            line,
+            f"profiled run: wall {prof['wall_s']:.3f} s, GPU kernels {ranks} s (per rank)",
+        ]
+        return "\n".join(
+            lines + [ln.replace(" ms ", " s  ") for ln in _kernel_lines(prof["ranks"][0])]
         )
     lines = [f"{res['model']}: decode ms per step (copy {res['copy_bandwidth_TBps']:.2f} TB/s)",
              "| batch | ms/step | floor ms |", "|---|---|---|"]  # fmt: skip

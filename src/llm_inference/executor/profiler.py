@@ -1,9 +1,10 @@
 """A rank's torch profiler: `LLM.start_profile()` / `LLM.stop_profile()` run it on every rank
 (in the worker processes too, where the parent's profiler cannot see), as vLLM's do.
 
-On CUDA it records the GPU kernels; on the CPU, the operators. `stop()` returns the rank's
-summary, {"rank", "device", "total_ms", "kernels": {name: {"ms", "calls"}}}, and writes a
-Chrome trace (`rank{r}.json`, for chrome://tracing or Perfetto) when a folder was given."""
+On CUDA it sums the GPU kernels; on the CPU, the operators. `stop()` returns the rank's
+summary, {"rank", "device", "total_ms", "kernels": {name: {"ms", "calls"}}}. Given a folder, it
+also records the host side (operators and launches, on CUDA) and writes a Chrome trace,
+`rank{r}.json` (chrome://tracing or Perfetto), where the gaps between kernels can be read."""
 
 from __future__ import annotations
 
@@ -27,8 +28,10 @@ class RankProfiler:
         if cuda:
             torch.cuda.synchronize(self.device)  # earlier steps stay out of the record
         self._trace_dir = Path(trace_dir) if trace_dir else None
-        activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
-        self._prof = profile(activities=[activity])
+        activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+        if cuda and self._trace_dir is not None:
+            activities.append(ProfilerActivity.CPU)
+        self._prof = profile(activities=activities)
         self._prof.__enter__()
 
     def stop(self) -> dict:
