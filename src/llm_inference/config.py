@@ -381,7 +381,8 @@ class EngineConfig:
     # CUDA graphs (Triton kernels on CUDA) unless True (as vLLM's enforce_eager).
     enforce_eager: bool = False
     # Matmuls of at most 16 rows (decode) through the Triton skinny GEMM, the MLP's gate_up
-    # fused with SiLU-and-mul (kernels/skinny_gemm.py); needs kernel_backend "triton".
+    # fused with SiLU-and-mul (kernels/skinny_gemm.py); on with kernel_backend "triton" unless
+    # turned off (create_engine_config's skinny_gemm=False).
     skinny_gemm: bool = False
     # Token counts at which steps with prompt tokens are captured as CUDA graphs, ascending,
     # each at most max_num_batched_tokens; None: the default ladder of executor/cuda_graph.py
@@ -472,7 +473,7 @@ def create_engine_config(
     enable_prefix_caching: bool = True,
     mixed_cuda_graph_sizes: list[int] | tuple[int, ...] | None = None,
     disable_custom_all_reduce: bool = False,
-    skinny_gemm: bool = False,
+    skinny_gemm: bool | None = None,
 ) -> EngineConfig:
     """Every engine argument checked and resolved in one place (LLM, the CLI and the server
     call this): the model path (None: the default model), device, dtype, kernel backend and
@@ -503,8 +504,8 @@ def create_engine_config(
         raise ValueError(
             f"disable_custom_all_reduce must be True or False, got {disable_custom_all_reduce!r}"
         )
-    if not isinstance(skinny_gemm, bool):
-        raise ValueError(f"skinny_gemm must be True or False, got {skinny_gemm!r}")
+    if skinny_gemm is not None and not isinstance(skinny_gemm, bool):
+        raise ValueError(f"skinny_gemm must be True, False or None, got {skinny_gemm!r}")
     budget = max_num_batched_tokens or max(8192, max_num_seqs)
     graph_sizes = _graph_sizes(mixed_cuda_graph_sizes, budget)
     dev = resolve_device(device)
@@ -537,7 +538,7 @@ def create_engine_config(
         dtype=resolve_dtype(dtype, model_config.torch_dtype, dev.split(":")[0]),
         kernel_backend=backend,
         enforce_eager=bool(enforce_eager),
-        skinny_gemm=skinny_gemm,
+        skinny_gemm=backend == "triton" if skinny_gemm is None else skinny_gemm,
         mixed_cuda_graph_sizes=graph_sizes,
         seed=seed,
         async_scheduling=bool(async_scheduling),

@@ -5,7 +5,7 @@ CPU: the cases of unified_attention_checks.py (small sizes, float32 and float16:
 of chunks and decodes, empty sequences, padding rows, GQA 1-4, block sizes 16 and 32, head_dim
 32-128, several tile configs, the decode path with and without splits) run once in a child
 process started with TRITON_INTERPRET=1; each case reports its own result.
-GPU (skipped without CUDA): bfloat16 at real sizes: query lengths 1 to 2,048, contexts up to
+GPU (skipped without CUDA): bfloat16 at real sizes: query lengths 1 to 5,000, contexts up to
 32,768, GQA 1-8, head_dim 64 and 128, block sizes 16 and 32, random non-contiguous block
 tables; and CUDA-graph replays with new contents.
 """
@@ -91,6 +91,20 @@ GPU_CTX = [0, 32767, 5, 1000, 30000, 7, 4096, 2048, 31, 0, 16, 3]
 def test_unified_attention_gpu_bf16_mixed(shape, block_size):
     checks.check_unified("cuda", torch.bfloat16, GPU_Q, GPU_CTX, shape, block_size,
                          seed=block_size + shape[2], tiles=((64, 32), (128, 64)))  # fmt: skip
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_unified_attention_gpu_bf16_long_prefill(shape):
+    """Steps with a chunk of at least LONG_QUERY tokens take the long-prefill tile (head_dim 64
+    and 128); from 0 and after a deep context, beside shorter chunks and a decode."""
+    from llm_inference.kernels import unified_attention as ua
+
+    assert ua.default_tiles(shape[0] // shape[1], shape[2], 5000)[:2] in ((128, 128), (256, 64))
+    q_lens, contexts = [5000, 1, 300, ua.LONG_QUERY], [0, 9000, 100, 2003]
+    checks.check_unified("cuda", torch.bfloat16, q_lens, contexts, shape, 16, seed=3,
+                         tiles=((128, 128), (256, 64)))  # fmt: skip
 
 
 @cuda

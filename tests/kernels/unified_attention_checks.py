@@ -154,7 +154,9 @@ MIXED_Q = [5, 0, 1, 40, 17, 1, 33, 0]
 MIXED_CTX = [0, 3, 20, 0, 13, 70, 16, 9]
 DECODE_Q = [1, 1, 0, 1, 1, 1, 0]
 DECODE_CTX = [0, 15, 4, 16, 31, 130, 2]
-TILES = ((16, 16), (32, 32))  # and the default tiles (BLOCK_M up to 128, BLOCK_N 64)
+# and the default tiles (BLOCK_M up to 128, BLOCK_N 64); the long-prefill tiles 128 x 128 and
+# 256 x 64 (unified_attention.default_tiles) in float32
+TILES = ((16, 16), (32, 32), (128, 128), (256, 64))
 SHAPES = {  # name -> ((Hq, Hkv, D), block size)
     "g4_d64_bs16": ((8, 2, 64), 16),
     "g2_d64_bs32": ((4, 2, 64), 32),

@@ -273,8 +273,9 @@ def add_bench_args(p: argparse.ArgumentParser, kind: str | None = None) -> None:
         "--disable-custom-all-reduce", action="store_true", help="NCCL for every all-reduce"
     )
     p.add_argument(
-        "--skinny-gemm", action="store_true", help="decode matmuls through the Triton skinny GEMM"
-    )
+        "--skinny-gemm", action=argparse.BooleanOptionalAction, default=None,
+        help="decode matmuls through the Triton skinny GEMM (default: on with Triton)",
+    )  # fmt: skip
     p.add_argument(
         "--enable-prefix-caching",
         action="store_true",
@@ -309,8 +310,8 @@ def run_bench(args) -> dict:
         kw["tensor_parallel_size"] = args.tensor_parallel_size
     if args.disable_custom_all_reduce:
         kw["disable_custom_all_reduce"] = res["disable_custom_all_reduce"] = True
-    if args.skinny_gemm:
-        kw["skinny_gemm"] = res["skinny_gemm"] = True
+    if args.skinny_gemm is not None:
+        kw["skinny_gemm"] = res["skinny_gemm"] = args.skinny_gemm
     if not args.enable_prefix_caching:
         kw["enable_prefix_caching"] = False
     with LLM(str(folder), **kw) as llm:

@@ -83,8 +83,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
         "--skinny-gemm",
-        action="store_true",
-        help="CUDA: decode matmuls (at most 16 rows) through the Triton skinny GEMM",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="CUDA: decode matmuls (at most 16 rows) through the Triton skinny GEMM (default: "
+        "on with the Triton kernels; --no-skinny-gemm: cuBLAS)",
     )
     p.add_argument(
         "--disable-custom-all-reduce",

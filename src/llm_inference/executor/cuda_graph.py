@@ -15,8 +15,9 @@ Mixed steps (max_query_len > 1) use token-count buckets T_b, each captured with 
 `max_num_seqs` and max_query_len = T_b: never the decode kernel; the tiled kernel's grid,
 T_b // BLOCK_Q + max_num_seqs programs, covers any step of at most T_b tokens. Its tile is
 the one `default_tiles` gives for T_b: for T_b >= 128 the prefill tile (BLOCK_M 128 at
-head_dim <= 128), which an eager step uses too once a chunk has more than 64 / G tokens;
-a step of shorter chunks runs with a larger tile than it would eagerly (any tile is exact).
+head_dim <= 128; the long-prefill tile from 4,096), which an eager step uses too once a chunk
+has more than 64 / G tokens; a step of shorter chunks runs with a larger tile than it would
+eagerly (any tile is exact).
 Padding (`InputBuffers.pad_mixed`): tokens [T, T_b) are token 0 at position 0 with slot -1;
 sequences [S, max_num_seqs) have no query rows (query_start_loc = T) and seq_len 0. The unified
 attention kernel never reads a zero-length sequence's seq_len or block table, nor a row past

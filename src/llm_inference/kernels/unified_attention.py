@@ -148,11 +148,21 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+LONG_QUERY = 4096  # from this max_query_len on, the long-prefill tile (above the fine graph ladder)
+
+
 def default_tiles(group: int, head_dim: int, max_query_len: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the tiled kernel.
 
     128 rows x 64 keys for prefill; for short queries (mixed steps of decodes and small chunks)
-    M shrinks to the rows a sequence can fill, max_query_len x G, at least 16 (tensor cores)."""
+    M shrinks to the rows a sequence can fill, max_query_len x G, at least 16 (tensor cores).
+    From LONG_QUERY tokens on, the fastest tile of `benchmarks/unified_attention.py --sweep` on
+    the H200 for one 8,000-token prompt (unified_attention_sweep_2026-11-30_h200x2.md): 128
+    rows x 128 keys, 4 warps at head_dim 64 (0.757 ms against 0.839); 256 rows x 64 keys, 8
+    warps at head_dim 128 (1.040 against 1.240). Not below: a 256-row tile doubles the tensor
+    work of the one-token rows that share a mixed step (and its CUDA graph) with a chunk."""
+    if max_query_len >= LONG_QUERY and head_dim in (64, 128):
+        return (128, 128, 4, 3) if head_dim == 64 else (256, 64, 8, 3)
     block_m = 128 if head_dim <= 128 else 64
     block_m = max(min(block_m, _pow2_at_least(max_query_len * group)), 16, _pow2_at_least(group))
     num_warps = 8 if block_m >= 128 and head_dim >= 128 else 4
