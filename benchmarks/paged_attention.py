@@ -138,7 +138,7 @@ def bench_row(batch, seq, shape, gen, copy_bw) -> dict:
     t_graph = median_ms(capture(triton_fn).replay)
     eager_us = eager_us_per_call(triton_fn)
     bw = kv_bytes(batch, seq, shape) / (t_graph * 1e-3)
-    splits, _ = pa.choose_splits(
+    splits = pa.choose_splits(
         batch, shape[1], seq, pa.default_block_n(shape[2], BLOCK_SIZE), pa._num_sms(q.device)
     )
     return dict(batch=batch, seq=seq, torch_ms=t_torch, triton_ms=t_graph, eager_us=eager_us,
@@ -167,9 +167,9 @@ def diagnose_row(batch, seq, shape, gen, copy_bw) -> list[dict]:
     sms = pa._num_sms(q.device)
     results = []
     for name, waves, min_chunk, fused in DIAGNOSE[(batch, seq)]:
-        splits, chunk = pa.choose_splits(batch, shape[1], seq, block_n, sms, waves, min_chunk)
+        splits = pa.choose_splits(batch, shape[1], seq, block_n, sms, waves, min_chunk)
         fn = functools.partial(pa.launch, q, k_cache, v_cache, tables, lens, scale, out, splits,
-                               chunk, block_n, fused_merge=fused)  # fmt: skip
+                               block_n, fused_merge=fused)  # fmt: skip
         graph = capture(fn)
         graph.replay()
         err = rel_error(out, ref)

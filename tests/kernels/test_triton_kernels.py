@@ -93,8 +93,8 @@ def test_paged_attention_gpu_bf16(shape, block_size):
     from llm_inference.kernels.paged_attention import default_block_n
 
     block_n = default_block_n(shape[2], block_size)
-    cfgs = [(1, 4096, block_n, False), (32, 128, block_n, False), (3, 1408, 32, False),
-            (32, 128, block_n, True), (5, 832, block_n, True)]  # fmt: skip
+    cfgs = [(1, block_n, False), (32, block_n, False), (3, 32, False), (32, block_n, True),
+            (5, block_n, True), (128, block_n, False)]  # fmt: skip
     lens = mixed_lens(40, block_size, seed=block_size)
     checks.check_paged_attention("cuda", torch.bfloat16, lens, *shape, block_size, 1, cfgs)
 

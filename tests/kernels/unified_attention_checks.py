@@ -106,10 +106,9 @@ def check_unified(device, dtype, q_lens, contexts, shape, block_size, seed, tile
     q, k_cache, v_cache, block_table, cu, seq_lens = case
     for splits in decode_splits:
         assert max(q_lens) <= 1
-        chunk = 16 * math.ceil(max(lens) / (16 * splits))
         out = torch.full_like(q, float("nan"))
         paged_attention.launch(q, k_cache, v_cache, block_table, seq_lens, scale, out, splits,
-                               chunk, 16, cu_seqlens=cu)  # fmt: skip
+                               16, cu_seqlens=cu)  # fmt: skip
         assert_close(out, case, scale, f"decode splits {splits}")
 
 

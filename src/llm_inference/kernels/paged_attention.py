@@ -10,9 +10,12 @@ Work split: one program per (sequence, KV head, context split).
 - Grouped-query: the G = Hq / Hkv query heads sharing a KV head form a [G, D] tile (padded to 16
   rows for the tensor cores), so each K/V tile is loaded once for the whole group and the scores
   are one small matrix product.
-- Split-K: a sequence's context is cut into `num_splits` chunks of `chunk` tokens (a multiple of
-  the tile). Each program writes its normalized partial output and its log-sum-exp (base 2) to
-  fp32 scratch, and the small `_merge_kernel` combines them with log-sum-exp weights. With
+- Split-K: each sequence's context is cut into `num_splits` chunks of whole tiles, as even as
+  its own length allows (ceil(tiles / num_splits) tiles each; trailing splits may get none), so
+  a short context in a launch sized for long ones still spreads over the splits: at batch 1
+  and 200 tokens in 64-token tiles, four programs of one tile each, not one looping over four. Each
+  program writes its normalized partial output and its log-sum-exp (base 2) to fp32 scratch,
+  and the small `_merge_kernel` combines them with log-sum-exp weights. With
   FUSED_MERGE the last split of each (sequence, KV head) to finish, which it learns from an
   atomic counter, merges in the same launch instead: one launch less on the host, but slower
   on the GPU at many splits (benchmarks/NOTES.md), so off by default. With one split the
@@ -104,7 +107,7 @@ def _paged_decode_kernel(
     stride_kn, stride_kt, stride_kh,  # also V's: the launcher checks they are equal
     stride_btb,
     stride_ob, stride_oh,
-    chunk, num_splits,
+    num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -119,6 +122,8 @@ def _paged_decode_kernel(
         row = tl.load(cu_ptr + b).to(tl.int32)
         if tl.load(cu_ptr + b + 1) == row:
             return
+    # This sequence's own chunk: its tiles spread evenly over the splits.
+    chunk = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -203,19 +208,19 @@ def _cdiv(a: int, b: int) -> int:
 def choose_splits(
     batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int,
     waves: int = 0, min_chunk: int = 0,
-) -> tuple[int, int]:  # fmt: skip
-    """(num_splits, chunk tokens) from sizes only: enough programs to fill every SM.
+) -> int:  # fmt: skip
+    """The number of splits, from sizes only: enough programs to fill every SM.
 
     Splits stop below `waves` (default WAVES) programs per SM, at `min_chunk` (default
-    MIN_CHUNK) tokens per split and at MAX_SPLITS; the chunk is a whole number of tiles, and
-    splits that would be empty for `max_seq_len` are dropped.
+    MIN_CHUNK) tokens per split of a `max_seq_len` context and at MAX_SPLITS; splits that would
+    be empty for `max_seq_len` are dropped. (A shorter sequence spreads its own tiles over
+    them: see the kernel.)
     """
     tiles = _cdiv(max(max_seq_len, 1), block_n)
     want = (waves or WAVES) * num_sms // (batch * num_kv_heads)  # 0 or 1: no split
     by_chunk = _cdiv(tiles * block_n, min_chunk or MIN_CHUNK)
     splits = max(1, min(want, by_chunk, MAX_SPLITS, tiles))
-    tiles_per_split = _cdiv(tiles, splits)
-    return _cdiv(tiles, tiles_per_split), tiles_per_split * block_n
+    return _cdiv(tiles, _cdiv(tiles, splits))
 
 
 def check_cache(q, k_cache, v_cache) -> None:
@@ -280,21 +285,21 @@ def paged_attention_decode(
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
     block_n = default_block_n(q.shape[2], block_size)
-    splits, chunk = choose_splits(
+    splits = choose_splits(
         q.shape[0], k_cache.shape[2], max_seq_len, block_n, _num_sms(q.device)
     )  # cached: the host cost of a call matters when decode runs eagerly
-    return launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, splits, chunk, block_n)
+    return launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, splits, block_n)
 
 
 def launch(
-    q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, chunk, block_n,
+    q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, block_n,
     num_warps: int = 4, num_stages: int = 3, fused_merge: bool | None = None,
     cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Run with an explicit split and tile configuration (tests and the benchmark sweep it).
 
-    Every token of every sequence must fall in some split: num_splits * chunk >= max seq_len.
-    With `cu_seqlens` ([B + 1], unified_attention's decode path) sequence b reads and writes
+    Any num_splits >= 1 is exact (each sequence divides its own tiles over them). With
+    `cu_seqlens` ([B + 1], unified_attention's decode path) sequence b reads and writes
     row cu_seqlens[b] of q/out, or nothing when cu_seqlens[b + 1] == cu_seqlens[b]; q/out may
     then have any number of rows. Not with the fused merge.
     """
@@ -302,8 +307,8 @@ def launch(
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    if chunk < 1 or block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"need chunk >= 1 and a power-of-two tile >= 16: {chunk}, {block_n}")
+    if num_splits < 1 or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"need splits >= 1 and a power-of-two tile >= 16: {num_splits}, {block_n}")
     fused_merge = FUSED_MERGE if fused_merge is None else fused_merge
     if cu_seqlens is not None and fused_merge:
         raise ValueError("cu_seqlens does not work with the fused merge")
@@ -325,7 +330,7 @@ def launch(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        chunk, num_splits,
+        num_splits,
         GROUP=group, BLOCK_G=max(16, 1 << (group - 1).bit_length()), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SPLIT=num_splits > 1, FUSED_MERGE=fused_merge, BLOCK_S=block_s,

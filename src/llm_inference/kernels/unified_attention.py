@@ -219,11 +219,11 @@ def unified_attention(
         if max_seq_len is None:
             max_seq_len = block_table.shape[1] * block_size
         block_n = pa.default_block_n(head_dim, block_size)
-        splits, chunk = pa.choose_splits(
+        splits = pa.choose_splits(
             num_seqs, num_kv_heads, max_seq_len, block_n, pa._num_sms(q.device)
         )
         return pa.launch(
-            q, k_cache, v_cache, block_table, seq_lens, scale, out, splits, chunk, block_n,
+            q, k_cache, v_cache, block_table, seq_lens, scale, out, splits, block_n,
             fused_merge=False, cu_seqlens=cu_seqlens_q,
         )  # fmt: skip
     group = q.shape[1] // num_kv_heads
