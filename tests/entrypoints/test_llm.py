@@ -163,3 +163,18 @@ def test_interrupted_generate_leaves_no_blocks(tiny_ckpt, monkeypatch):
         assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
         assert not llm.engine.has_unfinished_requests()
         assert len(llm.generate([[5, 6]], max_new_tokens=2, use_tqdm=False)[0].token_ids) == 2
+
+
+def test_startup_heap_frozen_while_open(tiny_ckpt):
+    """Full GC collections during generate would walk torch's and the model's objects: the LLM
+    freezes the heap it starts with and thaws it on close, so its objects can be collected
+    again afterwards."""
+    import gc
+
+    llm = LLM(str(tiny_ckpt), device="cpu")
+    try:
+        assert gc.get_freeze_count() > 10_000
+        llm.generate([[1, 2, 3]], max_new_tokens=2, use_tqdm=False)
+    finally:
+        llm.close()
+    assert gc.get_freeze_count() == 0

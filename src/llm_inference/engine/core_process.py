@@ -32,7 +32,6 @@ as fast as the device allows, while the parent's front end works on the steps al
 
 from __future__ import annotations
 
-import gc
 import multiprocessing
 import os
 import pickle
@@ -47,25 +46,9 @@ from typing import Any
 
 from llm_inference.config import EngineConfig
 from llm_inference.core.request import Request, RequestStatus
+from llm_inference.engine.gc_heap import freeze_startup_heap, thaw_heap
 
 JOIN_TIMEOUT_S = 10.0
-
-
-def freeze_startup_heap() -> None:
-    """For a long-running process of ours (the core process, the server): move every object
-    alive now (torch's and the model's Python objects, the tokenizer, the web stack) to the
-    cyclic GC's permanent generation, so that its full collections scan only what the run
-    creates. Without it each full collection walked the whole startup heap: ~0.2 s pauses in
-    the server on a CPU, seen as stalls of every stream. Objects made later are collected as
-    usual. Call `thaw_heap()` before the process exits."""
-    gc.collect()
-    gc.freeze()
-
-
-def thaw_heap() -> None:
-    """Undo `freeze_startup_heap` at exit: objects left frozen are never finalized, and native
-    extensions (Triton's nanobind bindings) then print pages of leak warnings."""
-    gc.unfreeze()
 
 
 class EngineCoreError(RuntimeError):

@@ -10,6 +10,7 @@ from dataclasses import replace
 from tqdm.auto import tqdm
 
 from llm_inference.config import create_engine_config
+from llm_inference.engine.gc_heap import freeze_startup_heap, thaw_heap
 from llm_inference.engine.llm_engine import LLMEngine
 from llm_inference.models.loader import load_tokenizer
 from llm_inference.outputs import RequestOutput
@@ -54,6 +55,10 @@ class LLM:
         self.engine = LLMEngine(self.config, self.tokenizer)
         self.config = self.engine.config  # max_model_len may have been fitted to the cache
         self._ids = itertools.count()
+        # Full GC collections would walk torch's and the model's objects mid-generate (~0.2 s
+        # pauses): they are frozen until close() (engine/gc_heap.py; vLLM freezes too).
+        freeze_startup_heap()
+        self._frozen = True
 
     # ---- context manager ----------------------------------------------------------------------
 
@@ -68,6 +73,9 @@ class LLM:
         if getattr(self, "engine", None) is not None:
             self.engine.shutdown()
             self.engine = None
+        if getattr(self, "_frozen", False):
+            thaw_heap()
+            self._frozen = False
 
     def stats(self) -> dict[str, int]:
         return self._engine().stats()

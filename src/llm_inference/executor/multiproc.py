@@ -71,6 +71,7 @@ from llm_inference.distributed.parallel_state import (
     free_port,
     init_distributed,
 )
+from llm_inference.engine.gc_heap import freeze_startup_heap, thaw_heap
 from llm_inference.executor.pending import PendingOutput
 from llm_inference.executor.worker import Worker, worker_device
 
@@ -210,6 +211,7 @@ def worker_main(
         return
     if not _send(replies_conn, 0, True, os.getpid()):
         return
+    freeze_startup_heap()  # full GC collections would walk torch's objects mid-step
     calls: queue.SimpleQueue = queue.SimpleQueue()
     replies: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_read_calls, args=(calls_conn, calls), daemon=True).start()
@@ -248,6 +250,7 @@ def worker_main(
             sys.stderr.flush()
             os._exit(exit_code)
         destroy_distributed()
+        thaw_heap()
 
 
 # ---- the parent -----------------------------------------------------------------------------

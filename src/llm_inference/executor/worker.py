@@ -53,6 +53,12 @@ class Worker:
         ranks: None."""
         return self.model_runner.execute_model(scheduler_output, sync)
 
+    def gc_frozen_objects(self) -> int:
+        """Objects in this process's permanent GC generation (engine/gc_heap.py)."""
+        import gc
+
+        return gc.get_freeze_count()
+
     def start_profile(self, trace_dir: str | None = None) -> None:
         self.profiler.start(trace_dir)
 

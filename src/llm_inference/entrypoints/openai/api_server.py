@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
 from llm_inference.engine.async_llm import AsyncLLM
-from llm_inference.engine.core_process import freeze_startup_heap, thaw_heap
+from llm_inference.engine.gc_heap import freeze_startup_heap, thaw_heap
 from llm_inference.entrypoints.openai import metrics
 from llm_inference.entrypoints.openai.protocol import (
     APIError,
