@@ -1,7 +1,7 @@
 """Cyclic-GC pauses inside `LLM.generate` (CPU, the model's forward stubbed as in host_step.py):
 256 prompts of 128 tokens, 8 and 136 new tokens, three runs each; per run the wall time, the
 collections of each generation and how long each full (generation 2) collection took, timed
-with `gc.callbacks`. Shows what freezing the startup heap (engine/gc_heap.py) changes.
+with `gc.callbacks`. Shows what freezing the startup heap (gc_heap.py) changes.
 
     PYTHONPATH=src python3 benchmarks/gc_pauses.py
 """

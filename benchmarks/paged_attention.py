@@ -13,8 +13,13 @@ step runs once graphs are captured. "eager us/call" is wall time per plain call,
 the Python launcher's host cost wherever it exceeds the GPU time. The reference cannot be
 captured (it syncs on seq_lens.max()), so it is timed eagerly. `--diagnose` adds, at the
 bandwidth rows, split and merge variants, do_bench's zero-write flush, and a fixed-cost probe.
+`--mixed` adds batches whose contexts are spread uniformly over [100, 2,048] tokens (as in the
+throughput benchmark, where they are the largest kernel time) at each split count: with one
+split the longest sequences' programs finish last, alone; each sequence spreads its own tiles
+over the splits, so more splits shorten that tail at the cost of the partials and the merge.
+The head shapes include a TP=2 rank's (half the heads).
 
-    PYTHONPATH=src python benchmarks/paged_attention.py [--diagnose] [--json PATH]
+    PYTHONPATH=src python benchmarks/paged_attention.py [--diagnose] [--mixed] [--json PATH]
 """
 
 from __future__ import annotations
@@ -83,7 +88,9 @@ def median_ms(fn, rep: int = 100, flush: str = "read") -> float:
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
-def make_case(batch: int, seq: int, shape: tuple[int, int, int], gen: torch.Generator):
+def make_case(batch: int, seq: int, shape: tuple[int, int, int], gen: torch.Generator,
+              lens: list[int] | None = None):  # fmt: skip
+    """Every sequence `seq` tokens long, or `lens` (each at most seq)."""
     num_heads, num_kv, head_dim = shape
     per_seq = math.ceil(seq / BLOCK_SIZE)
     num_blocks = batch * per_seq
@@ -92,7 +99,9 @@ def make_case(batch: int, seq: int, shape: tuple[int, int, int], gen: torch.Gene
     k_cache = torch.randn(cache_shape, device=DEVICE, dtype=DTYPE)
     v_cache = torch.randn(cache_shape, device=DEVICE, dtype=DTYPE)
     q = torch.randn(batch, num_heads, head_dim, device=DEVICE, dtype=DTYPE)
-    lens = torch.full((batch,), seq, dtype=torch.int32, device=DEVICE)
+    if lens is None:
+        lens = [seq] * batch
+    lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     return q, k_cache, v_cache, tables.to(DEVICE, torch.int32), lens
 
 
@@ -185,9 +194,48 @@ def diagnose_row(batch, seq, shape, gen, copy_bw) -> list[dict]:
     return results
 
 
+MIXED_SHAPES = {"1B": (32, 8, 64), "3B": (24, 8, 128), "3B TP=2 rank": (12, 4, 128)}
+MIXED_BATCHES = (64, 256)
+MIXED_SPLITS = (1, 2, 3, 4, 8)
+MIXED_RANGE = (100, 2048)
+
+
+def mixed_rows(gen, copy_bw) -> list[dict]:
+    """Contexts uniform in MIXED_RANGE: graph-timed ms at each split count."""
+    rows = []
+    for name, shape in MIXED_SHAPES.items():
+        for batch in MIXED_BATCHES:
+            lens = torch.randint(*MIXED_RANGE, (batch,), generator=gen).tolist()
+            q, k_cache, v_cache, tables, lens_t = make_case(batch, max(lens), shape, gen, lens)
+            scale = shape[2] ** -0.5
+            ref = reference.paged_attention_decode(q, k_cache, v_cache, tables, lens_t, scale)
+            out = torch.empty_like(q)
+            block_n = pa.default_block_n(shape[2], BLOCK_SIZE)
+            nbytes = sum(kv_bytes(1, n, shape) for n in lens)
+            default = pa.choose_splits(batch, shape[1], 4096, block_n, pa._num_sms(q.device))
+            for splits in MIXED_SPLITS:
+                fn = functools.partial(pa.launch, q, k_cache, v_cache, tables, lens_t, scale, out,
+                                       splits, block_n)  # fmt: skip
+                graph = capture(fn)
+                graph.replay()
+                ms = median_ms(graph.replay)
+                rows.append(dict(shape=name, batch=batch, splits=splits, default=default, ms=ms,
+                                 bw_frac=nbytes / (ms * 1e-3) / copy_bw,
+                                 err=rel_error(out, ref)))  # fmt: skip
+                r = rows[-1]
+                print(
+                    f"| {name} | {batch} | {splits}{' (default)' if splits == default else ''} "
+                    f"| {ms:.4f} | {r['bw_frac']:.0%} | {r['err']:.1e} |",
+                    flush=True,
+                )
+            torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--diagnose", action="store_true")
+    parser.add_argument("--mixed", action="store_true", help="mixed context lengths by splits")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -228,6 +276,12 @@ def main() -> None:
                           f"| {r['bw_frac']:.0%} | {r['err']:.1e} |", flush=True)  # fmt: skip
                 torch.cuda.empty_cache()
             print()
+    if args.mixed:
+        print(f"### contexts uniform in {MIXED_RANGE}, by split count\n")
+        print("| heads | batch | splits | Triton ms | of copy BW | rel err |")
+        print("|---|---:|---:|---:|---:|---:|")
+        report["mixed"] = mixed_rows(gen, copy_bw)
+        print()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

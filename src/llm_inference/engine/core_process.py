@@ -46,7 +46,7 @@ from typing import Any
 
 from llm_inference.config import EngineConfig
 from llm_inference.core.request import Request, RequestStatus
-from llm_inference.engine.gc_heap import freeze_startup_heap, thaw_heap
+from llm_inference.gc_heap import freeze_startup_heap, thaw_heap
 
 JOIN_TIMEOUT_S = 10.0
 

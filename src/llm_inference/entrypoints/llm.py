@@ -10,8 +10,8 @@ from dataclasses import replace
 from tqdm.auto import tqdm
 
 from llm_inference.config import create_engine_config
-from llm_inference.engine.gc_heap import freeze_startup_heap, thaw_heap
 from llm_inference.engine.llm_engine import LLMEngine
+from llm_inference.gc_heap import freeze_startup_heap, thaw_heap
 from llm_inference.models.loader import load_tokenizer
 from llm_inference.outputs import RequestOutput
 from llm_inference.sampling_params import SamplingParams
@@ -56,7 +56,7 @@ class LLM:
         self.config = self.engine.config  # max_model_len may have been fitted to the cache
         self._ids = itertools.count()
         # Full GC collections would walk torch's and the model's objects mid-generate (~0.2 s
-        # pauses): they are frozen until close() (engine/gc_heap.py; vLLM freezes too).
+        # pauses): they are frozen until close() (gc_heap.py; vLLM freezes too).
         freeze_startup_heap()
         self._frozen = True
 

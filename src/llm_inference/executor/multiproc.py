@@ -71,9 +71,9 @@ from llm_inference.distributed.parallel_state import (
     free_port,
     init_distributed,
 )
-from llm_inference.engine.gc_heap import freeze_startup_heap, thaw_heap
 from llm_inference.executor.pending import PendingOutput
 from llm_inference.executor.worker import Worker, worker_device
+from llm_inference.gc_heap import freeze_startup_heap, thaw_heap
 
 # At most this many CPU ranks per core: gloo ranks on the CPU are for testing and debugging.
 CPU_RANKS_PER_CORE = 4

@@ -54,7 +54,7 @@ class Worker:
         return self.model_runner.execute_model(scheduler_output, sync)
 
     def gc_frozen_objects(self) -> int:
-        """Objects in this process's permanent GC generation (engine/gc_heap.py)."""
+        """Objects in this process's permanent GC generation (gc_heap.py)."""
         import gc
 
         return gc.get_freeze_count()

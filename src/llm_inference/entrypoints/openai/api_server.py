@@ -19,7 +19,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
 from llm_inference.engine.async_llm import AsyncLLM
-from llm_inference.engine.gc_heap import freeze_startup_heap, thaw_heap
 from llm_inference.entrypoints.openai import metrics
 from llm_inference.entrypoints.openai.protocol import (
     APIError,
@@ -30,6 +29,7 @@ from llm_inference.entrypoints.openai.protocol import (
 )
 from llm_inference.entrypoints.openai.serving import OpenAIServing
 from llm_inference.entrypoints.openai.streaming import ClientDisconnected
+from llm_inference.gc_heap import freeze_startup_heap, thaw_heap
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 _OPEN_PATHS = ("/health", "/metrics")
