@@ -188,6 +188,46 @@ def _check_broken_rows(sampler, params):
         sampler(masked, checks.build(rows, V))
 
 
+def check_split_race_exact(_, device: str = "cpu"):
+    """The split race (column ranges per row, then a merge; taken when no row filters and the
+    batch is small) gives the single program's tokens exactly: first index on ties within and
+    across ranges, ranges that are all -inf, NaN and emptied rows, greedy and noise rows."""
+    from llm_inference.kernels import sampling
+
+    B, width = 6, 5000  # three 2,048-column ranges, the last one partial
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(B, width, generator=gen)
+    logits[0, [10, 2100, 4500]] = 50.0  # a tie across ranges
+    logits[1, :3000] = float("-inf")  # leading ranges empty
+    logits[2, 4096] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, [2047, 2048]] = 30.0  # a tie at a range boundary
+    keys = torch.randint(0, 2**32, (B,), generator=gen)
+    temp = torch.full((B,), 0.8)
+    greedy = torch.tensor([True, False, True, False, True, False])
+    logits, keys, temp, greedy = (t.to(device) for t in (logits, keys, temp, greedy))
+    saved = sampling.SPLIT_PROGRAMS
+    try:
+        sampling.SPLIT_PROGRAMS = 1  # one program per row
+        assert sampling.race_splits(B, width, 2048) == 1
+        want = sampling.sample(logits, keys, temp, greedy).tolist()
+        want_random = sampling.sample(logits, keys, temp).tolist()
+        want_bf16 = sampling.sample(logits.bfloat16(), keys, temp, greedy).tolist()
+    finally:
+        sampling.SPLIT_PROGRAMS = saved
+    assert want[0] == 10 and want[4] == 2047
+    assert want[2] == sampling.STATUS_BAD and want[3] == sampling.STATUS_EMPTY
+    assert want[1] >= 3000 and want_random[1] >= 3000
+    assert sampling.race_splits(B, width, 2048) == 3
+    assert sampling.sample(logits, keys, temp, greedy).tolist() == want
+    assert sampling.sample(logits, keys, temp).tolist() == want_random
+    assert sampling.sample(logits.bfloat16(), keys, temp, greedy).tolist() == want_bf16
+    for splits in (2, 3):
+        out = torch.empty(B, dtype=torch.int64, device=device)
+        sampling._split_race(logits, keys, temp, greedy, temp, out, splits, 2048)
+        assert out.tolist() == want, splits
+
+
 CHECKS = {f"distribution_{name}": (check_distribution, name) for name in CONFIGS}
 CHECKS |= {
     "chi2_helper": (check_chi2_helper, None),
@@ -201,6 +241,7 @@ CHECKS |= {
     "staged_inputs_torch": (check_staged_inputs, None),
     "broken_rows": (check_broken_rows, None),
     "broken_rows_torch": (check_broken_rows, None),
+    "split_race_exact": (check_split_race_exact, None),
 }
 
 

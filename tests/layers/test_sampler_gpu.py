@@ -1,6 +1,7 @@
 """The Triton sampling path on the GPU at the real vocab (128,256) and batch 256: distributions
 against Sampler.probs in float64, seed independence, agreement with the torch path on the
-same uniforms. Skipped without CUDA; no timing here (see benchmarks/sampler.py)."""
+same uniforms; the split race equal to the single program. Skipped without CUDA; no timing
+here (see benchmarks/sampler.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sampler_checks as checks  # noqa: E402
+import sampler_triton_checks  # noqa: E402
 
 from llm_inference.layers.sampler import Sampler  # noqa: E402
 from llm_inference.sampling_params import SamplingParams  # noqa: E402
@@ -76,3 +78,7 @@ def test_broken_rows_on_gpu():
     md = checks.build([SamplingParams(top_p=0.9)] * 4, V, "cuda")
     with pytest.raises(ValueError, match=r"rows \[3\]"):
         Sampler(use_triton=True)(logits, md)
+
+
+def test_split_race_equals_single_program_on_gpu():
+    sampler_triton_checks.check_split_race_exact(None, "cuda")

@@ -24,6 +24,14 @@ parameters and (seed, step): never of its batch companions or its row.
 
 Status instead of a token: -1 when the row holds a NaN or +inf logit, -2 when every logit is -inf.
 The caller (the Sampler) turns those into an error or a fallback.
+
+Split rows: one program scanning a 128,256-token row takes ~55 us on an H200 (63 dependent
+steps), the whole sampling time of a small batch. When no row of the launch filters (no top-k,
+top-p or min-p tensor), the race is split: programs (row, s) scan BLOCK-aligned column ranges
+and write their best value, its index and the range's max logit; `_merge_kernel` then takes,
+per row, the first range holding the largest value, so the token (first index on ties), the
+noise and the statuses are exactly the single program's. Splits are chosen to give about
+SPLIT_PROGRAMS programs in all; a batch large enough to fill the GPU runs unsplit.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import triton
 import triton.language as tl
 
 BLOCK = 2048  # race and stats passes: elements per step
+SPLIT_PROGRAMS = 512  # split race: about this many programs per launch (a few per SM)
 SEARCH_BLOCK = 256  # search passes: a [SEARCH_BLOCK, NP] tile per step
 NP = 16  # pivots per search pass
 STATUS_BAD = -1  # a NaN or +inf logit in the row
@@ -91,14 +100,15 @@ def _search(row_ptr, V, t, m, lo, up, target, MASS: tl.constexpr, BLOCK: tl.cons
 
 @triton.jit
 def _race(row_ptr, V, t, key, thr, min_p, m, NOISE: tl.constexpr, FILTER: tl.constexpr,
-          BLOCK: tl.constexpr):  # fmt: skip
-    """(argmax over the kept tokens of x - log(-log u), or of x without NOISE; the max of x,
-    +inf if a logit is NaN or +inf). u is uniform_noise's: (mix(mix(v) + key) >> 8 + 0.5) / 2**24
-    with mix = lowbias32. Reductions are few on purpose: each costs the interpreter ~1 ms."""
+          BLOCK: tl.constexpr, lo):  # fmt: skip
+    """(argmax over the kept tokens in columns [lo, V) of x - log(-log u), or of x without
+    NOISE; the best value; the max of x, +inf if a logit is NaN or +inf). u is uniform_noise's:
+    (mix(mix(v) + key) >> 8 + 0.5) / 2**24 with mix = lowbias32. Reductions are few on
+    purpose: each costs the interpreter ~1 ms."""
     best = tl.full((), float("-inf"), tl.float32)
     idx = tl.full((), 0, tl.int32)
     top = tl.full((), float("-inf"), tl.float32)
-    for start in range(0, V, BLOCK):
+    for start in range(lo, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / t
         top = tl.maximum(top, tl.max(tl.where(x != x, float("inf"), x)))
@@ -127,7 +137,7 @@ def _race(row_ptr, V, t, key, thr, min_p, m, NOISE: tl.constexpr, FILTER: tl.con
         take = block_best > best
         idx = tl.where(take, start + block_idx, idx)
         best = tl.where(take, block_best, best)
-    return idx, top
+    return idx, best, top
 
 
 @triton.jit
@@ -153,7 +163,7 @@ def _sample_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, top_k_ptr
     if HAS_MIN_P:
         min_p = tl.load(min_p_ptr + row)
     if greedy != 0:
-        idx, top = _race(row_ptr, V, 1.0, key, 0.0, 0.0, 0.0, False, False, BLOCK)
+        idx, _, top = _race(row_ptr, V, 1.0, key, 0.0, 0.0, 0.0, False, False, BLOCK, 0)
     elif (k < V) | (p < 1.0) | (min_p > 0.0):
         m, fmin = _stats(row_ptr, V, t, BLOCK)
         ok = (m > float("-inf")) & (m < float("inf"))
@@ -164,12 +174,59 @@ def _sample_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, top_k_ptr
         if HAS_TOP_P:
             if ok & (p < 1.0):
                 thr = _search(row_ptr, V, t, m, thr, m, p, True, SEARCH_BLOCK, NP)
-        idx, top = _race(row_ptr, V, t, key, thr, min_p, m, True, True, BLOCK)
+        idx, _, top = _race(row_ptr, V, t, key, thr, min_p, m, True, True, BLOCK, 0)
     else:
-        idx, top = _race(row_ptr, V, t, key, 0.0, 0.0, 0.0, True, False, BLOCK)
+        idx, _, top = _race(row_ptr, V, t, key, 0.0, 0.0, 0.0, True, False, BLOCK, 0)
+    _store_token(out_ptr + row, idx, top)
+
+
+@triton.jit
+def _store_token(out_ptr, idx, top):
     token = tl.where(top == float("-inf"), _EMPTY, idx.to(tl.int64))
     token = tl.where(top == float("inf"), _BAD, token)
-    tl.store(out_ptr + row, token)
+    tl.store(out_ptr, token)
+
+
+@triton.jit
+def _split_race_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, part_ptr, idx_ptr,
+                       V, chunk, HAS_GREEDY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Program (row, s): the race over columns [s * chunk, (s + 1) * chunk) of the row (greedy
+    rows: the plain argmax). part [2, B, S] float32: best value, max logit; idx [B, S]."""
+    row = tl.program_id(0)
+    s = tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride
+    lo = s * chunk
+    hi = tl.minimum(lo + chunk, V)
+    greedy = tl.full((), 0, tl.int32)
+    if HAS_GREEDY:
+        greedy = tl.load(greedy_ptr + row).to(tl.int32)
+    if greedy != 0:
+        idx, best, top = _race(row_ptr, hi, 1.0, 0, 0.0, 0.0, 0.0, False, False, BLOCK, lo)
+    else:
+        t = tl.load(temp_ptr + row)
+        key = tl.load(keys_ptr + row).to(tl.uint32)
+        idx, best, top = _race(row_ptr, hi, t, key, 0.0, 0.0, 0.0, True, False, BLOCK, lo)
+    slot = row * num_splits + s
+    tl.store(part_ptr + slot, best)
+    tl.store(part_ptr + tl.num_programs(0) * num_splits + slot, top)
+    tl.store(idx_ptr + slot, idx)
+
+
+@triton.jit
+def _merge_kernel(part_ptr, idx_ptr, out_ptr, B, num_splits, BLOCK_S: tl.constexpr):
+    """Per row: the first split holding the largest best value (so the first index on ties),
+    and the largest max logit for the status."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_S)
+    mask = offs < num_splits
+    base = row * num_splits
+    best = tl.load(part_ptr + base + offs, mask=mask, other=float("-inf"))
+    top = tl.max(tl.load(part_ptr + B * num_splits + base + offs, mask=mask, other=float("-inf")))
+    first = tl.min(tl.where(mask & (best == tl.max(best)), offs, BLOCK_S))
+    first = tl.where(first == BLOCK_S, 0, first)  # every best -inf: split 0 (index 0 then)
+    idx = tl.load(idx_ptr + base + first)
+    _store_token(out_ptr + row, idx, top)
 
 
 def _check_row_param(name: str, x: torch.Tensor | None, B: int, dtypes, device) -> None:
@@ -217,6 +274,10 @@ def sample(
     if B == 0:
         return out
     dummy = temperature  # never read where the matching HAS_* flag is off
+    block = min(BLOCK, triton.next_power_of_2(V))
+    splits = race_splits(B, V, block)
+    if splits > 1 and top_k is None and top_p is None and min_p is None:
+        return _split_race(logits, keys, temperature, greedy, dummy, out, splits, block)
     # On the GPU tiles fit the registers; on CPU (the interpreter) fewer, larger steps are faster.
     search_block = SEARCH_BLOCK if logits.is_cuda else min(4096, triton.next_power_of_2(V))
     _sample_kernel[(B,)](
@@ -226,7 +287,29 @@ def sample(
         dummy if min_p is None else min_p, out, V,
         HAS_GREEDY=greedy is not None, HAS_TOP_K=top_k is not None,
         HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None,
-        BLOCK=min(BLOCK, triton.next_power_of_2(V)), SEARCH_BLOCK=search_block, NP=NP,
+        BLOCK=block, SEARCH_BLOCK=search_block, NP=NP,
         num_warps=8,
     )  # fmt: skip
+    return out
+
+
+def race_splits(B: int, V: int, block: int) -> int:
+    """Column ranges per row for the split race: about SPLIT_PROGRAMS programs in all, each
+    range a whole number of `block`s (1: unsplit)."""
+    blocks = -(-V // block)
+    return max(1, min(blocks, SPLIT_PROGRAMS // max(B, 1)))
+
+
+def _split_race(logits, keys, temperature, greedy, dummy, out, splits: int, block: int):
+    B, V = logits.shape
+    blocks = -(-V // block)
+    chunk = -(-blocks // splits) * block
+    splits = -(-V // chunk)  # no empty range
+    part = torch.empty(2 * B * splits, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(B * splits, dtype=torch.int32, device=logits.device)
+    _split_race_kernel[(B, splits)](
+        logits, logits.stride(0), keys, temperature, _greedy_arg(greedy, dummy), part, idx,
+        V, chunk, HAS_GREEDY=greedy is not None, BLOCK=block, num_warps=8,
+    )  # fmt: skip
+    _merge_kernel[(B,)](part, idx, out, B, splits, BLOCK_S=triton.next_power_of_2(splits))
     return out
