@@ -47,7 +47,11 @@ def _token_list(ids) -> list:
 
 
 class LLM:
-    """An engine for offline batches. Arguments: see `config.create_engine_config`."""
+    """An engine for offline batches. Arguments: see `config.create_engine_config`.
+
+    While it is open, the objects alive when it started (torch, the model, the caller's) sit in
+    the cyclic GC's permanent generation (`gc.freeze()`), so that full collections do not stall
+    generate; `close()` (or leaving the `with` block) calls `gc.unfreeze()`."""
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
         self.config = create_engine_config(model, **engine_args)
