@@ -384,6 +384,9 @@ class EngineConfig:
     # fused with SiLU-and-mul (kernels/skinny_gemm.py); on with kernel_backend "triton" unless
     # turned off (create_engine_config's skinny_gemm=False).
     skinny_gemm: bool = False
+    # Programmatic dependent launch for the decode step's Triton kernels (kernels/pdl.py);
+    # needs kernel_backend "triton" on a GPU of compute capability 9.0 or newer.
+    pdl: bool = False
     # Token counts at which steps with prompt tokens are captured as CUDA graphs, ascending,
     # each at most max_num_batched_tokens; None: the default ladder of executor/cuda_graph.py
     # (`mixed_buckets`); (): none (such steps run eagerly; decode steps still replay graphs).
@@ -474,6 +477,7 @@ def create_engine_config(
     mixed_cuda_graph_sizes: list[int] | tuple[int, ...] | None = None,
     disable_custom_all_reduce: bool = False,
     skinny_gemm: bool | None = None,
+    pdl: bool = False,
 ) -> EngineConfig:
     """Every engine argument checked and resolved in one place (LLM, the CLI and the server
     call this): the model path (None: the default model), device, dtype, kernel backend and
@@ -504,6 +508,8 @@ def create_engine_config(
         raise ValueError(
             f"disable_custom_all_reduce must be True or False, got {disable_custom_all_reduce!r}"
         )
+    if not isinstance(pdl, bool):
+        raise ValueError(f"pdl must be True or False, got {pdl!r}")
     if skinny_gemm is not None and not isinstance(skinny_gemm, bool):
         raise ValueError(f"skinny_gemm must be True, False or None, got {skinny_gemm!r}")
     budget = max_num_batched_tokens or max(8192, max_num_seqs)
@@ -514,6 +520,10 @@ def create_engine_config(
         raise ValueError(
             f"skinny_gemm=True needs the Triton kernels on CUDA, not the {backend!r} backend "
             f"on {dev!r}"
+        )
+    if pdl and backend != "triton":
+        raise ValueError(
+            f"pdl=True needs the Triton kernels on CUDA, not the {backend!r} backend on {dev!r}"
         )
     model_path = str(resolve_model(model))
     model_config = load_model_config(model_path)
@@ -539,6 +549,7 @@ def create_engine_config(
         kernel_backend=backend,
         enforce_eager=bool(enforce_eager),
         skinny_gemm=backend == "triton" if skinny_gemm is None else skinny_gemm,
+        pdl=pdl,
         mixed_cuda_graph_sizes=graph_sizes,
         seed=seed,
         async_scheduling=bool(async_scheduling),

@@ -53,6 +53,8 @@ BAD_ENGINE_ARGS = [
     ("disable_custom_all_reduce", "yes"),
     ("skinny_gemm", "yes"),
     ("skinny_gemm", True),  # on CPU: needs the Triton kernels on CUDA
+    ("pdl", "yes"),
+    ("pdl", True),  # on CPU: needs the Triton kernels on CUDA
 ]
 
 

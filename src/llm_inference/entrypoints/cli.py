@@ -89,6 +89,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "on with the Triton kernels; --no-skinny-gemm: cuBLAS)",
     )
     p.add_argument(
+        "--pdl",
+        action="store_true",
+        help="CUDA (compute capability 9.0+): programmatic dependent launch for the decode "
+        "step's Triton kernels",
+    )
+    p.add_argument(
         "--disable-custom-all-reduce",
         action="store_true",
         help="tensor parallelism on CUDA: NCCL for every all-reduce, not the symmetric-memory "
@@ -114,7 +120,7 @@ ENGINE_ARGS = (
     "device", "dtype", "max_model_len", "kv_cache_memory_bytes", "enable_prefix_caching",
     "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "block_size",
     "tensor_parallel_size", "kernel_backend", "enforce_eager", "seed", "async_scheduling",
-    "disable_custom_all_reduce", "skinny_gemm",
+    "disable_custom_all_reduce", "skinny_gemm", "pdl",
 )  # fmt: skip
 
 

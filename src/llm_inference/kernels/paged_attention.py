@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llm_inference.kernels import pdl
+
 _LOG2E = 1.4426950408889634
 WAVES = 4  # split until about this many programs per SM (4 fit at once: registers)
 MIN_CHUNK = 256  # fewest tokens worth a split of their own
@@ -111,8 +113,10 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_CU: tl.constexpr,
+    HAS_CU: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:
+        pdl.wait_then_release()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -174,7 +178,9 @@ def _paged_decode_kernel(
 @triton.jit
 def _merge_kernel(part_ptr, out_ptr, cu_ptr, stride_ob, stride_oh, num_splits,
                   BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  HAS_CU: tl.constexpr):  # fmt: skip
+                  HAS_CU: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    if PDL:
+        pdl.wait_then_release()
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b
@@ -334,14 +340,15 @@ def launch(
         GROUP=group, BLOCK_G=max(16, 1 << (group - 1).bit_length()), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SPLIT=num_splits > 1, FUSED_MERGE=fused_merge, BLOCK_S=block_s,
-        HAS_CU=cu_seqlens is not None, num_warps=num_warps, num_stages=num_stages,
+        HAS_CU=cu_seqlens is not None, PDL=pdl.enabled(), num_warps=num_warps,
+        num_stages=num_stages, **pdl.launch_kwargs(),
     )  # fmt: skip
     if num_splits > 1 and not fused_merge:
         _merge_kernel[(num_seqs, num_heads)](
             part, out, seq_lens if cu_seqlens is None else cu_seqlens,
             out.stride(0), out.stride(1), num_splits,
             BLOCK_S=block_s, HEAD_DIM=head_dim, HAS_CU=cu_seqlens is not None,
-            num_warps=4 if head_dim >= 128 else 2,
+            PDL=pdl.enabled(), num_warps=4 if head_dim >= 128 else 2, **pdl.launch_kwargs(),
         )  # fmt: skip
     return out
 

@@ -12,13 +12,17 @@ import torch
 import triton
 import triton.language as tl
 
+from llm_inference.kernels import pdl
+
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr,
     stride_x, stride_r, stride_o, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:
+        pdl.wait_then_release()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -74,7 +78,7 @@ def rms_norm(
     block = triton.next_power_of_2(hidden)
     _rms_norm_kernel[(x2.shape[0],)](
         x2, r2, weight, o2, x2.stride(0), r2.stride(0), o2.stride(0), hidden, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=min(16, max(1, block // 512)),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl.enabled(),
+        num_warps=min(16, max(1, block // 512)), **pdl.launch_kwargs(),
     )  # fmt: skip
     return out if residual is None else (out, residual)

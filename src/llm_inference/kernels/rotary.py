@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from llm_inference.kernels import pdl
 from llm_inference.kernels.kv_cache import _store_one, check_store_args
 
 
@@ -68,8 +69,10 @@ def _rotary_store_kernel(
     stride_kcn, stride_kcs, stride_kch, stride_vcn, stride_vcs, stride_vch,
     NUM_Q: tl.constexpr, NUM_K: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:
+        pdl.wait_then_release()
     t = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(pos_ptr, cs_ptr, t, stride_cs, HALF, BLOCK_HALF)
     _rotate_heads(q_ptr + t * stride_qt, stride_qh, cos, sin, NUM_Q, BLOCK_Q, HALF, BLOCK_HALF)
@@ -159,6 +162,7 @@ def rotary_store_kv(
         NUM_Q=q.shape[1], NUM_K=k.shape[1],
         BLOCK_Q=triton.next_power_of_2(q.shape[1]), BLOCK_K=triton.next_power_of_2(k.shape[1]),
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_SIZE=k_cache.shape[1],
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PDL=pdl.enabled(),
+        num_warps=4, **pdl.launch_kwargs(),
     )  # fmt: skip
     return q

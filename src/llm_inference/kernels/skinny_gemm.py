@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llm_inference.kernels import pdl
+
 MAX_ROWS = 16  # the most rows (decode batch) a launch takes; also the dot's padded M
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FILL = 0.8  # split K while the programs fill less than this fraction of the SMs
@@ -97,10 +99,13 @@ def _skinny_gemm_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FUSED: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (n, s): columns [n * BLOCK_N, +BLOCK_N) over K range s. N is the output width
     (I when FUSED: up rows start N rows below gate rows). PARTIAL: store float32 sums to the
     workspace slice s (up sums at column N + n), else the result in out's dtype."""
+    if PDL:
+        pdl.wait_then_release()
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -148,10 +153,12 @@ def _skinny_gemm_kernel(
 @triton.jit(do_not_specialize=["split"])
 def _reduce_kernel(
     ws_ptr, out_ptr, N, split, stride_ws, stride_wm, stride_om,
-    FUSED: tl.constexpr, BLOCK: tl.constexpr,
+    FUSED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out[m, cols] = the sum over splits of ws[s, m, cols] (FUSED: silu(gate sum) * up sum,
     the up sums at column N + col), in split order."""
+    if PDL:
+        pdl.wait_then_release()
     m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -214,13 +221,14 @@ def _launch(x, weight, out, n: int, fused: bool, config: GemmConfig | None) -> t
         x, weight, dest, m, n, k, x.stride(0), weight.stride(0), stride_om, stride_os,
         k_per_split, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FUSED=fused,
         PARTIAL=partial, EVEN_K=split * k_per_split == k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl.enabled(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
     )  # fmt: skip
     if partial:
         _reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](
             dest, out, n, split, stride_os, width, out.stride(0),
-            FUSED=fused, BLOCK=REDUCE_BLOCK, num_warps=4,
+            FUSED=fused, BLOCK=REDUCE_BLOCK, PDL=pdl.enabled(), num_warps=4,
+            **pdl.launch_kwargs(),
         )  # fmt: skip
     return out
 

@@ -1,0 +1,46 @@
+"""Programmatic dependent launch (PDL, Hopper and newer), for the kernels of a decode step.
+
+At batch 1 a decode step is a chain of ~11 small Triton kernels per layer, and each boundary
+costs the next kernel's launch and ramp-up after the previous one has drained. With PDL
+(`launch_pdl=True`) a kernel may be scheduled while the one before it finishes. Every kernel
+that takes the `PDL` flag here waits (`gdc_wait`: the previous kernel complete, its memory
+visible) before it reads or writes anything, then lets its own dependents launch
+(`gdc_launch_dependents`): only the launch overlaps, never memory traffic, so results are
+bit for bit those without PDL. Kernels launched without PDL (cuBLAS, torch) keep ordinary
+stream order around them.
+
+Off unless the engine option `pdl` turns it on (`configure`, called by the model runner of
+each process); `benchmarks/pdl_chain.py` measures what it saves.
+"""
+
+from __future__ import annotations
+
+import triton
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+_enabled = False
+
+
+def configure(enabled: bool) -> None:
+    """Turn PDL on or off for the kernels launched by this process from now on."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def launch_kwargs() -> dict:
+    """Extra launch options for a kernel with a `PDL` flag (pass `PDL=enabled()` too)."""
+    return {"launch_pdl": True} if _enabled else {}
+
+
+@triton.jit
+def wait_then_release():
+    """First thing in a PDL kernel: wait for the previous kernel, then let the next launch."""
+    gdc_wait()
+    gdc_launch_dependents()
+
+
+__all__ = ["configure", "enabled", "launch_kwargs", "wait_then_release"]
