@@ -16,7 +16,11 @@ each process); `benchmarks/pdl_chain.py` measures what it saves.
 from __future__ import annotations
 
 import triton
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without them (not CUDA's): PDL stays off
+    gdc_launch_dependents = gdc_wait = None
 
 _enabled = False
 
@@ -24,6 +28,8 @@ _enabled = False
 def configure(enabled: bool) -> None:
     """Turn PDL on or off for the kernels launched by this process from now on."""
     global _enabled
+    if enabled and gdc_wait is None:
+        raise ValueError(f"pdl=True: this Triton ({triton.__version__}) has no gdc_wait")
     _enabled = bool(enabled)
 
 
