@@ -13,11 +13,11 @@ step runs once graphs are captured. "eager us/call" is wall time per plain call,
 the Python launcher's host cost wherever it exceeds the GPU time. The reference cannot be
 captured (it syncs on seq_lens.max()), so it is timed eagerly. `--diagnose` adds, at the
 bandwidth rows, split and merge variants, do_bench's zero-write flush, and a fixed-cost probe.
-`--mixed` adds batches whose contexts are spread uniformly over [100, 2,048] tokens (as in the
-throughput benchmark, where they are the largest kernel time) at each split count: with one
-split the longest sequences' programs finish last, alone; each sequence spreads its own tiles
-over the splits, so more splits shorten that tail at the cost of the partials and the merge.
-The head shapes include a TP=2 rank's (half the heads).
+`--mixed` runs instead batches whose contexts are spread uniformly over [100, 2,048] tokens
+(as in the throughput benchmark, where they are the largest kernel time) at each split count:
+with one split the longest sequences' programs finish last, alone; each sequence spreads its
+own tiles over the splits, so more splits shorten that tail at the cost of the partials and
+the merge. The head shapes include a TP=2 rank's (half the heads).
 
     PYTHONPATH=src python benchmarks/paged_attention.py [--diagnose] [--mixed] [--json PATH]
 """
@@ -235,7 +235,9 @@ def mixed_rows(gen, copy_bw) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--diagnose", action="store_true")
-    parser.add_argument("--mixed", action="store_true", help="mixed context lengths by splits")
+    parser.add_argument(
+        "--mixed", action="store_true", help="only: mixed context lengths by split count"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -246,7 +248,7 @@ def main() -> None:
           f"triton {triton.__version__}")  # fmt: skip
     print(f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s\n")
     report = dict(gpu=props.name, copy_gbs=copy_bw / 1e9, rows={}, diagnosis={})
-    for name, shape in SHAPES.items():
+    for name, shape in {} if args.mixed else SHAPES.items():
         print(f"### {name}: {shape[0]} q heads, {shape[1]} KV heads, head_dim {shape[2]}\n")
         print("| batch | context | PyTorch ms | Triton ms | speedup | K/V GB/s | of copy BW "
               "| floor ms | splits | eager us/call | eager speedup | rel err |")  # fmt: skip
