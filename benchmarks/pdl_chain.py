@@ -12,20 +12,24 @@ The chain mimics one decode layer at batch 1, repeated: an elementwise kernel on
 vector (as RMSNorm), then a GEMV of a 2,048 x 2,048 bf16 matrix (8 MB, as o_proj of the 1B
 model), 32 pairs, all captured in one CUDA graph. Variants: plain launches; PDL with
 `gdc_wait()` first in each kernel; PDL where the GEMV loads its first weight tile before
-waiting. Each prints microseconds per kernel (median of graph replays timed with CUDA events)
-and whether its output equals the plain chain's (a race would not).
+waiting. Each prints microseconds per kernel (median of graph replays timed with CUDA events,
+the L2 flushed before each) and whether its output equals the plain chain's (a race would not).
 
     PYTHONPATH=src python3 benchmarks/pdl_chain.py
 """
 
 from __future__ import annotations
 
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paged_attention import capture, median_ms  # noqa: E402
 
 HIDDEN = 2048
 PAIRS = 32
@@ -75,24 +79,11 @@ def chain(weights, x, h, pdl: bool, early: bool) -> None:
         )  # fmt: skip
 
 
-def time_graph(fn, reps: int = 200) -> float:
-    """Median ms of one replay of fn's graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(10):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def time_graph(fn) -> float:
+    """Median ms of one replay of fn's graph (paged_attention.py's timing: CUDA events, the L2
+    flushed before each replay)."""
+    graph = capture(fn)
+    return median_ms(graph.replay)
 
 
 def main() -> None:
