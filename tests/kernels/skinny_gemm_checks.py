@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.6e-2}
-INTERPRETER_CHECKS = ("gemm", "gemm_split", "silu", "silu_split", "model", "tensor_parallel")
+INTERPRETER_CHECKS = (
+    "gemm", "gemm_split", "silu", "silu_split", "prefetch", "model", "tensor_parallel"
+)  # fmt: skip
 
 
 def _inputs(device, dtype, m, n, k, seed):
@@ -235,6 +237,14 @@ def run_interpreter(check: str) -> None:
             elif check == "silu_split":
                 check_silu("cpu", dtype, m, 50, 200, GemmConfig(16, 32, 3), seed, want_split=3)
                 check_silu("cpu", dtype, m, 24, 1100, None, seed, want_split=2)
+            elif check == "prefetch":  # the first K step peeled off (PDL's weight prefetch)
+                pre = GemmConfig(16, 32, prefetch=True)
+                check_gemm("cpu", dtype, m, 40, 300, pre, seed, want_split=1)  # masked K
+                check_gemm("cpu", dtype, m, 40, 32, pre, seed, want_split=1)  # one K step
+                split = GemmConfig(16, 32, 3, prefetch=True)
+                check_gemm("cpu", dtype, m, 70, 200, split, seed, want_split=3)
+                check_silu("cpu", dtype, m, 24, 256, split, seed, want_split=3)  # even K
+                check_silu("cpu", dtype, m, 24, 70, pre, seed, want_split=1)
             else:
                 raise ValueError(check)
 

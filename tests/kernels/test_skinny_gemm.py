@@ -144,6 +144,9 @@ def test_skinny_gemm_gpu_fp16_and_forced_splits():
     checks.check_gemm("cuda", torch.bfloat16, 5, 1000, 3000, cfg, seed=2, want_split=8)
     checks.check_silu("cuda", torch.bfloat16, 16, 1000, 3000, cfg, seed=3, want_split=8)
     checks.check_gemm("cuda", torch.float32, 2, 300, 700, seed=4)  # IEEE dot products
+    pre = sg.GemmConfig(block_n=64, block_k=128, split_k=4, prefetch=True)  # PDL's prefetch
+    checks.check_gemm("cuda", torch.bfloat16, 3, 2048, 8192, pre, seed=5, want_split=4)
+    checks.check_silu("cuda", torch.bfloat16, 1, 8192, 2048, pre, seed=6, want_split=4)
 
 
 @cuda

@@ -63,6 +63,9 @@ class GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    # Load the first weight tile before the input (always so with PDL: the weights stream
+    # while the previous kernel finishes; kernels/pdl.py).
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -94,18 +97,40 @@ def default_config(n: int, k: int, sms: int) -> GemmConfig:
     return GemmConfig(block_n, block_k, split)
 
 
+@triton.jit
+def _tiles(x_ptrs, w_ptrs, up_ptrs, k_mask, m_mask, FUSED: tl.constexpr, EVEN_K: tl.constexpr):
+    """The x^T tile and the weight tile(s) at the pointers (k_mask: columns in range)."""
+    if EVEN_K:
+        xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+    else:
+        xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+    w, w_up = _weight_tiles(w_ptrs, up_ptrs, k_mask, FUSED, EVEN_K)
+    return xt, w, w_up
+
+
+@triton.jit
+def _weight_tiles(w_ptrs, up_ptrs, k_mask, FUSED: tl.constexpr, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        w = tl.load(w_ptrs)
+        w_up = tl.load(up_ptrs) if FUSED else w
+    else:
+        w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+        w_up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0) if FUSED else w
+    return w, w_up
+
+
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FUSED: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """Program (n, s): columns [n * BLOCK_N, +BLOCK_N) over K range s. N is the output width
     (I when FUSED: up rows start N rows below gate rows). PARTIAL: store float32 sums to the
-    workspace slice s (up sums at column N + n), else the result in out's dtype."""
-    if PDL:
-        pdl.wait_then_release()
+    workspace slice s (up sums at column N + n), else the result in out's dtype. PREFETCH:
+    the first weight tile is loaded before the previous kernel is waited for (PDL) and before
+    the input, the first K step peeled off the loop."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -120,18 +145,27 @@ def _skinny_gemm_kernel(
     up_ptrs = w_ptr + (rows + N).to(tl.int64)[:, None] * stride_wn + (k0 + offs_k)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k in range(0, k_per_split, BLOCK_K):
+    start = 0
+    if PREFETCH:  # weights are never written by a kernel: no need to wait for them
+        w, w_up = _weight_tiles(w_ptrs, up_ptrs, k0 + offs_k < K, FUSED, EVEN_K)
+        if PDL:
+            pdl.wait_then_release()
+        k_mask = k0 + offs_k < K
         if EVEN_K:
             xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs)
-            if FUSED:
-                w_up = tl.load(up_ptrs)
         else:
-            k_mask = k0 + k + offs_k < K
             xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-            if FUSED:
-                w_up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0)
+        acc = tl.dot(w, xt, acc, input_precision=PRECISION)
+        if FUSED:
+            acc_up = tl.dot(w_up, xt, acc_up, input_precision=PRECISION)
+        w_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        start = BLOCK_K
+    elif PDL:
+        pdl.wait_then_release()
+    for k in range(start, k_per_split, BLOCK_K):
+        xt, w, w_up = _tiles(x_ptrs, w_ptrs, up_ptrs, k0 + k + offs_k < K, m_mask, FUSED, EVEN_K)
         acc = tl.dot(w, xt, acc, input_precision=PRECISION)
         if FUSED:
             acc_up = tl.dot(w_up, xt, acc_up, input_precision=PRECISION)
@@ -222,6 +256,7 @@ def _launch(x, weight, out, n: int, fused: bool, config: GemmConfig | None) -> t
         k_per_split, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FUSED=fused,
         PARTIAL=partial, EVEN_K=split * k_per_split == k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl.enabled(),
+        PREFETCH=cfg.prefetch or pdl.enabled(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
     )  # fmt: skip
     if partial:
