@@ -97,28 +97,6 @@ def default_config(n: int, k: int, sms: int) -> GemmConfig:
     return GemmConfig(block_n, block_k, split)
 
 
-@triton.jit
-def _tiles(x_ptrs, w_ptrs, up_ptrs, k_mask, m_mask, FUSED: tl.constexpr, EVEN_K: tl.constexpr):
-    """The x^T tile and the weight tile(s) at the pointers (k_mask: columns in range)."""
-    if EVEN_K:
-        xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
-    else:
-        xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
-    w, w_up = _weight_tiles(w_ptrs, up_ptrs, k_mask, FUSED, EVEN_K)
-    return xt, w, w_up
-
-
-@triton.jit
-def _weight_tiles(w_ptrs, up_ptrs, k_mask, FUSED: tl.constexpr, EVEN_K: tl.constexpr):
-    if EVEN_K:
-        w = tl.load(w_ptrs)
-        w_up = tl.load(up_ptrs) if FUSED else w
-    else:
-        w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-        w_up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0) if FUSED else w
-    return w, w_up
-
-
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os, k_per_split,
@@ -147,14 +125,14 @@ def _skinny_gemm_kernel(
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     start = 0
     if PREFETCH:  # weights are never written by a kernel: no need to wait for them
-        w, w_up = _weight_tiles(w_ptrs, up_ptrs, k0 + offs_k < K, FUSED, EVEN_K)
+        k_mask = k0 + offs_k < K
+        w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+        w_up = w
+        if FUSED:
+            w_up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0)
         if PDL:
             pdl.wait_then_release()
-        k_mask = k0 + offs_k < K
-        if EVEN_K:
-            xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
-        else:
-            xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+        xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
         acc = tl.dot(w, xt, acc, input_precision=PRECISION)
         if FUSED:
             acc_up = tl.dot(w_up, xt, acc_up, input_precision=PRECISION)
@@ -165,7 +143,17 @@ def _skinny_gemm_kernel(
     elif PDL:
         pdl.wait_then_release()
     for k in range(start, k_per_split, BLOCK_K):
-        xt, w, w_up = _tiles(x_ptrs, w_ptrs, up_ptrs, k0 + k + offs_k < K, m_mask, FUSED, EVEN_K)
+        if EVEN_K:
+            xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs)
+            if FUSED:
+                w_up = tl.load(up_ptrs)
+        else:
+            k_mask = k0 + k + offs_k < K
+            xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+            if FUSED:
+                w_up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0)
         acc = tl.dot(w, xt, acc, input_precision=PRECISION)
         if FUSED:
             acc_up = tl.dot(w_up, xt, acc_up, input_precision=PRECISION)
