@@ -4,7 +4,7 @@
 #   1. the CUDA tests not run on the final code then (TP, prefix caching) and the new ones
 #      (the split sampling race, PDL);
 #   2. benchmarks/pdl_chain.py and benchmarks/paged_attention.py --mixed (kernel level);
-#   3. 1B bench latency at 1,8,64,256 three times with a profile at batch 1 (the split race,
+#   3. 1B bench latency at 1,8,64,256 twice with a profile at batch 1 (the split race,
 #      the frozen heap: the spread at 256), then with --pdl once.
 # Everything lands in $OUT (pytest log, next.tar); the tables print.
 set -uo pipefail
@@ -20,7 +20,7 @@ python3 benchmarks/pdl_chain.py 2>&1 | tee "$R/pdl_chain.txt" | tail -6
 (cd benchmarks && PYTHONPATH=../src timeout 120 python3 paged_attention.py --mixed \
   --json "$R/paged_mixed.json" 2>&1 | grep -A40 "by split count" > "$R/paged_mixed.txt")
 cat "$R/paged_mixed.txt"
-for i in 1 2 3; do
+for i in 1 2; do
   $B latency --model llama-3.2-1b --profile 1 --json "$R/latency_1b_$i.json" 2>&1 \
     | grep -v "it/s" | grep -E "^\| [0-9]|profile|_kernel" | head -14
 done
