@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -51,7 +52,8 @@ class LLM:
 
     While it is open, the objects alive when it started (torch, the model, the caller's) sit in
     the cyclic GC's permanent generation (`gc.freeze()`), so that full collections do not stall
-    generate; `close()` (or leaving the `with` block) calls `gc.unfreeze()`."""
+    generate; `close()` (or leaving the `with` block, or the LLM being collected) calls
+    `gc.unfreeze()`."""
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
         self.config = create_engine_config(model, **engine_args)
@@ -62,7 +64,7 @@ class LLM:
         # Full GC collections would walk torch's and the model's objects mid-generate (~0.2 s
         # pauses): they are frozen until close() (gc_heap.py; vLLM freezes too).
         freeze_startup_heap()
-        self._frozen = True
+        self._thaw = weakref.finalize(self, thaw_heap)  # at close(), or when collected
 
     # ---- context manager ----------------------------------------------------------------------
 
@@ -77,9 +79,8 @@ class LLM:
         if getattr(self, "engine", None) is not None:
             self.engine.shutdown()
             self.engine = None
-        if getattr(self, "_frozen", False):
-            thaw_heap()
-            self._frozen = False
+        if getattr(self, "_thaw", None) is not None:
+            self._thaw()  # once: a finalizer runs at most once
 
     def stats(self) -> dict[str, int]:
         return self._engine().stats()
