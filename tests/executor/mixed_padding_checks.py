@@ -16,6 +16,7 @@ out-of-range block id: reading or storing any of them shows. The real rows must 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
@@ -110,18 +111,16 @@ def run_case(case: str, ops, dtype: torch.dtype, exact: bool) -> None:
 
 def main(cases: list[str]) -> None:
     """Triton kernels (under the interpreter): each case in float32 and float16."""
-    import traceback
-
     from llm_inference.kernels import triton_ops
 
-    for case in cases:
-        try:
-            for dtype in (torch.float32, torch.float16):
-                run_case(case, triton_ops, dtype, exact=False)
-            print(f"RESULT {case} ok", flush=True)
-        except Exception:
-            traceback.print_exc()
-            print(f"RESULT {case} FAIL", flush=True)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: interpreter.py
+    from interpreter import report_each
+
+    def run(case: str) -> None:
+        for dtype in (torch.float32, torch.float16):
+            run_case(case, triton_ops, dtype, exact=False)
+
+    report_each(cases, run)
 
 
 if __name__ == "__main__":

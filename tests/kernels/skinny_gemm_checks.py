@@ -251,20 +251,18 @@ def run_interpreter(check: str) -> None:
 
 def main(checks: list[str]) -> None:
     """Run each check; print one `RESULT <check> ok|FAIL` line each."""
-    import traceback
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: interpreter.py
+    from interpreter import report_each
 
-    for check in checks:
-        try:
-            if check == "model":
-                check_model()
-            elif check == "tensor_parallel":
-                check_tensor_parallel()
-            else:
-                run_interpreter(check)
-            print(f"RESULT {check} ok", flush=True)
-        except Exception:
-            traceback.print_exc()
-            print(f"RESULT {check} FAIL", flush=True)
+    def run(check: str) -> None:
+        if check == "model":
+            check_model()
+        elif check == "tensor_parallel":
+            check_tensor_parallel()
+        else:
+            run_interpreter(check)
+
+    report_each(checks, run)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 
 import torch
 
@@ -245,15 +246,10 @@ def run_interpreter(kernel: str) -> None:
 
 def main(kernels: list[str]) -> None:
     """Run each kernel's interpreter cases; print one `RESULT <kernel> ok|FAIL` line each."""
-    import traceback
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: interpreter.py
+    from interpreter import report_each
 
-    for kernel in kernels:
-        try:
-            run_interpreter(kernel)
-            print(f"RESULT {kernel} ok", flush=True)
-        except Exception:
-            traceback.print_exc()
-            print(f"RESULT {kernel} FAIL", flush=True)
+    report_each(kernels, run_interpreter)
 
 
 if __name__ == "__main__":

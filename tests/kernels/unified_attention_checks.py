@@ -184,15 +184,10 @@ def run_case(case: str) -> None:
 
 def main(cases: list[str]) -> None:
     """Run each case; print one `RESULT <case> ok|FAIL` line each."""
-    import traceback
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: interpreter.py
+    from interpreter import report_each
 
-    for case in cases:
-        try:
-            run_case(case)
-            print(f"RESULT {case} ok", flush=True)
-        except Exception:
-            traceback.print_exc()
-            print(f"RESULT {case} FAIL", flush=True)
+    report_each(cases, run_case)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ checks draw a few hundred samples from sharply peaked rows."""
 from __future__ import annotations
 
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
@@ -245,16 +244,17 @@ CHECKS |= {
 }
 
 
+def run_check(name: str) -> None:
+    fn, arg = CHECKS[name]
+    sampler = Sampler(use_triton=not name.endswith("_torch"))
+    fn(sampler, arg) if arg is not None else fn(sampler)
+
+
 def main(names: list[str]) -> None:
-    for name in names or list(CHECKS):
-        fn, arg = CHECKS[name]
-        sampler = Sampler(use_triton=not name.endswith("_torch"))
-        try:
-            fn(sampler, arg) if arg is not None else fn(sampler)
-            print(f"RESULT {name} ok", flush=True)
-        except Exception:
-            traceback.print_exc(file=sys.stdout)
-            print(f"RESULT {name} FAIL", flush=True)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: interpreter.py
+    from interpreter import report_each
+
+    report_each(names or list(CHECKS), run_check)
 
 
 if __name__ == "__main__":
