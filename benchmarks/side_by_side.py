@@ -16,7 +16,7 @@ import re
 import sys
 from pathlib import Path
 
-SHAPES = ("llama-3.2-1b", "llama-3.2-3b")
+SHAPES = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.2-3b_tp2")  # _tp2: both engines at TP=2
 BATCHES = (1, 8, 64, 256)
 
 
@@ -122,7 +122,7 @@ def plot(rows: dict, path: Path) -> None:
         ax.set_xticks(BATCHES, [str(b) for b in BATCHES])
         ax.set_xlabel("batch size (decoding sequences)")
         ax.set_ylabel("ms per decode step")
-        ax.set_title(f"{shape}, bf16, H200")
+        ax.set_title(f"{shape.replace('_tp2', ', TP=2')}, bf16, H200")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

@@ -385,8 +385,9 @@ class EngineConfig:
     # turned off (create_engine_config's skinny_gemm=False).
     skinny_gemm: bool = False
     # Programmatic dependent launch for the decode step's Triton kernels (kernels/pdl.py);
-    # needs kernel_backend "triton" on a GPU of compute capability 9.0 or newer.
-    pdl: bool = False
+    # needs kernel_backend "triton" on a GPU of compute capability 9.0 or newer. None: on
+    # wherever that holds (the model runner decides, per device); False with other backends.
+    pdl: bool | None = False
     # Token counts at which steps with prompt tokens are captured as CUDA graphs, ascending,
     # each at most max_num_batched_tokens; None: the default ladder of executor/cuda_graph.py
     # (`mixed_buckets`); (): none (such steps run eagerly; decode steps still replay graphs).
@@ -477,7 +478,7 @@ def create_engine_config(
     mixed_cuda_graph_sizes: list[int] | tuple[int, ...] | None = None,
     disable_custom_all_reduce: bool = False,
     skinny_gemm: bool | None = None,
-    pdl: bool = False,
+    pdl: bool | None = None,
 ) -> EngineConfig:
     """Every engine argument checked and resolved in one place (LLM, the CLI and the server
     call this): the model path (None: the default model), device, dtype, kernel backend and
@@ -508,8 +509,8 @@ def create_engine_config(
         raise ValueError(
             f"disable_custom_all_reduce must be True or False, got {disable_custom_all_reduce!r}"
         )
-    if not isinstance(pdl, bool):
-        raise ValueError(f"pdl must be True or False, got {pdl!r}")
+    if pdl is not None and not isinstance(pdl, bool):
+        raise ValueError(f"pdl must be True, False or None, got {pdl!r}")
     if skinny_gemm is not None and not isinstance(skinny_gemm, bool):
         raise ValueError(f"skinny_gemm must be True, False or None, got {skinny_gemm!r}")
     budget = max_num_batched_tokens or max(8192, max_num_seqs)
@@ -549,7 +550,7 @@ def create_engine_config(
         kernel_backend=backend,
         enforce_eager=bool(enforce_eager),
         skinny_gemm=backend == "triton" if skinny_gemm is None else skinny_gemm,
-        pdl=pdl,
+        pdl=pdl if backend == "triton" else False,
         mixed_cuda_graph_sizes=graph_sizes,
         seed=seed,
         async_scheduling=bool(async_scheduling),

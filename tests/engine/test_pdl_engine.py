@@ -39,3 +39,14 @@ def test_pdl_changes_no_token(tmp_path, eager):
     for on, off in zip(runs[True], runs[False]):
         assert on.token_ids == off.token_ids
         assert on.outputs[0].logprobs == off.outputs[0].logprobs
+
+
+def test_pdl_is_on_by_default_on_hopper(tmp_path):
+    from llm_inference.kernels import pdl
+
+    folder = make_sharp_checkpoint(tmp_path, hidden_size=256, intermediate_size=512)
+    with LLM(str(folder), device="cuda", dtype="bfloat16", kv_cache_memory_bytes=16 << 20):
+        assert pdl.enabled()
+    with LLM(str(folder), device="cuda", dtype="bfloat16", kv_cache_memory_bytes=16 << 20,
+             pdl=False):  # fmt: skip
+        assert not pdl.enabled()

@@ -272,7 +272,10 @@ def add_bench_args(p: argparse.ArgumentParser, kind: str | None = None) -> None:
     p.add_argument(
         "--disable-custom-all-reduce", action="store_true", help="NCCL for every all-reduce"
     )
-    p.add_argument("--pdl", action="store_true", help="programmatic dependent launch")
+    p.add_argument(
+        "--pdl", action=argparse.BooleanOptionalAction, default=None,
+        help="programmatic dependent launch (default: on with Triton on compute capability 9+)",
+    )  # fmt: skip
     p.add_argument(
         "--skinny-gemm", action=argparse.BooleanOptionalAction, default=None,
         help="decode matmuls through the Triton skinny GEMM (default: on with Triton)",
@@ -311,8 +314,8 @@ def run_bench(args) -> dict:
         kw["tensor_parallel_size"] = args.tensor_parallel_size
     if args.disable_custom_all_reduce:
         kw["disable_custom_all_reduce"] = res["disable_custom_all_reduce"] = True
-    if args.pdl:
-        kw["pdl"] = res["pdl"] = True
+    if args.pdl is not None:
+        kw["pdl"] = res["pdl"] = args.pdl
     if args.skinny_gemm is not None:
         kw["skinny_gemm"] = res["skinny_gemm"] = args.skinny_gemm
     if not args.enable_prefix_caching:

@@ -90,9 +90,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--pdl",
-        action="store_true",
-        help="CUDA (compute capability 9.0+): programmatic dependent launch for the decode "
-        "step's Triton kernels",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="programmatic dependent launch for the decode step's Triton kernels (default: on "
+        "with the Triton kernels on a GPU of compute capability 9.0+; --no-pdl: off)",
     )
     p.add_argument(
         "--disable-custom-all-reduce",

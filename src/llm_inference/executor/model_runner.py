@@ -26,17 +26,10 @@ class ModelRunner:
         self.device = device
         self.dtype = getattr(torch, config.dtype)
         ops = get_ops(config.kernel_backend, device)
-        if config.pdl:
-            major, minor = torch.cuda.get_device_capability(device)
-            if major < 9:
-                raise ValueError(
-                    f"pdl=True needs a GPU of compute capability 9.0 or newer (Hopper); "
-                    f"{device} is {major}.{minor}"
-                )
         if config.kernel_backend == "triton":  # the process's kernels launch with PDL or not
             from llm_inference.kernels import pdl
 
-            pdl.configure(config.pdl)
+            pdl.configure(pdl.resolve(config.pdl, device))
         # The reference kernels sync with the host, which a graph capture forbids.
         self.use_cuda_graphs = config.kernel_backend == "triton" and not config.enforce_eager
         self.model = load_model(

@@ -9,8 +9,9 @@ visible) before it reads or writes anything, then lets its own dependents launch
 bit for bit those without PDL. Kernels launched without PDL (cuBLAS, torch) keep ordinary
 stream order around them.
 
-Off unless the engine option `pdl` turns it on (`configure`, called by the model runner of
-each process); `benchmarks/pdl_chain.py` measures what it saves.
+The engine option `pdl` (None: on wherever it is supported, `resolve`) is applied by the model
+runner of each process (`configure`); `benchmarks/pdl_chain.py` measures what it saves, and
+`results/session5_2026-11-30_h200x2` what it saves per decode step.
 """
 
 from __future__ import annotations
@@ -33,6 +34,28 @@ def configure(enabled: bool) -> None:
     _enabled = bool(enabled)
 
 
+def resolve(requested: bool | None, device) -> bool:
+    """Whether the kernels on `device` launch with PDL: `requested` None means wherever it is
+    supported (a CUDA GPU of compute capability 9.0+ and a Triton with `gdc_wait`); True where
+    it is not raises ValueError saying why."""
+    import torch
+
+    device = torch.device(device)
+    why = None
+    if device.type != "cuda":
+        why = f"needs a CUDA device, not {device}"
+    elif torch.cuda.get_device_capability(device)[0] < 9:
+        cc = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        why = f"needs a GPU of compute capability 9.0 or newer (Hopper); {device} is {cc}"
+    elif gdc_wait is None:
+        why = f"needs a Triton with gdc_wait; this one ({triton.__version__}) has none"
+    if requested is None:
+        return why is None
+    if requested and why:
+        raise ValueError(f"pdl=True {why}")
+    return bool(requested)
+
+
 def enabled() -> bool:
     return _enabled
 
@@ -49,4 +72,4 @@ def wait_then_release():
     gdc_launch_dependents()
 
 
-__all__ = ["configure", "enabled", "launch_kwargs", "wait_then_release"]
+__all__ = ["configure", "enabled", "launch_kwargs", "resolve", "wait_then_release"]
