@@ -17,7 +17,9 @@ bandwidth rows, split and merge variants, do_bench's zero-write flush, and a fix
 (as in the throughput benchmark, where they are the largest kernel time) at each split count:
 with one split the longest sequences' programs finish last, alone; each sequence spreads its
 own tiles over the splits, so more splits shorten that tail at the cost of the partials and
-the merge. The head shapes include a TP=2 rank's (half the heads).
+the merge; each split count runs in batch order and with the programs dispatched longest
+context first (`seq_order`, as the engine does from ORDER_MIN_SEQS sequences). The head
+shapes include a TP=2 rank's (half the heads).
 
     PYTHONPATH=src python benchmarks/paged_attention.py [--diagnose] [--mixed] [--json PATH]
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import itertools
 import json
 import math
 import statistics
@@ -213,19 +216,22 @@ def mixed_rows(gen, copy_bw) -> list[dict]:
             block_n = pa.default_block_n(shape[2], BLOCK_SIZE)
             nbytes = sum(kv_bytes(1, n, shape) for n in lens)
             default = pa.choose_splits(batch, shape[1], 4096, block_n, pa._num_sms(q.device))
-            for splits in MIXED_SPLITS:
+            longest_first = torch.argsort(lens_t, descending=True).to(torch.int32)
+            for splits, order in itertools.product(MIXED_SPLITS, ("batch", "longest first")):
+                seq_order = longest_first if order != "batch" else None
                 fn = functools.partial(pa.launch, q, k_cache, v_cache, tables, lens_t, scale, out,
-                                       splits, block_n)  # fmt: skip
+                                       splits, block_n, seq_order=seq_order)  # fmt: skip
+                out.fill_(float("nan"))
                 graph = capture(fn)
                 graph.replay()
                 ms = median_ms(graph.replay)
-                rows.append(dict(shape=name, batch=batch, splits=splits, default=default, ms=ms,
-                                 bw_frac=nbytes / (ms * 1e-3) / copy_bw,
+                rows.append(dict(shape=name, batch=batch, splits=splits, default=default,
+                                 order=order, ms=ms, bw_frac=nbytes / (ms * 1e-3) / copy_bw,
                                  err=rel_error(out, ref)))  # fmt: skip
                 r = rows[-1]
                 print(
                     f"| {name} | {batch} | {splits}{' (default)' if splits == default else ''} "
-                    f"| {ms:.4f} | {r['bw_frac']:.0%} | {r['err']:.1e} |",
+                    f"| {order} | {ms:.4f} | {r['bw_frac']:.0%} | {r['err']:.1e} |",
                     flush=True,
                 )
             torch.cuda.empty_cache()
@@ -280,8 +286,8 @@ def main() -> None:
             print()
     if args.mixed:
         print(f"### contexts uniform in {MIXED_RANGE}, by split count\n")
-        print("| heads | batch | splits | Triton ms | of copy BW | rel err |")
-        print("|---|---:|---:|---:|---:|---:|")
+        print("| heads | batch | splits | program order | Triton ms | of copy BW | rel err |")
+        print("|---|---:|---:|---|---:|---:|---:|")
         report["mixed"] = mixed_rows(gen, copy_bw)
         print()
     if args.json:

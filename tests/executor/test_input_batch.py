@@ -25,6 +25,9 @@ def snapshot(step, buffers: InputBuffers) -> dict:
     snap = {name: buffers.np[name][:n].tolist() for name in INPUTS}
     snap["query_start_loc"] = buffers.np["query_start_loc"][: s + 1].tolist()
     snap["seq_lens"] = buffers.np["seq_lens"][:s].tolist()
+    order = buffers.np["seq_order"][:s].tolist()  # the decode kernel's order: longest first
+    assert sorted(order) == list(range(s))
+    assert [snap["seq_lens"][i] for i in order] == sorted(snap["seq_lens"], reverse=True)
     snap["logits_indices"] = buffers.np["logits_indices"][: len(step.sample_rows)].tolist()
     snap["block_table"] = [
         row[: -(-length // 4)].tolist()
@@ -157,6 +160,7 @@ def test_pad_decode_fills_padding_rows():
     for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc"):
         buffers.np[name][:] = 77
     buffers.pad_decode(3, 8)
+    assert buffers.np["seq_order"][3:8].tolist() == [3, 4, 5, 6, 7]  # after the real rows
     assert buffers.np["slot_mapping"][3:8].tolist() == [-1] * 5
     assert buffers.np["seq_lens"][3:8].tolist() == [1] * 5
     assert buffers.np["query_start_loc"][3:9].tolist() == [3, 4, 5, 6, 7, 8]

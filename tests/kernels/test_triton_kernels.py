@@ -94,7 +94,8 @@ def test_paged_attention_gpu_bf16(shape, block_size):
 
     block_n = default_block_n(shape[2], block_size)
     cfgs = [(1, block_n, False), (32, block_n, False), (3, 32, False), (32, block_n, True),
-            (5, block_n, True), (128, block_n, False)]  # fmt: skip
+            (5, block_n, True), (128, block_n, False), (1, block_n, False, True),
+            (5, block_n, True, True), (32, block_n, False, True)]  # fmt: skip
     lens = mixed_lens(40, block_size, seed=block_size)
     checks.check_paged_attention("cuda", torch.bfloat16, lens, *shape, block_size, 1, cfgs)
 

@@ -64,7 +64,8 @@ def assert_attention_close(out, q, k_cache, v_cache, block_tables, lens, scale, 
 def check_paged_attention(device, dtype, seq_lens, num_heads, num_kv_heads, head_dim,
                           block_size, seed, configs=()):  # fmt: skip
     """The public launcher (default and tight max_seq_len), then each configuration
-    (splits, tile, fused merge) through `paged_attention.launch`: each sequence spreads its
+    (splits, tile, fused merge[, True: in a random seq_order]) through `paged_attention.launch`:
+    each sequence spreads its
     own tiles over the splits, so more splits than a short sequence has tiles leaves some
     empty."""
     from llm_inference.kernels import paged_attention
@@ -82,13 +83,15 @@ def check_paged_attention(device, dtype, seq_lens, num_heads, num_kv_heads, head
         )
         assert res is out
         assert_attention_close(out, *case, scale, f"max_seq_len={max_len}")
-    for splits, block_n, fused in configs:
+    for splits, block_n, fused, *ordered in configs:
+        # ordered: the programs dispatched in a random order of the sequences (seq_order)
+        order = torch.randperm(len(seq_lens), generator=gen).to(device) if ordered else None
         out = torch.full_like(q, float("nan"))
         paged_attention.launch(
             q, k_cache, v_cache, block_tables, lens, scale, out, splits, block_n,
-            fused_merge=fused,
+            fused_merge=fused, seq_order=order,
         )  # fmt: skip
-        what = f"splits={splits} n={block_n} fused={fused}"
+        what = f"splits={splits} n={block_n} fused={fused} ordered={bool(ordered)}"
         assert_attention_close(out, *case, scale, what)
 
 
@@ -228,7 +231,9 @@ def run_interpreter(kernel: str) -> None:
             lens = [1, 15, 16, 17, 70, 131]
             shapes = (((4, 2, 16), 16), ((6, 2, 32), 32), ((8, 1, 16), 16))
             for shape, bs in shapes if dtype == torch.float32 else shapes[1:2]:
-                cfgs = [(1, 16, False), (3, 32, False), (9, 16, True), (16, 16, False)]
+                cfgs = [(1, 16, False), (3, 32, False), (9, 16, True), (16, 16, False),
+                        (1, 16, False, True), (3, 32, False, True),
+                        (9, 16, True, True)]  # fmt: skip
                 check_paged_attention("cpu", dtype, lens, *shape, bs, seed=i, configs=cfgs)
         elif kernel == "rms_norm":
             check_rms_norm("cpu", dtype, 5, 48, seed=i)

@@ -87,7 +87,7 @@ def check_unified(device, dtype, q_lens, contexts, shape, block_size, seed, tile
                   decode_splits=()):  # fmt: skip
     """The public op with tight and default bounds, then each tile config (BLOCK_M, BLOCK_N)
     through unified_attention.launch and, for decode-only batches, each split count through
-    paged_attention.launch with cu_seqlens."""
+    paged_attention.launch with cu_seqlens, in batch order and in a random `seq_order`."""
     from llm_inference.kernels import paged_attention, triton_ops, unified_attention
 
     gen = torch.Generator().manual_seed(seed)
@@ -106,10 +106,16 @@ def check_unified(device, dtype, q_lens, contexts, shape, block_size, seed, tile
     q, k_cache, v_cache, block_table, cu, seq_lens = case
     for splits in decode_splits:
         assert max(q_lens) <= 1
+        for order in (None, torch.randperm(len(q_lens), generator=gen).to(device)):
+            out = torch.full_like(q, float("nan"))
+            paged_attention.launch(q, k_cache, v_cache, block_table, seq_lens, scale, out,
+                                   splits, 16, cu_seqlens=cu, seq_order=order)  # fmt: skip
+            assert_close(out, case, scale, f"decode splits {splits} order {order}")
+    if decode_splits:  # the public op passes the order on
+        order = torch.argsort(seq_lens, descending=True)
         out = torch.full_like(q, float("nan"))
-        paged_attention.launch(q, k_cache, v_cache, block_table, seq_lens, scale, out, splits,
-                               16, cu_seqlens=cu)  # fmt: skip
-        assert_close(out, case, scale, f"decode splits {splits}")
+        triton_ops.unified_attention(*case, scale, out, 1, max(lens), seq_order=order)
+        assert_close(out, case, scale, "decode, longest first")
 
 
 def dense_attention(q, k, v, context, scale):

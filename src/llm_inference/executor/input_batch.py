@@ -14,6 +14,7 @@ group moves them to the device:
     input_ids[t] = token_ids[row_s, p]; positions[t] = p;
     slot_mapping[t] = block_table[row_s, p // block_size] * block_size + p % block_size
     query_start_loc[s] = first token of s; seq_lens[s] = computed + scheduled tokens of s
+    seq_order: the sequences by seq_lens, longest first (the decode kernel's dispatch order)
     logits_indices: the last token of every sequence whose chunk reaches its known tokens.
 
 With async scheduling a sequence may be scheduled one token past what the worker holds: that
@@ -77,7 +78,7 @@ class InputBuffers:
     has run, so a step can be prepared while the previous one is still being copied (async
     scheduling). `to_device` copies the whole flat array and the used corner of the table."""
 
-    SIZES = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
+    SIZES = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "seq_order",
              "logits_indices", "placeholder_dst", "placeholder_src",
              # per sample row: the sampler's inputs (the key's 32 bits; greedy 0/1; floats
              # stored as float32 bits)
@@ -105,6 +106,7 @@ class InputBuffers:
             query_start_loc=self.views["query_start_loc"],
             seq_lens=self.views["seq_lens"],
             block_table=self.dev_table,
+            seq_order=self.views["seq_order"],
         )
         self.stage()
 
@@ -138,6 +140,7 @@ class InputBuffers:
         b["slot_mapping"][num_seqs:padded] = -1
         b["query_start_loc"][num_seqs : padded + 1] = np.arange(num_seqs, padded + 1)
         b["seq_lens"][num_seqs:padded] = 1
+        b["seq_order"][num_seqs:padded] = np.arange(num_seqs, padded)  # after every real one
 
     def pad_mixed(self, num_tokens: int, num_seqs: int, padded_tokens: int) -> None:
         """Pad a step of T = `num_tokens` tokens and S = `num_seqs` sequences to a captured
@@ -305,6 +308,7 @@ class InputBatch:
         )
         b["query_start_loc"][: num_seqs + 1] = cu
         b["seq_lens"][:num_seqs] = seq_lens
+        b["seq_order"][:num_seqs] = np.argsort(-seq_lens, kind="stable")  # longest first
         b["logits_indices"][: len(sample)] = logits_indices
         buffers.np_table[:num_seqs, :width] = self.block_table[rows, :width]
         ph_dst = cu[1:][ph_seqs] - 1

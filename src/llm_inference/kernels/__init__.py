@@ -53,7 +53,7 @@ class KernelOps(Protocol):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
         scale: float, out: torch.Tensor | None = None, max_query_len: int | None = None,
-        max_seq_len: int | None = None,
+        max_seq_len: int | None = None, seq_order: torch.Tensor | None = None,
     ) -> torch.Tensor: ...  # fmt: skip
 
 

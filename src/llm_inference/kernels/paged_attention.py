@@ -6,7 +6,13 @@ Shapes (as in reference.py):
   block_tables [B, max_blocks]      int32 or int64; entries past a sequence's length never read
   seq_lens     [B]                  int32 or int64, 1 <= seq_lens[i] <= max_blocks * BS
 
-Work split: one program per (sequence, KV head, context split).
+Work split: one program per (sequence, KV head, context split), on a grid of (KV head x split,
+sequence): the programs of one sequence are dispatched together. With `seq_order` (a
+permutation of the sequences, longest context first, which the engine builds on the host with
+the step's other inputs) the grid's sequence axis goes through that order, so the longest
+contexts start first and the short ones fill the SMs at the end of the launch (longest
+processing time first): with contexts of mixed lengths the last programs of a launch are
+short ones, not a long one running alone.
 - Grouped-query: the G = Hq / Hkv query heads sharing a KV head form a [G, D] tile (padded to 16
   rows for the tensor cores), so each K/V tile is loaded once for the whole group and the scores
   are one small matrix product.
@@ -103,7 +109,7 @@ def _attend(q, k_head, v_head, bt_row, start, end, scale_log2,
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, count_ptr, cu_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, count_ptr, cu_ptr, order_ptr,
     scale_log2,
     stride_qb, stride_qh,
     stride_kn, stride_kt, stride_kh,  # also V's: the launcher checks they are equal
@@ -113,13 +119,17 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_CU: tl.constexpr, PDL: tl.constexpr,
+    HAS_CU: tl.constexpr, HAS_ORDER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:
         pdl.wait_then_release()
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    kvh = tl.program_id(0) // num_splits
+    split = tl.program_id(0) % num_splits
+    b = tl.program_id(1)
+    if HAS_ORDER:
+        b = tl.load(order_ptr + b).to(tl.int32)
+    num_seqs = tl.num_programs(1)
+    num_kv_heads = tl.num_programs(0) // num_splits
     seq_len = tl.load(lens_ptr + b).to(tl.int32)
     row = b  # the q/out row of sequence b
     if HAS_CU:  # unified_attention's decode path: row cu[b], or none when cu[b + 1] == cu[b]
@@ -151,9 +161,9 @@ def _paged_decode_kernel(
         tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
         # fp32 scratch: part [B, Hq, num_splits, D], then lse [B, Hq, num_splits].
-        num_heads = tl.num_programs(1) * GROUP
+        num_heads = num_kv_heads * GROUP
         rows = (b * num_heads + heads) * num_splits + split
-        lse_ptr = part_ptr + tl.num_programs(0) * num_heads * num_splits * HEAD_DIM
+        lse_ptr = part_ptr + num_seqs * num_heads * num_splits * HEAD_DIM
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + rows, lse, mask=g_mask)
         tl.store(
@@ -163,7 +173,7 @@ def _paged_decode_kernel(
             # The last split to finish for this (sequence, KV head) merges. The barrier orders
             # every thread's stores before the release; the acquire orders the merge's loads.
             tl.debug_barrier()
-            counter = count_ptr + b * tl.num_programs(1) + kvh
+            counter = count_ptr + b * num_kv_heads + kvh
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if done == num_splits - 1:
                 tl.debug_barrier()
@@ -300,14 +310,16 @@ def paged_attention_decode(
 def launch(
     q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, block_n,
     num_warps: int = 4, num_stages: int = 3, fused_merge: bool | None = None,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None, seq_order: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Run with an explicit split and tile configuration (tests and the benchmark sweep it).
 
     Any num_splits >= 1 is exact (each sequence divides its own tiles over them). With
     `cu_seqlens` ([B + 1], unified_attention's decode path) sequence b reads and writes
     row cu_seqlens[b] of q/out, or nothing when cu_seqlens[b + 1] == cu_seqlens[b]; q/out may
-    then have any number of rows. Not with the fused merge.
+    then have any number of rows. Not with the fused merge. `seq_order` ([B] int32 or int64,
+    a permutation of 0..B-1) is the order in which the sequences' programs are dispatched;
+    any permutation gives the same result.
     """
     num_seqs = block_tables.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -328,9 +340,14 @@ def launch(
         if fused_merge:
             counts = _counters(q.device, num_seqs * num_kv_heads)
     block_s = 1 << (num_splits - 1).bit_length()
-    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+    if seq_order is not None and (
+        seq_order.shape != (num_seqs,) or seq_order.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError(f"seq_order must be [{num_seqs}] int32 or int64, got {seq_order.shape}")
+    _paged_decode_kernel[(num_kv_heads * num_splits, num_seqs)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part, counts,
         seq_lens if cu_seqlens is None else cu_seqlens,
+        seq_lens if seq_order is None else seq_order,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -340,7 +357,8 @@ def launch(
         GROUP=group, BLOCK_G=max(16, 1 << (group - 1).bit_length()), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SPLIT=num_splits > 1, FUSED_MERGE=fused_merge, BLOCK_S=block_s,
-        HAS_CU=cu_seqlens is not None, PDL=pdl.enabled(), num_warps=num_warps,
+        HAS_CU=cu_seqlens is not None, HAS_ORDER=seq_order is not None, PDL=pdl.enabled(),
+        num_warps=num_warps,
         num_stages=num_stages, **pdl.launch_kwargs(),
     )  # fmt: skip
     if num_splits > 1 and not fused_merge:

@@ -68,6 +68,7 @@ def unified_attention(
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    seq_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for a flat batch of prefill chunks and decodes over the paged cache.
 
@@ -75,8 +76,9 @@ def unified_attention(
     cu_seqlens_q[s]:cu_seqlens_q[s + 1] (L of them, possibly none) and has seq_lens[s] tokens in
     the cache, its L new ones included, so row i sits at position c + i with
     c = seq_lens[s] - L and attends to cache positions [0, c + i]. Rows past cu_seqlens_q[-1]
-    are padding: left as they are in `out` (zeros in a new result). The bounds
-    `max_query_len` and `max_seq_len` are hints for the Triton kernel; ignored here.
+    are padding: left as they are in `out` (zeros in a new result). `max_query_len` and
+    `max_seq_len` (bounds) and `seq_order` (the order of the decode programs) are hints for
+    the Triton kernel; ignored here.
 
     One sequence at a time (no padding to the longest), K/V gathered once through its block
     table, float32, query rows in chunks so that even materialized scores stay near

@@ -200,12 +200,15 @@ def unified_attention(
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    seq_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of reference.unified_attention: one launch (two when decode splits).
 
     `max_query_len` bounds the query lengths (default T); exactly 1 selects the split-K decode
     kernel. `max_seq_len` bounds seq_lens (default: the block-table capacity) and only sets the
-    decode split count. Any bounds that hold are correct; tight ones are faster.
+    decode split count. Any bounds that hold are correct; tight ones are faster. `seq_order`
+    (a permutation of the sequences, longest context first) orders the decode kernel's
+    programs; it changes no result.
     """
     _check(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out)
     if out is None:
@@ -224,7 +227,7 @@ def unified_attention(
         )
         return pa.launch(
             q, k_cache, v_cache, block_table, seq_lens, scale, out, splits, block_n,
-            fused_merge=False, cu_seqlens=cu_seqlens_q,
+            fused_merge=False, cu_seqlens=cu_seqlens_q, seq_order=seq_order,
         )  # fmt: skip
     group = q.shape[1] // num_kv_heads
     tiles = default_tiles(group, head_dim, max_query_len)

@@ -36,6 +36,9 @@ class AttentionMetadata:
     max_query_len: int  # upper bounds, Python ints: kernel grids need no host sync
     max_seq_len: int
     dense_starts: tuple[int, ...] = ()  # a dense forward's sequence offsets, on the host
+    # [S] int32, the sequences longest context first: the decode kernel's dispatch order
+    # (None: in batch order; see ORDER_MIN_SEQS).
+    seq_order: torch.Tensor | None = None
 
     @classmethod
     def dense(cls, seq_lens: list[int]) -> AttentionMetadata:
@@ -53,6 +56,19 @@ class StepBuffers:
     query_start_loc: torch.Tensor  # [max_seqs + 1] int32
     seq_lens: torch.Tensor  # [max_seqs] int32
     block_table: torch.Tensor  # [max_seqs, max_blocks_per_seq] int32
+    seq_order: torch.Tensor | None = None  # [max_seqs] int32, a permutation (see metadata)
+
+
+# From this many sequences, decode steps dispatch their attention programs longest context
+# first (`seq_order`): with mixed lengths the launch then ends on short programs, not on a
+# long one alone. Below it the extra dependent load per program costs more than it balances.
+ORDER_MIN_SEQS = 32
+
+
+def _order(buffers: StepBuffers, num_seqs: int) -> torch.Tensor | None:
+    if buffers.seq_order is None or num_seqs < ORDER_MIN_SEQS:
+        return None
+    return buffers.seq_order[:num_seqs]
 
 
 class AttentionBackend:
@@ -72,7 +88,9 @@ class AttentionBackend:
         max_seq_len: int,
         block_width: int,
     ) -> AttentionMetadata:
-        """Views of `buffers` for a step whose host inputs were already copied into them."""
+        """Views of `buffers` for a step whose host inputs were already copied into them
+        (`seq_order`, when the buffers have one, holds a permutation of the step's sequences,
+        longest first)."""
         return AttentionMetadata(
             slot_mapping=buffers.slot_mapping[:num_tokens],
             query_start_loc=buffers.query_start_loc[: num_seqs + 1],
@@ -80,6 +98,7 @@ class AttentionBackend:
             block_table=buffers.block_table[:num_seqs, :block_width],
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
+            seq_order=_order(buffers, num_seqs),
         )
 
     def graph_metadata(
@@ -107,6 +126,7 @@ class AttentionBackend:
             block_table=buffers.block_table[:num_seqs, :width],
             max_query_len=1 if decode else num_tokens,
             max_seq_len=max_model_len,
+            seq_order=_order(buffers, num_seqs) if decode else None,
         )
 
     # ---- attention -----------------------------------------------------------------------
@@ -130,6 +150,7 @@ class AttentionBackend:
         return self.ops.unified_attention(
             q, layer.k_cache, layer.v_cache, md.block_table, md.query_start_loc, md.seq_lens,
             layer.scale, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
+            seq_order=md.seq_order,
         )  # fmt: skip
 
     def _dense(self, layer: Attention, q, k, v, md: AttentionMetadata) -> torch.Tensor:
