@@ -215,7 +215,10 @@ def mixed_rows(gen, copy_bw) -> list[dict]:
             out = torch.empty_like(q)
             block_n = pa.default_block_n(shape[2], BLOCK_SIZE)
             nbytes = sum(kv_bytes(1, n, shape) for n in lens)
-            default = pa.choose_splits(batch, shape[1], 4096, block_n, pa._num_sms(q.device))
+            sms = pa._num_sms(q.device)
+            defaults = {"batch": pa.choose_splits(batch, shape[1], 4096, block_n, sms),
+                        "longest first": pa.choose_splits(batch, shape[1], 4096, block_n, sms,
+                                                          pa.ORDERED_WAVES)}  # fmt: skip
             longest_first = torch.argsort(lens_t, descending=True).to(torch.int32)
             for splits, order in itertools.product(MIXED_SPLITS, ("batch", "longest first")):
                 seq_order = longest_first if order != "batch" else None
@@ -225,6 +228,7 @@ def mixed_rows(gen, copy_bw) -> list[dict]:
                 graph = capture(fn)
                 graph.replay()
                 ms = median_ms(graph.replay)
+                default = defaults[order]
                 rows.append(dict(shape=name, batch=batch, splits=splits, default=default,
                                  order=order, ms=ms, bw_frac=nbytes / (ms * 1e-3) / copy_bw,
                                  err=rel_error(out, ref)))  # fmt: skip

@@ -150,3 +150,22 @@ def test_unified_attention_replays_in_cuda_graph(max_query_len):
         out.fill_(float("nan"))
         graph.replay()
         checks.assert_close(out, static, 0.125, f"replay {replay}")
+
+
+def test_decode_split_count_follows_the_dispatch_order(monkeypatch):
+    """Decode steps dispatched longest first split further (ORDERED_WAVES): on an H200-sized
+    GPU, 64 sequences of 3B heads take two splits ordered and one in batch order."""
+    from llm_inference.kernels import paged_attention as pa
+    from llm_inference.kernels import unified_attention as ua
+
+    seen = []
+    monkeypatch.setattr(pa, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(pa, "launch", lambda *a, **kw: seen.append(a[7]) or a[6])
+    q = torch.zeros(64, 24, 128)
+    cache = torch.zeros(4, 16, 8, 128)
+    table, cu = torch.zeros(64, 256, dtype=torch.int32), torch.arange(65, dtype=torch.int32)
+    lens = torch.ones(64, dtype=torch.int32)
+    for order in (None, torch.arange(64, dtype=torch.int32)):
+        ua.unified_attention(q, cache, cache, table, cu, lens, 1.0, max_query_len=1,
+                             max_seq_len=4096, seq_order=order)  # fmt: skip
+    assert seen == [1, 2]

@@ -47,6 +47,11 @@ from llm_inference.kernels import pdl
 
 _LOG2E = 1.4426950408889634
 WAVES = 4  # split until about this many programs per SM (4 fit at once: registers)
+# With the programs dispatched longest context first (seq_order), splitting further pays: the
+# short sequences' splits fill the launch's tail. Measured over contexts uniform in [100, 2048]
+# (benchmarks/paged_attention.py --mixed, results/session5_2026-11-30_h200x2/order): at batch
+# 64 two splits (1B, 3B heads) and four (a TP=2 rank's) were the fastest, at 256 one.
+ORDERED_WAVES = 8
 MIN_CHUNK = 256  # fewest tokens worth a split of their own
 MAX_SPLITS = 128
 FUSED_MERGE = False  # True: merge in the last split's program instead of a second kernel

@@ -222,8 +222,9 @@ def unified_attention(
         if max_seq_len is None:
             max_seq_len = block_table.shape[1] * block_size
         block_n = pa.default_block_n(head_dim, block_size)
+        waves = pa.ORDERED_WAVES if seq_order is not None else 0  # 0: the default
         splits = pa.choose_splits(
-            num_seqs, num_kv_heads, max_seq_len, block_n, pa._num_sms(q.device)
+            num_seqs, num_kv_heads, max_seq_len, block_n, pa._num_sms(q.device), waves
         )
         return pa.launch(
             q, k_cache, v_cache, block_table, seq_lens, scale, out, splits, block_n,
