@@ -18,7 +18,13 @@ ONE_SHOT_MAX_BYTES of custom_all_reduce.py) and "speed-up" its graph time agains
 multicast is off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
 NVSHMEM_DISABLE_NVLS=1 unless set), as on the target machines.
 
-    PYTHONPATH=src python3 benchmarks/all_reduce.py [--tp 2] [--json PATH]
+`--norm` measures instead the all-reduce together with the residual add and RMSNorm after it
+(a decoder's o_proj or down_proj output), [tokens, 3072] bfloat16 for tokens in NORM_TOKENS:
+the engine's unfused path (its all-reduce, then the RMSNorm kernel) against the fused kernel
+(custom_all_reduce's `all_reduce_add_rms_norm`, consecutive calls alternating halves), graph
+and eager as above, per pair.
+
+    PYTHONPATH=src python3 benchmarks/all_reduce.py [--tp 2] [--norm] [--json PATH]
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import itertools
 import json
 import multiprocessing
 import os
@@ -46,6 +53,7 @@ CALLS = 50  # all-reduces per timed run
 RUNS = 10  # timed runs per (size, method, mode)
 METHODS = ["nccl", "one_shot", "two_shot"]
 TIMEOUT_S = 240  # the whole run takes well under 90 s; a rank stuck in a collective is killed
+NORM_TOKENS = (1, 8, 64, 256, 512)
 
 
 def messages() -> list[tuple[str, int]]:
@@ -96,9 +104,9 @@ def measure(fn, x, sync) -> dict[str, float]:
     return {"graph": _time(graph.replay, sync), "eager": _time(eager, sync)}
 
 
-def rank_main(rank: int, world: int, port: int, json_path: str | None) -> None:
+def rank_main(rank: int, world: int, port: int, json_path: str | None, norm: bool) -> None:
     try:
-        _rank_main(rank, world, port, json_path)
+        (_norm_main if norm else _rank_main)(rank, world, port, json_path)
         code = 0
     except BaseException:
         traceback.print_exc()
@@ -174,6 +182,68 @@ def _rank_main(rank: int, world: int, port: int, json_path: str | None) -> None:
             json.dump(report, f, indent=1)
 
 
+def _unfused_norm(x, residual, weight):
+    from llm_inference.distributed import parallel_state as ps
+    from llm_inference.kernels.rms_norm import rms_norm
+
+    return rms_norm(ps.all_reduce(x), weight, 1e-5, residual)
+
+
+def _fused_norm(comm, x, residual, weight, calls):
+    return comm.all_reduce_add_rms_norm(x, residual, weight, 1e-5, next(calls))
+
+
+def _norm_main(rank: int, world: int, port: int, json_path: str | None) -> None:
+    """--norm: all-reduce + residual add + RMSNorm, unfused (the engine's path) and fused."""
+    import torch
+    import torch.distributed as dist
+
+    from llm_inference.distributed import parallel_state as ps
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    ps.init_distributed(rank, world, port, device, fused_all_reduce_norm=True)
+    comm = ps.get_custom_all_reduce()
+    if comm is None or not comm.fused_norm:
+        raise RuntimeError("the fused all-reduce + RMSNorm did not pass its set-up check")
+    sync = functools.partial(dist.all_reduce, torch.zeros(1, device=device))
+    g = torch.Generator(device=device).manual_seed(0)  # the same weight and residual
+    weight = torch.randn(HIDDEN, generator=g, device=device).to(torch.bfloat16)
+    rows = []
+    for tokens in NORM_TOKENS:
+        residual = torch.randn(tokens, HIDDEN, generator=g, device=device).to(torch.bfloat16)
+        x = torch.randn(tokens, HIDDEN, device=device).to(torch.bfloat16)
+        calls = itertools.count()
+        unfused = functools.partial(_unfused_norm, residual=residual, weight=weight)
+        fused = functools.partial(_fused_norm, comm, residual=residual, weight=weight, calls=calls)
+        row = {"tokens": tokens, "engine all-reduce": comm.algorithm(x)}
+        for name, fn in (("unfused", unfused), ("fused", fused)):
+            row[name] = measure(fn, x.clone(), sync)
+        rows.append(row)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, rows)
+    if rank != 0:
+        return
+    for i, row in enumerate(rows):  # the slowest rank's median
+        for name in ("unfused", "fused"):
+            for mode in ("graph", "eager"):
+                row[name][mode] = max(r[i][name][mode] for r in gathered)
+    print(f"{torch.cuda.get_device_name(device)} x {world}, torch {torch.__version__}, bfloat16 "
+          f"[tokens, {HIDDEN}], median us per all-reduce + residual add + RMSNorm\n")  # fmt: skip
+    print("| tokens | engine all-reduce | unfused graph | fused graph | speed-up | unfused eager "
+          "| fused eager |\n|---:|---|---:|---:|---:|---:|---:|")  # fmt: skip
+    for r in rows:
+        u, f = r["unfused"], r["fused"]
+        speedup = u["graph"] / f["graph"]
+        cells = [u["graph"], f["graph"], speedup, u["eager"], f["eager"]]
+        print(f"| {r['tokens']} | {r['engine all-reduce']} | "
+              + " | ".join(f"{c:.2f}" for c in cells) + " |")  # fmt: skip
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump({"device": torch.cuda.get_device_name(device), "world_size": world,
+                       "torch": torch.__version__, "rows": rows}, fh, indent=1)  # fmt: skip
+
+
 def table(report: dict) -> str:
     def us(row, m, mode):
         return f"{row[m][mode]:.1f}" if m in row else "-"
@@ -202,6 +272,7 @@ def table(report: dict) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", type=int, default=2, help="GPUs (one process each)")
+    p.add_argument("--norm", action="store_true", help="all-reduce + RMSNorm, unfused and fused")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args()
     for k, v in ENV.items():
@@ -216,7 +287,8 @@ def main() -> int:
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
     procs = [
-        ctx.Process(target=rank_main, args=(r, args.tp, port, args.json)) for r in range(args.tp)
+        ctx.Process(target=rank_main, args=(r, args.tp, port, args.json, args.norm))
+        for r in range(args.tp)
     ]
     for proc in procs:
         proc.start()

@@ -365,6 +365,9 @@ class ParallelConfig:
     # NCCL for every all-reduce: no symmetric-memory all-reduce of small messages on CUDA
     # (distributed/custom_all_reduce.py; vLLM's name).
     disable_custom_all_reduce: bool = False
+    # The all-reduce of o_proj and down_proj fused with the residual add and RMSNorm after it
+    # (custom_all_reduce's fused_norm; CUDA, with the custom all-reduce).
+    fused_all_reduce_norm: bool = False
 
 
 @dataclass(frozen=True)
@@ -477,6 +480,7 @@ def create_engine_config(
     enable_prefix_caching: bool = True,
     mixed_cuda_graph_sizes: list[int] | tuple[int, ...] | None = None,
     disable_custom_all_reduce: bool = False,
+    fused_all_reduce_norm: bool = False,
     skinny_gemm: bool | None = None,
     pdl: bool | None = None,
 ) -> EngineConfig:
@@ -509,6 +513,12 @@ def create_engine_config(
         raise ValueError(
             f"disable_custom_all_reduce must be True or False, got {disable_custom_all_reduce!r}"
         )
+    if not isinstance(fused_all_reduce_norm, bool):
+        raise ValueError(
+            f"fused_all_reduce_norm must be True or False, got {fused_all_reduce_norm!r}"
+        )
+    if fused_all_reduce_norm and disable_custom_all_reduce:
+        raise ValueError("fused_all_reduce_norm needs the custom all-reduce, which is disabled")
     if pdl is not None and not isinstance(pdl, bool):
         raise ValueError(f"pdl must be True, False or None, got {pdl!r}")
     if skinny_gemm is not None and not isinstance(skinny_gemm, bool):
@@ -544,7 +554,9 @@ def create_engine_config(
             max_model_len=max_len,
             max_model_len_is_default=max_model_len is None,
         ),
-        parallel=ParallelConfig(tensor_parallel_size, disable_custom_all_reduce),
+        parallel=ParallelConfig(
+            tensor_parallel_size, disable_custom_all_reduce, fused_all_reduce_norm
+        ),
         device=dev,
         dtype=resolve_dtype(dtype, model_config.torch_dtype, dev.split(":")[0]),
         kernel_backend=backend,

@@ -36,7 +36,7 @@ def prompts():
     return [torch.randint(2, 320, (n,), generator=g).tolist() for n in (1, 7, 33, 120, 250, 64)]
 
 
-def generate(folder, dtype, tp, eager, logprobs=5, custom_all_reduce=True):
+def generate(folder, dtype, tp, eager, logprobs=5, custom_all_reduce=True, fused_norm=False):
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=logprobs)
     with LLM(
         str(folder),
@@ -47,12 +47,15 @@ def generate(folder, dtype, tp, eager, logprobs=5, custom_all_reduce=True):
         enforce_eager=eager,
         max_num_seqs=8,
         disable_custom_all_reduce=not custom_all_reduce,
+        fused_all_reduce_norm=fused_norm,
     ) as llm:
         rpc = llm.engine.executor.collective_rpc
         assert rpc("uses_cuda_graphs") == [not eager] * tp
         # The symmetric-memory all-reduce is set up on every rank (bfloat16 steps use it;
         # float16 ones go to NCCL).
         assert rpc("uses_custom_all_reduce") == [tp > 1 and custom_all_reduce] * tp
+        # Its fused all-reduce + RMSNorm passed its start-up check against NCCL + RMSNorm.
+        assert rpc("uses_fused_all_reduce_norm") == [tp > 1 and fused_norm] * tp
         return llm.generate(prompts(), params, use_tqdm=False)
 
 
@@ -81,6 +84,23 @@ def test_tp2_without_custom_all_reduce(folder):
     ref = generate(folder, "bfloat16", 1, eager=False)
     got = generate(folder, "bfloat16", 2, eager=False, custom_all_reduce=False)
     assert_same_greedy(got, ref, "bfloat16")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tp2_fused_all_reduce_norm_changes_nothing(folder, dtype):
+    """fused_all_reduce_norm: at two ranks the fused kernel's sum is the all-reduce's (one
+    rounding of a two-term sum) and its add and norm the RMSNorm kernel's arithmetic (its
+    row reduction may group differently), so the tokens equal the unfused run's and the
+    logprobs agree to rounding, with CUDA graphs (decode and mixed steps up to
+    FUSED_MAX_ROWS rows) and eagerly."""
+    for eager in (False, True):
+        plain = generate(folder, dtype, 2, eager)
+        fused = generate(folder, dtype, 2, eager, fused_norm=True)
+        for a, b in zip(fused, plain):
+            assert a.token_ids == b.token_ids, f"eager={eager}"
+            for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                assert x.top.keys() == y.top.keys(), f"eager={eager}"
+                assert all(abs(x.top[t] - y.top[t]) < 0.05 for t in x.top), f"eager={eager}"
 
 
 def test_tp2_async_greedy_equals_tp1(folder):

@@ -220,8 +220,48 @@ def check_rotary_store_kv(device, dtype, num_tokens, num_heads, num_kv_heads, he
     assert (slots >= 0).any() and (slots < 0).any()
 
 
+def check_all_reduce_norm(dtype, world, rank, seed, rows=5, hidden=48):
+    """One rank's call of the fused all-reduce + residual add + RMSNorm, its peers simulated:
+    their rows already in their buffers (second half: a non-zero buffer offset) and their
+    signals already in this rank's flags. The result must equal the RMSNorm kernel on the
+    rank-order sum exactly; the call consumes its flags, signals every peer and writes its
+    own rows to its buffer, nothing else."""
+    from llm_inference.kernels import rms_norm
+    from llm_inference.kernels.all_reduce_norm import all_reduce_add_rms_norm
+
+    gen = torch.Generator().manual_seed(seed)
+    parts = [torch.randn(rows, hidden, generator=gen).to(dtype) for _ in range(world)]
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype)
+    weight = torch.randn(hidden, generator=gen).to(dtype)
+    half = rows * hidden
+    bufs = [torch.full((2 * half,), float("nan"), dtype=dtype) for _ in range(world)]
+    flags = [torch.zeros(rows * world, dtype=torch.int32) for _ in range(world)]
+    slots = torch.arange(rows) * world
+    for peer in range(world):
+        if peer != rank:
+            bufs[peer][half:] = parts[peer].flatten()
+            flags[rank][slots + peer] = 1
+    buf_ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+    flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
+    got_res = residual.clone()
+    out, res = all_reduce_add_rms_norm(
+        parts[rank], got_res, weight, 1e-5, buf_ptrs, flag_ptrs, rank, half
+    )
+    want_res = residual.clone()
+    reduced = sum(p.float() for p in parts).to(dtype)
+    want = rms_norm.rms_norm(reduced, weight, 1e-5, want_res)[0]
+    assert res is got_res and torch.equal(got_res, want_res), "residual"
+    assert torch.equal(out, want), f"max diff {(out.float() - want.float()).abs().max()}"
+    assert int(flags[rank].sum()) == 0, "flags not consumed"
+    for peer in range(world):
+        if peer != rank:
+            assert flags[peer][slots + rank].tolist() == [1] * rows, f"peer {peer} not signalled"
+    assert torch.equal(bufs[rank][half:], parts[rank].flatten()), "own rows not in the buffer"
+    assert torch.isnan(bufs[rank][:half]).all(), "the other half was written"
+
+
 INTERPRETER_KERNELS = ("paged_attention", "rms_norm", "silu_and_mul", "rotary", "store_kv_cache",
-                       "rotary_store_kv")  # fmt: skip
+                       "rotary_store_kv", "all_reduce_norm")  # fmt: skip
 
 
 def run_interpreter(kernel: str) -> None:
@@ -245,6 +285,9 @@ def run_interpreter(kernel: str) -> None:
             check_store_kv_cache("cpu", dtype, 21, 2, 16, 8, seed=i)
         elif kernel == "rotary_store_kv":
             check_rotary_store_kv("cpu", dtype, 19, 6, 2, 16, 8, seed=i)
+        elif kernel == "all_reduce_norm":
+            check_all_reduce_norm(dtype, world=2, rank=1, seed=i)
+            check_all_reduce_norm(dtype, world=4, rank=2, seed=i)
         else:
             raise ValueError(kernel)
 

@@ -97,3 +97,30 @@ def test_half_precision_close(tiny_ckpt, dtype):
         got = ours.compute_logits(ours(ids, torch.arange(9), [9])).float()
     rel = (want - got).norm() / want.norm()
     assert rel < 3e-2, rel
+
+
+def test_partial_sums_are_normed_in_alternating_order(tiny_ckpt, monkeypatch):
+    """o_proj and down_proj leave their per-rank partial sums to the norm after them, which
+    sums them (parallel_state.all_reduce_add_rms_norm): every layer's two norms after the
+    first and the final norm, called with consecutive `index` values in forward order, so
+    that consecutive fused calls alternate their buffer halves, also from one forward pass
+    to the next."""
+    from llm_inference.layers import norm
+
+    calls = []
+    real = norm.all_reduce_add_rms_norm
+
+    def spy(x, residual, weight, eps, ops, index=0):
+        calls.append(index)
+        return real(x, residual, weight, eps, ops, index)
+
+    monkeypatch.setattr(norm, "all_reduce_add_rms_norm", spy)
+    model = load_model(tiny_ckpt, reference)
+    ids = torch.randint(0, 320, (7,), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        for _ in range(2):
+            model(ids, torch.arange(7), [7])
+    layers = len(model.layers)
+    assert calls == list(range(2 * layers)) * 2
+    assert not any(layer.self_attn.o_proj.reduce_results for layer in model.layers)
+    assert not any(layer.mlp.down_proj.reduce_results for layer in model.layers)

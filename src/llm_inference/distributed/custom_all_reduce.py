@@ -37,6 +37,13 @@ Invariants:
   on different streams (the engine runs one stream).
 - The kernels end by waiting for every peer, so when one returns no peer still reads this
   rank's buffer: the next call may overwrite it.
+
+With `fused_norm`, the buffer has a second part for `all_reduce_add_rms_norm`: the all-reduce
+of a row-parallel layer's output fused with the residual add and RMSNorm after it, one Triton
+kernel (kernels/all_reduce_norm.py, which says why it is safe): two halves of FUSED_HALF_BYTES
+used by alternate calls (by the parity of the caller's `index`), then the flags, one int32 per
+(row, rank), zeroed at allocation. Rows up to FUSED_MAX_ROWS whose bytes fit a half take it;
+the self-check also compares it against NCCL followed by the RMSNorm kernel.
 """
 
 from __future__ import annotations
@@ -57,6 +64,10 @@ MAX_BYTES = {2: 8 * MiB, 4: 8 * MiB, 8: 8 * MiB}
 # One-shot up to this size, two-shot above.
 ONE_SHOT_MAX_BYTES = {2: 1 * MiB, 4: 256 * KiB, 8: 128 * KiB}
 DTYPES = (torch.bfloat16, torch.float32)
+# The fused all-reduce + residual add + RMSNorm: rows per call at most, and bytes per half.
+FUSED_MAX_ROWS = 512
+FUSED_HALF_BYTES = 2 * MiB
+FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ONE_SHOT, TWO_SHOT, NCCL = "one_shot", "two_shot", "nccl"
 
 
@@ -86,6 +97,7 @@ class CustomAllReduce:
         device: torch.device,
         max_bytes: int | None = None,
         one_shot_max_bytes: int | None = None,
+        fused_norm: bool = False,
     ) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -102,8 +114,17 @@ class CustomAllReduce:
         if self.max_bytes <= 0 or self.max_bytes % 16:
             raise ValueError(f"max_bytes must be a positive multiple of 16, not {self.max_bytes}")
         self.group_name = dist.group.WORLD.group_name
-        self.buffer = symm_mem.empty(self.max_bytes, dtype=torch.uint8, device=device)
+        self.world, self.rank = world, dist.get_rank()
+        self.fused_norm = fused_norm
+        # [max_bytes: the torch kernels' buffer][two fused halves][fused flags]
+        self._flags_at = self.max_bytes + 2 * FUSED_HALF_BYTES
+        total = self._flags_at + FUSED_MAX_ROWS * world * 4 if fused_norm else self.max_bytes
+        self.buffer = symm_mem.empty(total, dtype=torch.uint8, device=device)
+        if fused_norm:
+            self.buffer[self._flags_at :].zero_()  # before any peer may signal (see create)
+            torch.cuda.synchronize(device)
         self.handle = None
+        self._fused_ptrs: tuple[torch.Tensor, torch.Tensor] | None = None
         ops = torch.ops.symm_mem
         # Present in recent torch only; otherwise a copy and the plain variant.
         self._one_shot_copy = getattr(ops, "one_shot_all_reduce_copy_out", None)
@@ -116,6 +137,13 @@ class CustomAllReduce:
         if torch.__version__ < (2, 11):  # later versions resolve the group by name themselves
             symm_mem.enable_symm_mem_for_group(self.group_name)
         self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
+        if self.fused_norm:
+            bases = list(self.handle.buffer_ptrs)
+            dev = self.buffer.device
+            self._fused_ptrs = (
+                torch.tensor([b + self.max_bytes for b in bases], dtype=torch.int64, device=dev),
+                torch.tensor([b + self._flags_at for b in bases], dtype=torch.int64, device=dev),
+            )
 
     def algorithm(self, x: torch.Tensor) -> str:
         return algorithm(x, self.max_bytes, self.one_shot_max_bytes)
@@ -144,9 +172,38 @@ class CustomAllReduce:
             raise ValueError(f"cannot all-reduce {x.dtype} {tuple(x.shape)} by {algo}")
         return x
 
+    def can_fuse_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        """Whether `all_reduce_add_rms_norm` takes these (the same answer on every rank)."""
+        return (
+            self._fused_ptrs is not None
+            and residual is not None
+            and x.dim() == 2
+            and x.dtype in FUSED_DTYPES
+            and 0 < x.shape[0] <= FUSED_MAX_ROWS
+            and x.numel() * x.element_size() <= FUSED_HALF_BYTES
+            and x.stride(1) == 1
+            and residual.stride(1) == 1
+        )
+
+    def all_reduce_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+        index: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """rms_norm(sum over ranks of x + residual) and the new residual (written into
+        `residual`), in one kernel; `index` (any int, consecutive calls alternating parity)
+        picks the buffer half. Only where `can_fuse_norm`."""
+        from llm_inference.kernels.all_reduce_norm import all_reduce_add_rms_norm
+
+        buf_ptrs, flag_ptrs = self._fused_ptrs
+        offset = (index & 1) * (FUSED_HALF_BYTES // x.element_size())
+        return all_reduce_add_rms_norm(
+            x, residual, weight, eps, buf_ptrs, flag_ptrs, self.rank, offset
+        )
+
     def close(self) -> None:
         self.handle = None
         self.buffer = None
+        self._fused_ptrs = None
 
 
 def _verify(comm, device: torch.device) -> str:
@@ -173,7 +230,37 @@ def _verify(comm, device: torch.device) -> str:
                 problems.append(
                     f"{algo} all-reduce of {n} x {dtype} differs from NCCL at {bad} elements"
                 )
+    if getattr(comm, "fused_norm", False):
+        problems += _verify_fused_norm(comm, device)
     return problems[0] if problems else ""
+
+
+def _verify_fused_norm(comm, device: torch.device) -> list[str]:
+    """The fused all-reduce + add + RMSNorm against NCCL then the RMSNorm kernel, both
+    buffer halves, one row and the most rows, every fused dtype: small integers, so the sums
+    are exact and the results must be equal."""
+    from llm_inference.kernels.rms_norm import rms_norm
+
+    rank, problems, calls = dist.get_rank(), [], 0
+    for dtype in FUSED_DTYPES:
+        hidden = 1024
+        rows = min(FUSED_MAX_ROWS, FUSED_HALF_BYTES // (hidden * dtype.itemsize))
+        for n in (1, rows):
+            grid = torch.arange(n * hidden, device=device).view(n, hidden)
+            x = ((grid * (rank + 1)) % 7 - 3).to(dtype)
+            residual = (grid % 5 - 2).to(dtype)
+            weight = torch.ones(hidden, dtype=dtype, device=device)
+            if not comm.can_fuse_norm(x, residual):
+                problems.append(f"{n} x {hidden} {dtype} would not be fused")
+                continue
+            summed, ref_res = x.clone(), residual.clone()
+            dist.all_reduce(summed)
+            ref = rms_norm(summed, weight, 1e-5, ref_res)[0]
+            out, res = comm.all_reduce_add_rms_norm(x, residual, weight, 1e-5, calls)
+            calls += 1  # consecutive calls alternate halves
+            if not (torch.equal(out, ref) and torch.equal(res, ref_res)):
+                problems.append(f"fused all-reduce + RMSNorm of {n} x {hidden} {dtype} differs")
+    return problems
 
 
 def _failures(reason: str) -> list[tuple[int, str]]:
@@ -188,7 +275,9 @@ def _error(e: Exception) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
-def create(device: torch.device, impl=CustomAllReduce) -> CustomAllReduce | None:
+def create(
+    device: torch.device, impl=CustomAllReduce, fused_norm: bool = False
+) -> CustomAllReduce | None:
     """Set up and check the custom all-reduce on every rank of the default group (a collective
     call, right after the group exists). Returns it, or None on every rank when any rank
     failed, after rank 0 printed one line naming the first failure. `impl` is for tests.
@@ -202,7 +291,7 @@ def create(device: torch.device, impl=CustomAllReduce) -> CustomAllReduce | None
         reason = ""
         try:
             if step == "allocate":
-                comm = impl(device)
+                comm = impl(device, fused_norm=fused_norm) if fused_norm else impl(device)
             elif step == "rendezvous":
                 comm.rendezvous()
             else:

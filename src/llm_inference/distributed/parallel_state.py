@@ -58,10 +58,12 @@ def init_distributed(
     device: torch.device | str = "cpu",
     timeout_s: float = 600.0,
     use_custom_all_reduce: bool = True,
+    fused_all_reduce_norm: bool = False,
 ) -> None:
     """Join the tensor-parallel group as `rank` of `world_size` (rendezvous at 127.0.0.1:port).
     On CUDA, then set up the custom all-reduce (every rank; NCCL alone if it fails) unless
-    `use_custom_all_reduce` is False.
+    `use_custom_all_reduce` is False; with `fused_all_reduce_norm`, one that also fuses the
+    residual add and RMSNorm (`all_reduce_add_rms_norm`).
 
     World size 1 sets the globals and creates no group."""
     global _TP_RANK, _TP_SIZE, _CUSTOM_ALL_REDUCE
@@ -88,7 +90,9 @@ def init_distributed(
         )
         if device.type == "cuda" and use_custom_all_reduce:
             with torch.cuda.device(device):
-                _CUSTOM_ALL_REDUCE = custom_all_reduce.create(device)
+                _CUSTOM_ALL_REDUCE = custom_all_reduce.create(
+                    device, fused_norm=fused_all_reduce_norm
+                )
     _TP_RANK, _TP_SIZE = rank, world_size
 
 
@@ -113,6 +117,18 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
         else:
             custom.all_reduce(x, algo)
     return x
+
+
+def all_reduce_add_rms_norm(x, residual, weight, eps: float, ops, index: int = 0):
+    """`ops.rms_norm(all_reduce(x), weight, eps, residual)`: the sum over the ranks of a
+    row-parallel layer's partial output, plus the residual, normalized; returns (normed, new
+    residual). Where the custom all-reduce was set up with `fused_norm` and takes `x`, one
+    fused kernel; `index` numbers the calls of a forward pass (consecutive calls must
+    alternate parity, see custom_all_reduce). One rank: the RMSNorm alone."""
+    custom = _CUSTOM_ALL_REDUCE
+    if _TP_SIZE > 1 and custom is not None and custom.can_fuse_norm(x, residual):
+        return custom.all_reduce_add_rms_norm(x, residual, weight, eps, index)
+    return ops.rms_norm(all_reduce(x), weight, eps, residual)
 
 
 def broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:

@@ -273,6 +273,10 @@ def add_bench_args(p: argparse.ArgumentParser, kind: str | None = None) -> None:
         "--disable-custom-all-reduce", action="store_true", help="NCCL for every all-reduce"
     )
     p.add_argument(
+        "--fused-all-reduce-norm", action="store_true",
+        help="TP on CUDA: all-reduce fused with the residual add and RMSNorm",
+    )  # fmt: skip
+    p.add_argument(
         "--pdl", action=argparse.BooleanOptionalAction, default=None,
         help="programmatic dependent launch (default: on with Triton on compute capability 9+)",
     )  # fmt: skip
@@ -314,6 +318,8 @@ def run_bench(args) -> dict:
         kw["tensor_parallel_size"] = args.tensor_parallel_size
     if args.disable_custom_all_reduce:
         kw["disable_custom_all_reduce"] = res["disable_custom_all_reduce"] = True
+    if args.fused_all_reduce_norm:
+        kw["fused_all_reduce_norm"] = res["fused_all_reduce_norm"] = True
     if args.pdl is not None:
         kw["pdl"] = res["pdl"] = args.pdl
     if args.skinny_gemm is not None:

@@ -102,6 +102,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "one for small messages",
     )
     p.add_argument(
+        "--fused-all-reduce-norm",
+        action="store_true",
+        help="tensor parallelism on CUDA: sum o_proj's and down_proj's outputs in the kernel "
+        "of the residual add and RMSNorm after them (off by default: not yet measured)",
+    )
+    p.add_argument(
         "--seed",
         type=int,
         default=0,
@@ -121,7 +127,7 @@ ENGINE_ARGS = (
     "device", "dtype", "max_model_len", "kv_cache_memory_bytes", "enable_prefix_caching",
     "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "block_size",
     "tensor_parallel_size", "kernel_backend", "enforce_eager", "seed", "async_scheduling",
-    "disable_custom_all_reduce", "skinny_gemm", "pdl",
+    "disable_custom_all_reduce", "fused_all_reduce_norm", "skinny_gemm", "pdl",
 )  # fmt: skip
 
 

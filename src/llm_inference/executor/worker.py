@@ -47,6 +47,10 @@ class Worker:
     def uses_custom_all_reduce(self) -> bool:
         return get_custom_all_reduce() is not None
 
+    def uses_fused_all_reduce_norm(self) -> bool:
+        custom = get_custom_all_reduce()
+        return custom is not None and custom.fused_norm
+
     def execute_model(self, scheduler_output: SchedulerOutput, sync: bool = True):
         """Launch the step. Rank 0: a PendingOutput (a worker process sends its result()
         once the tokens are on the host, while it goes on with the next call); other

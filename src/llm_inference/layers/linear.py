@@ -130,14 +130,21 @@ class QKVParallelLinear(LinearBase):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks (dim 1); partial outputs summed by one all-reduce."""
+    """Input features split across ranks (dim 1); partial outputs summed by one all-reduce,
+    or, with `reduce_results=False`, left to the caller to sum (the decoder sums them in the
+    RMSNorm that follows: parallel_state.all_reduce_add_rms_norm)."""
 
-    def __init__(self, in_features: int, out_features: int, skinny_gemm: bool = False) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, skinny_gemm: bool = False,
+        reduce_results: bool = True,
+    ) -> None:  # fmt: skip
         super().__init__(_divide(in_features, get_tp_size()), out_features, skinny_gemm)
+        self.reduce_results = reduce_results
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         size = param.shape[1]
         param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(linear(x, self.weight, self.skinny_gemm))
+        y = linear(x, self.weight, self.skinny_gemm)
+        return all_reduce(y) if self.reduce_results else y

@@ -45,8 +45,8 @@ class LlamaAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = c.head_dim
-        self.o_proj = RowParallelLinear(
-            c.num_attention_heads * c.head_dim, c.hidden_size, skinny_gemm
+        self.o_proj = RowParallelLinear(  # summed over the ranks in the norm after it
+            c.num_attention_heads * c.head_dim, c.hidden_size, skinny_gemm, reduce_results=False
         )
         self.rotary = rotary
         self.attn = Attention(
@@ -70,7 +70,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         i = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [i, i], skinny_gemm)
-        self.down_proj = RowParallelLinear(i, config.hidden_size, skinny_gemm)
+        self.down_proj = RowParallelLinear(  # summed in the next norm, as o_proj
+            i, config.hidden_size, skinny_gemm, reduce_results=False
+        )
         self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,13 +100,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, positions, x, residual, md):
+        """x: the embeddings (first layer, `residual` None) or the previous layer's MLP output,
+        a per-rank partial sum; returns this layer's partial MLP output and the residual."""
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, partial=True)
         x = self.self_attn(positions, x, md)
-        x, residual = self.post_attention_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(x, residual, partial=True)
         return self.mlp(x), residual
 
 
@@ -135,6 +139,11 @@ class LlamaForCausalLM(nn.Module):
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        # The norms that sum partial outputs, in forward order: consecutive numbers.
+        for i, layer in enumerate(self.layers):
+            layer.input_layernorm.fuse_index = 2 * i - 1  # (unused in layer 0)
+            layer.post_attention_layernorm.fuse_index = 2 * i
+        self.norm.fuse_index = 2 * len(self.layers) - 1
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, skinny_gemm)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -150,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, md)
-        x, _ = self.norm(x, residual)
+        x, _ = self.norm(x, residual, partial=True)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
