@@ -104,6 +104,22 @@ def measure(fn, x, sync) -> dict[str, float]:
     return {"graph": _time(graph.replay, sync), "eager": _time(eager, sync)}
 
 
+def _slowest_rank(rows: list[dict], methods, world: int, rank: int) -> bool:
+    """Gather every rank's rows (a collective call); on rank 0 set each time to the slowest
+    rank's median and return True, elsewhere return False."""
+    import torch.distributed as dist
+
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, rows)
+    if rank != 0:
+        return False
+    for i, row in enumerate(rows):
+        for m in methods:
+            for mode in ("graph", "eager"):
+                row[m][mode] = max(r[i][m][mode] for r in gathered)
+    return True
+
+
 def rank_main(rank: int, world: int, port: int, json_path: str | None, norm: bool) -> None:
     try:
         (_norm_main if norm else _rank_main)(rank, world, port, json_path)
@@ -156,14 +172,8 @@ def _rank_main(rank: int, world: int, port: int, json_path: str | None) -> None:
         for m in methods:
             row[m] = measure(fns[m], x.clone(), sync)
         results.append(row)
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, results)
-    if rank != 0:
+    if not _slowest_rank(results, methods, world, rank):
         return
-    for i, row in enumerate(results):  # the slowest rank's median
-        for m in methods:
-            for mode in ("graph", "eager"):
-                row[m][mode] = max(r[i][m][mode] for r in gathered)
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device),
@@ -220,14 +230,8 @@ def _norm_main(rank: int, world: int, port: int, json_path: str | None) -> None:
         for name, fn in (("unfused", unfused), ("fused", fused)):
             row[name] = measure(fn, x.clone(), sync)
         rows.append(row)
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, rows)
-    if rank != 0:
+    if not _slowest_rank(rows, ("unfused", "fused"), world, rank):
         return
-    for i, row in enumerate(rows):  # the slowest rank's median
-        for name in ("unfused", "fused"):
-            for mode in ("graph", "eager"):
-                row[name][mode] = max(r[i][name][mode] for r in gathered)
     print(f"{torch.cuda.get_device_name(device)} x {world}, torch {torch.__version__}, bfloat16 "
           f"[tokens, {HIDDEN}], median us per all-reduce + residual add + RMSNorm\n")  # fmt: skip
     print("| tokens | engine all-reduce | unfused graph | fused graph | speed-up | unfused eager "

@@ -145,42 +145,32 @@ def test_gloo_ranks_have_no_custom_all_reduce():
 # ---- the engine argument, down to init_distributed ------------------------------------------
 
 
-def test_flag_reaches_the_workers_init_distributed(tiny_ckpt, monkeypatch):
-    seen = []
-    monkeypatch.setattr(
-        multiproc, "init_distributed", lambda *a, **kw: seen.append(kw["use_custom_all_reduce"])
-    )
+def _init_kwargs(tiny_ckpt, monkeypatch, **engine_kw) -> dict:
+    """The keyword arguments a TP=2 worker's join_group passes to init_distributed."""
+    seen = {}
+    monkeypatch.setattr(multiproc, "init_distributed", lambda *a, **kw: seen.update(kw))
     threads = torch.get_num_threads()
     try:
-        for flag in (False, True):
-            config = create_engine_config(
-                tiny_ckpt, device="cpu", tensor_parallel_size=2, disable_custom_all_reduce=flag
-            )
-            assert config.parallel.disable_custom_all_reduce is flag
-            assert multiproc.join_group(config, 1, 2, 0) == torch.device("cpu")
+        config = create_engine_config(tiny_ckpt, device="cpu", tensor_parallel_size=2, **engine_kw)
+        assert multiproc.join_group(config, 1, 2, 0) == torch.device("cpu")
     finally:
         torch.set_num_threads(threads)
-    assert seen == [True, False]
+    return seen
+
+
+def test_flag_reaches_the_workers_init_distributed(tiny_ckpt, monkeypatch):
+    for flag in (False, True):
+        kw = _init_kwargs(tiny_ckpt, monkeypatch, disable_custom_all_reduce=flag)
+        assert kw["use_custom_all_reduce"] is not flag
     assert not create_engine_config(tiny_ckpt, device="cpu").parallel.disable_custom_all_reduce
     with pytest.raises(ValueError, match="disable_custom_all_reduce"):
         create_engine_config(tiny_ckpt, device="cpu", disable_custom_all_reduce="yes")
 
 
 def test_fused_norm_flag_reaches_init_distributed(tiny_ckpt, monkeypatch):
-    seen = []
-    monkeypatch.setattr(
-        multiproc, "init_distributed", lambda *a, **kw: seen.append(kw["fused_all_reduce_norm"])
-    )
-    threads = torch.get_num_threads()
-    try:
-        for flag in (False, True):
-            config = create_engine_config(
-                tiny_ckpt, device="cpu", tensor_parallel_size=2, fused_all_reduce_norm=flag
-            )
-            multiproc.join_group(config, 1, 2, 0)
-    finally:
-        torch.set_num_threads(threads)
-    assert seen == [False, True]
+    for flag in (False, True):
+        kw = _init_kwargs(tiny_ckpt, monkeypatch, fused_all_reduce_norm=flag)
+        assert kw["fused_all_reduce_norm"] is flag
     with pytest.raises(ValueError, match="fused_all_reduce_norm needs the custom all-reduce"):
         create_engine_config(
             tiny_ckpt, device="cpu", fused_all_reduce_norm=True, disable_custom_all_reduce=True

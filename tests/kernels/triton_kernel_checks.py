@@ -260,6 +260,56 @@ def check_all_reduce_norm(dtype, world, rank, seed, rows=5, hidden=48):
     assert torch.isnan(bufs[rank][:half]).all(), "the other half was written"
 
 
+def _fused_rank(rank, xs, residual, weight, buf_ptrs, flag_ptrs, half, outs):
+    from llm_inference.kernels.all_reduce_norm import all_reduce_add_rms_norm
+
+    for k, x in enumerate(xs):
+        outs[rank, k], residual = all_reduce_add_rms_norm(
+            x[rank], residual, weight, 1e-5, buf_ptrs, flag_ptrs, rank, (k & 1) * half
+        )
+
+
+def check_all_reduce_norm_ranks(dtype, world, seed, calls=4, rows=3, hidden=40):
+    """Every rank at once: one forked process per rank, the buffers and flags in shared
+    memory mapped before the fork (so at the same addresses in every rank), `calls` calls in a
+    row alternating halves. Every rank's every result must equal the RMSNorm kernel on the
+    rank-order sum, and every flag end consumed."""
+    import multiprocessing
+
+    from llm_inference.kernels import rms_norm
+
+    gen = torch.Generator().manual_seed(seed)
+    half = rows * hidden
+    bufs = [torch.zeros(2 * half, dtype=dtype).share_memory_() for _ in range(world)]
+    flags = [torch.zeros(rows * world, dtype=torch.int32).share_memory_() for _ in range(world)]
+    outs = torch.zeros(world, calls, rows, hidden, dtype=dtype).share_memory_()
+    buf_ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+    flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
+    xs = [torch.randn(world, rows, hidden, generator=gen).to(dtype) for _ in range(calls)]
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype)
+    weight = torch.randn(hidden, generator=gen).to(dtype)
+    ctx = multiprocessing.get_context("fork")
+    procs = [
+        ctx.Process(
+            target=_fused_rank,
+            args=(r, xs, residual.clone(), weight, buf_ptrs, flag_ptrs, half, outs),
+        )  # fmt: skip
+        for r in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(120)
+        if proc.is_alive():
+            proc.kill()
+    assert [proc.exitcode for proc in procs] == [0] * world, "a rank failed or deadlocked"
+    for k, x in enumerate(xs):
+        want, residual = rms_norm.rms_norm(x.float().sum(0).to(dtype), weight, 1e-5, residual)
+        for r in range(world):
+            assert torch.equal(outs[r, k], want), f"call {k} rank {r}"
+    assert sum(int(f.sum()) for f in flags) == 0, "flags left set"
+
+
 INTERPRETER_KERNELS = ("paged_attention", "rms_norm", "silu_and_mul", "rotary", "store_kv_cache",
                        "rotary_store_kv", "all_reduce_norm")  # fmt: skip
 
@@ -288,6 +338,7 @@ def run_interpreter(kernel: str) -> None:
         elif kernel == "all_reduce_norm":
             check_all_reduce_norm(dtype, world=2, rank=1, seed=i)
             check_all_reduce_norm(dtype, world=4, rank=2, seed=i)
+            check_all_reduce_norm_ranks(dtype, world=2 + i, seed=i)
         else:
             raise ValueError(kernel)
 
