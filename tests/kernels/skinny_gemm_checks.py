@@ -150,6 +150,7 @@ def _tp_rank_body(rank: int, world_size: int) -> dict:
     """The parallel layers at this rank with skinny_gemm on: qkv, o, the MLP (fused gate_up,
     row-parallel down) and the LM head on 5 rows."""
     from llm_inference.config import ModelConfig
+    from llm_inference.distributed.parallel_state import all_reduce
     from llm_inference.kernels import reference
     from llm_inference.layers.embedding import ParallelLMHead
     from llm_inference.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -180,7 +181,7 @@ def _tp_rank_body(rank: int, world_size: int) -> dict:
         out = {
             "qkv": qkv(x),
             "o": o(xq[:, rank * q_in : (rank + 1) * q_in].contiguous()),
-            "mlp": mlp(x),
+            "mlp": all_reduce(mlp(x)),  # the model sums it in the next norm
             "logits": head.compute_logits(x),
         }
     return {**out, "calls": dict(calls)}

@@ -226,8 +226,8 @@ def check_all_reduce_norm(dtype, world, rank, seed, rows=5, hidden=48):
     signals already in this rank's flags. The result must equal the RMSNorm kernel on the
     rank-order sum exactly; the call consumes its flags, signals every peer and writes its
     own rows to its buffer, nothing else."""
+    from llm_inference.distributed.all_reduce_norm import all_reduce_add_rms_norm
     from llm_inference.kernels import rms_norm
-    from llm_inference.kernels.all_reduce_norm import all_reduce_add_rms_norm
 
     gen = torch.Generator().manual_seed(seed)
     parts = [torch.randn(rows, hidden, generator=gen).to(dtype) for _ in range(world)]
@@ -261,7 +261,7 @@ def check_all_reduce_norm(dtype, world, rank, seed, rows=5, hidden=48):
 
 
 def _fused_rank(rank, xs, residual, weight, buf_ptrs, flag_ptrs, half, outs):
-    from llm_inference.kernels.all_reduce_norm import all_reduce_add_rms_norm
+    from llm_inference.distributed.all_reduce_norm import all_reduce_add_rms_norm
 
     for k, x in enumerate(xs):
         outs[rank, k], residual = all_reduce_add_rms_norm(

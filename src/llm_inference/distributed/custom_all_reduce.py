@@ -40,10 +40,10 @@ Invariants:
 
 With `fused_norm`, the buffer has a second part for `all_reduce_add_rms_norm`: the all-reduce
 of a row-parallel layer's output fused with the residual add and RMSNorm after it, one Triton
-kernel (kernels/all_reduce_norm.py, which says why it is safe): two halves of FUSED_HALF_BYTES
+kernel (all_reduce_norm.py, which says why it is safe): two halves of FUSED_HALF_BYTES
 used by alternate calls (by the parity of the caller's `index`), then the flags, one int32 per
 (row, rank), zeroed at allocation. Rows up to FUSED_MAX_ROWS whose bytes fit a half take it;
-the self-check also compares it against NCCL followed by the RMSNorm kernel.
+the self-check also compares it against NCCL followed by the same arithmetic in PyTorch.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ class CustomAllReduce:
         """rms_norm(sum over ranks of x + residual) and the new residual (written into
         `residual`), in one kernel; `index` (any int, consecutive calls alternating parity)
         picks the buffer half. Only where `can_fuse_norm`."""
-        from llm_inference.kernels.all_reduce_norm import all_reduce_add_rms_norm
+        from llm_inference.distributed.all_reduce_norm import all_reduce_add_rms_norm
 
         buf_ptrs, flag_ptrs = self._fused_ptrs
         offset = (index & 1) * (FUSED_HALF_BYTES // x.element_size())
@@ -236,29 +236,30 @@ def _verify(comm, device: torch.device) -> str:
 
 
 def _verify_fused_norm(comm, device: torch.device) -> list[str]:
-    """The fused all-reduce + add + RMSNorm against NCCL then the RMSNorm kernel, both
-    buffer halves, one row and the most rows, every fused dtype: small integers, so the sums
-    are exact and the results must be equal."""
-    from llm_inference.kernels.rms_norm import rms_norm
-
+    """The fused all-reduce + add + RMSNorm against NCCL and the same arithmetic in PyTorch,
+    both buffer halves, one row and the most rows, every fused dtype, each call's values new
+    (stale rows would show): small integers, so the sums and the new residual are exact; the
+    normalized output within rounding."""
     rank, problems, calls = dist.get_rank(), [], 0
     for dtype in FUSED_DTYPES:
         hidden = 1024
         rows = min(FUSED_MAX_ROWS, FUSED_HALF_BYTES // (hidden * dtype.itemsize))
         for n in (1, rows):
             grid = torch.arange(n * hidden, device=device).view(n, hidden)
-            x = ((grid * (rank + 1)) % 7 - 3).to(dtype)
-            residual = (grid % 5 - 2).to(dtype)
+            x = ((grid * (rank + 1) + calls) % 7 - 3).to(dtype)
+            residual = ((grid + calls) % 5 - 2).to(dtype)
             weight = torch.ones(hidden, dtype=dtype, device=device)
             if not comm.can_fuse_norm(x, residual):
                 problems.append(f"{n} x {hidden} {dtype} would not be fused")
                 continue
-            summed, ref_res = x.clone(), residual.clone()
+            summed = x.clone()
             dist.all_reduce(summed)
-            ref = rms_norm(summed, weight, 1e-5, ref_res)[0]
+            ref_res = (summed.float() + residual.float()).to(dtype)
+            h = ref_res.float()
+            ref = (h * torch.rsqrt(h.square().mean(-1, keepdim=True) + 1e-5)).to(dtype)
             out, res = comm.all_reduce_add_rms_norm(x, residual, weight, 1e-5, calls)
             calls += 1  # consecutive calls alternate halves
-            if not (torch.equal(out, ref) and torch.equal(res, ref_res)):
+            if not (torch.equal(res, ref_res) and torch.allclose(out, ref, rtol=1e-2, atol=1e-2)):
                 problems.append(f"fused all-reduce + RMSNorm of {n} x {hidden} {dtype} differs")
     return problems
 

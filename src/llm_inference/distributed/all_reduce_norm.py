@@ -14,7 +14,7 @@ Here one kernel does it all, one program per row:
 4. read the row from every rank's buffer in rank order (this rank's from registers), sum in
    float32, round to the dtype: exactly what a two-rank all-reduce gives;
 5. add the residual in float32, round, write the new residual in place, normalize, write out
-   (the arithmetic of rms_norm.py).
+   (the arithmetic of kernels/rms_norm.py).
 
 Correctness rests on stream order, not on a trailing barrier:
 - A program of the peer's kernel only runs once the peer's previous kernel (the matmul that
