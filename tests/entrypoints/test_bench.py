@@ -23,6 +23,18 @@ def test_throughput_counts_every_requested_token(llm):
     assert llm.stats()["num_free_kv_blocks"] == llm.stats()["num_kv_blocks"]
 
 
+def test_throughput_profile_covers_the_timed_requests_only(llm, monkeypatch):
+    """`bench throughput --profile`'s second run: no warm-up of its own (one generate call,
+    all the requests), each rank's kernel seconds and top operators (on the CPU)."""
+    calls = []
+    real = bench._timed_generate
+    monkeypatch.setattr(bench, "_timed_generate", lambda *a: calls.append(len(a[1])) or real(*a))
+    prof = bench._kernel_profile_throughput(llm, 5, lo=3, hi=9, ids=300)
+    assert calls == [5]
+    (rank,) = prof["ranks"]
+    assert prof["wall_s"] > 0 and rank["gpu_ms_per_step"] > 0 and rank["top_kernels_ms_per_step"]
+
+
 def test_decode_latency_is_positive_per_batch(llm, monkeypatch):
     monkeypatch.setattr(bench, "VOCAB", 320)  # the tiny tokenizer's vocabulary
     res = bench.decode_latency(llm, batches=(1, 2), prompt_len=4)

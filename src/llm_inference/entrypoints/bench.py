@@ -148,10 +148,12 @@ def _kernel_profile(llm, run, trace_dir: str | None = None) -> list[dict]:
 
 
 def _kernel_profile_throughput(llm, num_prompts: int, **workload) -> dict:
-    """The throughput workload again under each rank's profiler: its wall seconds (slower than
-    unprofiled) and per rank the GPU kernel seconds and the top kernels."""
+    """The throughput workload again (after the unprofiled run: no second warm-up) under each
+    rank's profiler: its wall seconds (slower than unprofiled) and per rank the GPU kernel
+    seconds and the top kernels, of the timed requests alone."""
     timed = {}
-    ranks = _kernel_profile(llm, lambda: timed.update(throughput(llm, num_prompts, **workload)))
+    run = functools.partial(throughput, llm, num_prompts, warmup=False, **workload)
+    ranks = _kernel_profile(llm, lambda: timed.update(run()))
     empty = {"total_ms": 0.0, "kernels": {}}
     return {
         "wall_s": timed["seconds"],
@@ -226,10 +228,12 @@ def prefill(llm, seed: int = 0, profile: bool = False, trace_dir: str | None = N
 
 
 def throughput(
-    llm, num_prompts: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0, ids: int = 10000
-):
+    llm, num_prompts: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0, ids: int = 10000,
+    warmup: bool = True,
+):  # fmt: skip
     """The 256-request workload: prompt ids in [0, ids), lengths and max_tokens uniform in
-    [lo, hi], temperature 0.6, ignore_eos; after a warm-up on the first 8."""
+    [lo, hi], temperature 0.6, ignore_eos; after a warm-up on the first 8 (unless `warmup` is
+    False: a run right after another)."""
     from llm_inference import SamplingParams
 
     rng = random.Random(seed)
@@ -239,7 +243,8 @@ def throughput(
         SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(lo, hi), seed=i)
         for i in range(num_prompts)
     ]
-    _timed_generate(llm, prompts[:8], params[:8])  # warm-up
+    if warmup:
+        _timed_generate(llm, prompts[:8], params[:8])
     dt = _timed_generate(llm, prompts, params)
     n_out = sum(p.max_tokens for p in params)
     n_in = sum(map(len, prompts))
