@@ -64,6 +64,22 @@ def test_launchers_reject_bad_inputs():
     with pytest.raises(ValueError, match="last dim"):
         ops.paged_attention_decode(q.transpose(1, 2).contiguous().transpose(1, 2), kc, kc, bt,
                                    lens, 1.0)  # fmt: skip
+    from llm_inference.distributed.all_reduce_norm import all_reduce_add_rms_norm
+    from llm_inference.kernels import paged_attention
+
+    x, ptrs = torch.randn(2, 8), torch.zeros(2, dtype=torch.int64)
+    for args, message in (
+        ((x, x.half(), torch.ones(8), 1e-5, ptrs, ptrs, 0, 0), "residual"),
+        ((x, x, torch.ones(8), 1e-5, ptrs, ptrs[:1], 0, 0), "one buffer and one flag"),
+        ((x, x, torch.ones(8), 1e-5, ptrs, ptrs, 2, 0), "rank 2"),
+        ((x.t(), x.t(), torch.ones(2), 1e-5, ptrs, ptrs, 0, 0), "last dim"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            all_reduce_add_rms_norm(*args)
+
+    for order in (torch.arange(3, dtype=torch.int32), torch.arange(2).float()):
+        with pytest.raises(ValueError, match=r"seq_order must be \[2\] int32 or int64"):
+            paged_attention.launch(q, kc, kc, bt, lens, 1.0, None, 1, 16, seq_order=order)
     with pytest.raises(ValueError, match="residual"):
         ops.rms_norm(torch.randn(3, 8), torch.ones(8), 1e-5, torch.randn(3, 8).half())
     with pytest.raises(ValueError, match="weight"):

@@ -113,8 +113,10 @@ def all_reduce_add_rms_norm(
     world = buf_ptrs.numel()
     if residual.shape != x.shape or residual.dtype != x.dtype or weight.shape != (hidden,):
         raise ValueError(f"residual {tuple(residual.shape)} and weight must fit x {x.shape}")
-    if x.stride(1) != 1 or residual.stride(1) != 1 or flag_ptrs.numel() != world:
+    if x.stride(1) != 1 or residual.stride(1) != 1:
         raise ValueError("x and residual must be contiguous in their last dim")
+    if flag_ptrs.shape != (world,) or not 0 <= rank < world:
+        raise ValueError(f"need one buffer and one flag address per rank, and rank {rank} of them")
     if out is None:
         out = torch.empty_like(x)
     if num_rows == 0:
