@@ -227,13 +227,11 @@ def prefill(llm, seed: int = 0, profile: bool = False, trace_dir: str | None = N
     return out
 
 
-def throughput(
-    llm, num_prompts: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0, ids: int = 10000,
-    warmup: bool = True,
-):  # fmt: skip
-    """The 256-request workload: prompt ids in [0, ids), lengths and max_tokens uniform in
-    [lo, hi], temperature 0.6, ignore_eos; after a warm-up on the first 8 (unless `warmup` is
-    False: a run right after another)."""
+def throughput_workload(
+    num_prompts: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0, ids: int = 10000
+):
+    """(prompts, params) of the throughput benchmark: prompt ids in [0, ids), lengths and
+    max_tokens uniform in [lo, hi], temperature 0.6, ignore_eos, request i seeded with i."""
     from llm_inference import SamplingParams
 
     rng = random.Random(seed)
@@ -243,6 +241,16 @@ def throughput(
         SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(lo, hi), seed=i)
         for i in range(num_prompts)
     ]
+    return prompts, params
+
+
+def throughput(
+    llm, num_prompts: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0, ids: int = 10000,
+    warmup: bool = True,
+):  # fmt: skip
+    """The 256-request workload (`throughput_workload`); after a warm-up on the first 8
+    (unless `warmup` is False: a run right after another)."""
+    prompts, params = throughput_workload(num_prompts, lo, hi, seed, ids)
     if warmup:
         _timed_generate(llm, prompts[:8], params[:8])
     dt = _timed_generate(llm, prompts, params)
