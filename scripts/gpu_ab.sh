@@ -6,10 +6,7 @@
 #   FLAG=--skinny-gemm SHAPES="llama-3.2-1b llama-3.2-3b" TP_SHAPES=llama-3.2-3b \
 #     OUT=$OUT bash scripts/gpu_ab.sh
 set -uo pipefail
-OUT=${OUT:-/tmp/gpu_out}; R=$(mktemp -d); mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=src
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no multicast
-B="python3 src/llm_inference/entrypoints/bench.py"
+. "$(dirname "$0")/gpu_env.sh"  # $OUT, $R, the environment, $B
 FLAG=${FLAG:---skinny-gemm}
 TAG=$(echo "$FLAG" | tr -dc 'a-z0-9')
 run() {  # shape, tp, name suffix, extra args

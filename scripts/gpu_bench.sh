@@ -5,10 +5,7 @@
 # for each shape in HF_SHAPES. Everything lands in $OUT/results.tar (a call
 # brings back at most 8 files) plus the pytest log.
 set -uo pipefail
-OUT=${OUT:-/tmp/gpu_out}; R=$(mktemp -d); mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=src
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no multicast
-B="python3 src/llm_inference/entrypoints/bench.py"
+. "$(dirname "$0")/gpu_env.sh"  # $OUT, $R, the environment, $B
 if [ "${TESTS:-1}" = 1 ]; then
   # the files with CUDA tests (the rest of the suite is CPU-only and runs in CI)
   python3 -m pytest -q -p no:cacheprovider ${TEST_PATHS:-tests/entrypoints/test_llm.py \

@@ -12,10 +12,7 @@
 #      (host time per step).
 # Everything lands in $OUT (pytest logs, nextPART.tar); the tables print.
 set -uo pipefail
-OUT=${OUT:-/tmp/gpu_out}; R=$(mktemp -d); mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=src
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no multicast
-B="python3 src/llm_inference/entrypoints/bench.py"
+. "$(dirname "$0")/gpu_env.sh"  # $OUT, $R, the environment, $B
 if [ "${PART:-1}" = 1 ]; then
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_custom_all_reduce.py \
   -k "fused" 2>&1 | tail -30 > "$OUT/pytest_fused_kernel.log"

@@ -6,9 +6,7 @@
 # 3. benchmarks/seq_order_ab.py (3B throughput, batch order then longest first); 4. 3B TP=2
 # bench throughput. Output in $OUT (pytest log, order.tar); the tables print.
 set -uo pipefail
-OUT=${OUT:-/tmp/gpu_out}; R=$(mktemp -d); mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=src
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no multicast
+. "$(dirname "$0")/gpu_env.sh"  # $OUT, $R, the environment, $B
 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels.py \
   tests/kernels/test_unified_attention.py tests/engine/test_seq_order_gpu.py \
   tests/engine/test_pdl_engine.py -k "(paged or decode or seq_order or pdl) and not interpreter" 2>&1 | tail -25 \

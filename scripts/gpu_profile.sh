@@ -3,10 +3,7 @@
 # rank) of 3B decode at batch 1 and 256 at TP=1 and TP=2 (PROFILE_TP), and of the 1B prefill of
 # one 8,000-token prompt and of 64 x 512 tokens. JSON in $OUT/profiles.tar; the tables print.
 set -uo pipefail
-OUT=${OUT:-/tmp/gpu_out}; R=$(mktemp -d); mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=src
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no multicast
-B="python3 src/llm_inference/entrypoints/bench.py"
+. "$(dirname "$0")/gpu_env.sh"  # $OUT, $R, the environment, $B
 for tp in ${PROFILE_TP:-2 1}; do
   echo "== llama-3.2-3b tp=$tp"
   $B latency --model llama-3.2-3b --tensor-parallel-size "$tp" --batches 1,256 --profile 1,256 \

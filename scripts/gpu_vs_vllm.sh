@@ -9,20 +9,17 @@
 # JSON lands in $OUT under the names benchmarks/side_by_side.py reads
 # (vllm_SHAPE[_tp2].json, ours_SHAPE[_tp2]_{latency,throughput}.json, vllm_prefill_SHAPE.txt).
 set -uo pipefail
-OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
+. "$(dirname "$0")/gpu_env.sh"  # $OUT, the environment, $B
 SHAPE=${SHAPE:-llama-3.2-1b}; TP=${TP:-1}
 SUFFIX=$([ "$TP" = 1 ] || echo "_tp$TP")
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no multicast
 VC=/tmp/vc/call4
-(export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+(export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0
  TP=$TP OUT=$OUT timeout 280 python3 $VC/vllm_bench.py "$SHAPE" 2>&1 \
    | grep -v "it/s\|WARN\|INFO" | tail -2
  if [ "${PREFILL:-0}" = 1 ]; then
    timeout 150 python3 $VC/prefill_bench.py vllm "${SHAPE#llama-3.2-}" 2>&1 \
      | grep "prefill" | tee "$OUT/vllm_prefill_$SHAPE.txt"
  fi)
-B="env PYTHONPATH=src python3 src/llm_inference/entrypoints/bench.py"
 $B latency --model "$SHAPE" --tensor-parallel-size "$TP" \
   --json "$OUT/ours_${SHAPE}${SUFFIX}_latency.json" 2>&1 | grep -v "it/s" | tail -7
 $B throughput --model "$SHAPE" --tensor-parallel-size "$TP" \

@@ -114,7 +114,7 @@ class CustomAllReduce:
         if self.max_bytes <= 0 or self.max_bytes % 16:
             raise ValueError(f"max_bytes must be a positive multiple of 16, not {self.max_bytes}")
         self.group_name = dist.group.WORLD.group_name
-        self.world, self.rank = world, dist.get_rank()
+        self.rank = dist.get_rank()
         self.fused_norm = fused_norm
         # [max_bytes: the torch kernels' buffer][two fused halves][fused flags]
         self._flags_at = self.max_bytes + 2 * FUSED_HALF_BYTES

@@ -1,0 +1,7 @@
+# Sourced by scripts/gpu_*.sh on the GPU machine, from the repository root: $OUT (created),
+# $R (a fresh scratch folder), the environment (the package from src/, no hub, no NVLink
+# multicast, as on the target machines) and $B, the bench command.
+OUT=${OUT:-/tmp/gpu_out}; R=$(mktemp -d); mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=src
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+B="python3 src/llm_inference/entrypoints/bench.py"
