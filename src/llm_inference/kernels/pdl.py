@@ -41,12 +41,14 @@ def resolve(requested: bool | None, device) -> bool:
     import torch
 
     device = torch.device(device)
+    cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     why = None
-    if device.type != "cuda":
+    if cc is None:
         why = f"needs a CUDA device, not {device}"
-    elif torch.cuda.get_device_capability(device)[0] < 9:
-        cc = ".".join(map(str, torch.cuda.get_device_capability(device)))
-        why = f"needs a GPU of compute capability 9.0 or newer (Hopper); {device} is {cc}"
+    elif cc[0] < 9:
+        why = (
+            f"needs a GPU of compute capability 9.0 or newer (Hopper); {device} is {cc[0]}.{cc[1]}"
+        )
     elif gdc_wait is None:
         why = f"needs a Triton with gdc_wait; this one ({triton.__version__}) has none"
     if requested is None:
