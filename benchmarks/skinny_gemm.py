@@ -50,7 +50,8 @@ REPLAYS = 15
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 # --sweep: (block_n, block_k, num_warps, num_stages) x split_k
-SWEEP_TILES = [(32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4),
+SWEEP_TILES = [(16, 128, 4, 4), (16, 256, 4, 4), (16, 512, 4, 3), (32, 128, 4, 4),
+               (32, 256, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4),
                (64, 256, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3)]  # fmt: skip
 SWEEP_SPLITS = [1, 2, 4, 8]
 SWEEP_MIN_K = 256  # columns per K range, at least

@@ -366,7 +366,8 @@ class ParallelConfig:
     # (distributed/custom_all_reduce.py; vLLM's name).
     disable_custom_all_reduce: bool = False
     # The all-reduce of o_proj and down_proj fused with the residual add and RMSNorm after it
-    # (custom_all_reduce's fused_norm; CUDA, with the custom all-reduce).
+    # for steps of few rows (custom_all_reduce's fused_norm; CUDA, with the custom all-reduce;
+    # on with the Triton kernels unless turned off).
     fused_all_reduce_norm: bool = False
 
 
@@ -480,7 +481,7 @@ def create_engine_config(
     enable_prefix_caching: bool = True,
     mixed_cuda_graph_sizes: list[int] | tuple[int, ...] | None = None,
     disable_custom_all_reduce: bool = False,
-    fused_all_reduce_norm: bool = False,
+    fused_all_reduce_norm: bool | None = None,
     skinny_gemm: bool | None = None,
     pdl: bool | None = None,
 ) -> EngineConfig:
@@ -513,9 +514,9 @@ def create_engine_config(
         raise ValueError(
             f"disable_custom_all_reduce must be True or False, got {disable_custom_all_reduce!r}"
         )
-    if not isinstance(fused_all_reduce_norm, bool):
+    if fused_all_reduce_norm is not None and not isinstance(fused_all_reduce_norm, bool):
         raise ValueError(
-            f"fused_all_reduce_norm must be True or False, got {fused_all_reduce_norm!r}"
+            f"fused_all_reduce_norm must be True, False or None, got {fused_all_reduce_norm!r}"
         )
     if fused_all_reduce_norm and disable_custom_all_reduce:
         raise ValueError("fused_all_reduce_norm needs the custom all-reduce, which is disabled")
@@ -536,6 +537,8 @@ def create_engine_config(
         raise ValueError(
             f"pdl=True needs the Triton kernels on CUDA, not the {backend!r} backend on {dev!r}"
         )
+    if fused_all_reduce_norm is None:  # the fused kernel is Triton's, over the custom all-reduce
+        fused_all_reduce_norm = backend == "triton" and not disable_custom_all_reduce
     model_path = str(resolve_model(model))
     model_config = load_model_config(model_path)
     limit = model_config.max_position_embeddings

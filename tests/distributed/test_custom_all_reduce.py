@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from tp_helpers import run_ranks, spawn_ranks
 
+from llm_inference import kernels
 from llm_inference.config import create_engine_config
 from llm_inference.distributed import custom_all_reduce as car
 from llm_inference.distributed import parallel_state as ps
@@ -78,6 +79,36 @@ def test_default_limits_cover_decode_and_leave_prefill_to_nccl():
         assert limit % 16 == 0 and car.ONE_SHOT_MAX_BYTES[world] <= limit
 
 
+def test_fused_norm_takes_few_rows_only(monkeypatch):
+    """parallel_state.all_reduce_add_rms_norm sends steps of up to FUSED_NORM_MAX_ROWS rows
+    that the custom all-reduce can fuse to the fused kernel; more rows, or ones it cannot
+    take, to the all-reduce then the RMSNorm."""
+    fused = []
+
+    class Comm:
+        def can_fuse_norm(self, x, residual):
+            return x.dtype == torch.bfloat16
+
+        def all_reduce_add_rms_norm(self, x, residual, weight, eps, index):
+            fused.append((x.shape[0], index))
+            return x, residual
+
+    class Ops:
+        @staticmethod
+        def rms_norm(x, weight, eps, residual):
+            return x, residual
+
+    monkeypatch.setattr(ps, "_TP_SIZE", 2)
+    monkeypatch.setattr(ps, "_CUSTOM_ALL_REDUCE", Comm())
+    monkeypatch.setattr(ps, "all_reduce", lambda x: x)
+    limit = ps.FUSED_NORM_MAX_ROWS
+    for rows, dtype in ((1, torch.bfloat16), (limit, torch.bfloat16), (limit + 1, torch.bfloat16),
+                        (1, torch.float16)):  # fmt: skip
+        x = torch.zeros(rows, 8, dtype=dtype)
+        ps.all_reduce_add_rms_norm(x, x.clone(), torch.ones(8), 1e-5, Ops, index=rows)
+    assert fused == [(1, 1), (limit, limit)]
+
+
 # ---- set-up agreement and fallback (gloo ranks, a stand-in implementation) -----------------
 
 
@@ -87,11 +118,12 @@ class FakeComm:
 
     max_bytes = 4 * KiB
 
-    def __init__(self, device, fault):
+    def __init__(self, device, fault, fused_norm=False):
         self.bad = fault if dist.get_rank() == 1 else ""
-        if self.bad == "init":
+        if self.bad == "init" or (fused_norm and self.bad == "fused"):
             raise RuntimeError("no symmetric memory here\nsecond line")
         self.closed = False
+        self.fused_norm = False  # (with the fused fault only: no check of the fused kernel)
 
     def rendezvous(self):
         if self.bad == "rendezvous":
@@ -130,6 +162,20 @@ def test_failure_on_one_rank_falls_back_on_every_rank(fault):
 
 def test_working_implementation_is_kept_quietly():
     assert run_ranks(_create, 2, "") == [(True, ""), (True, "")]
+
+
+def _create_fused(rank, world_size, fault):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        comm = car.create(torch.device("cpu"), functools.partial(FakeComm, fault=fault), True)
+    return comm is not None, err.getvalue()
+
+
+def test_fused_norm_failure_keeps_the_plain_custom_all_reduce():
+    (ok0, err0), (ok1, err1) = run_ranks(_create_fused, 2, "fused")
+    assert ok0 and ok1 and err1 == ""
+    lines = err0.splitlines()
+    assert len(lines) == 1 and "fused all-reduce + RMSNorm off (rank 1" in lines[0]
 
 
 def _gloo_all_reduce(rank, world_size):
@@ -171,14 +217,25 @@ def test_fused_norm_flag_reaches_init_distributed(tiny_ckpt, monkeypatch):
     for flag in (False, True):
         kw = _init_kwargs(tiny_ckpt, monkeypatch, fused_all_reduce_norm=flag)
         assert kw["fused_all_reduce_norm"] is flag
+    # The default: on with the Triton kernels (CUDA) and the custom all-reduce, else off.
+    assert _init_kwargs(tiny_ckpt, monkeypatch)["fused_all_reduce_norm"] is False  # reference
+    monkeypatch.setattr(kernels, "resolve_backend", lambda backend, device_type: "triton")
+    for disable in (False, True):
+        config = create_engine_config(
+            tiny_ckpt, device="cpu", tensor_parallel_size=2, disable_custom_all_reduce=disable
+        )
+        assert config.kernel_backend == "triton"
+        assert config.parallel.fused_all_reduce_norm is not disable
     with pytest.raises(ValueError, match="fused_all_reduce_norm needs the custom all-reduce"):
         create_engine_config(
             tiny_ckpt, device="cpu", fused_all_reduce_norm=True, disable_custom_all_reduce=True
         )
-    with pytest.raises(ValueError, match="fused_all_reduce_norm must be True or False"):
+    with pytest.raises(ValueError, match="fused_all_reduce_norm must be True, False or None"):
         create_engine_config(tiny_ckpt, device="cpu", fused_all_reduce_norm=1)
-    args = cli.build_parser().parse_args(["generate", "hi", "--fused-all-reduce-norm"])
-    assert cli._engine_kwargs(args)["fused_all_reduce_norm"] is True
+    for flags, want in (([], None), (["--fused-all-reduce-norm"], True),
+                        (["--no-fused-all-reduce-norm"], False)):  # fmt: skip
+        args = cli.build_parser().parse_args(["generate", "hi", *flags])
+        assert cli._engine_kwargs(args)["fused_all_reduce_norm"] is want
 
 
 def test_cli_flag():
@@ -373,7 +430,7 @@ def _fused(rank, err):
     sums = []
     for dtype in car.FUSED_DTYPES:
         tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-        for rows in (1, 256):
+        for rows in (1, min(256, car.FUSED_HALF_BYTES // (3072 * dtype.itemsize))):
             weight = _data((3072,), dtype, 0, seed=5)  # the same on both ranks
             x, res = _data((rows, 3072), dtype, rank, 6), _data((rows, 3072), dtype, 0, 7)
             assert comm.can_fuse_norm(x, res)

@@ -36,7 +36,7 @@ def prompts():
     return [torch.randint(2, 320, (n,), generator=g).tolist() for n in (1, 7, 33, 120, 250, 64)]
 
 
-def generate(folder, dtype, tp, eager, logprobs=5, custom_all_reduce=True, fused_norm=False):
+def generate(folder, dtype, tp, eager, logprobs=5, custom_all_reduce=True, fused_norm=None):
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=logprobs)
     with LLM(
         str(folder),
@@ -54,8 +54,10 @@ def generate(folder, dtype, tp, eager, logprobs=5, custom_all_reduce=True, fused
         # The symmetric-memory all-reduce is set up on every rank (bfloat16 steps use it;
         # float16 ones go to NCCL).
         assert rpc("uses_custom_all_reduce") == [tp > 1 and custom_all_reduce] * tp
-        # Its fused all-reduce + RMSNorm passed its start-up check against NCCL + RMSNorm.
-        assert rpc("uses_fused_all_reduce_norm") == [tp > 1 and fused_norm] * tp
+        # Its fused all-reduce + RMSNorm (on by default) passed its start-up check against
+        # NCCL + RMSNorm.
+        fused = tp > 1 and custom_all_reduce and fused_norm is not False
+        assert rpc("uses_fused_all_reduce_norm") == [fused] * tp
         return llm.generate(prompts(), params, use_tqdm=False)
 
 
@@ -91,11 +93,11 @@ def test_tp2_fused_all_reduce_norm_changes_nothing(folder, dtype):
     """fused_all_reduce_norm: at two ranks the fused kernel's sum is the all-reduce's (one
     rounding of a two-term sum) and its add and norm the RMSNorm kernel's arithmetic (its
     row reduction may group differently), so the tokens equal the unfused run's and the
-    logprobs agree to rounding, with CUDA graphs (decode and mixed steps up to
-    FUSED_MAX_ROWS rows) and eagerly."""
+    logprobs agree to rounding, with CUDA graphs (steps of up to
+    parallel_state.FUSED_NORM_MAX_ROWS rows take the fused kernel) and eagerly."""
     for eager in (False, True):
-        plain = generate(folder, dtype, 2, eager)
-        fused = generate(folder, dtype, 2, eager, fused_norm=True)
+        plain = generate(folder, dtype, 2, eager, fused_norm=False)
+        fused = generate(folder, dtype, 2, eager)
         for a, b in zip(fused, plain):
             assert a.token_ids == b.token_ids, f"eager={eager}"
             for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):

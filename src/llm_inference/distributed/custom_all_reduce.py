@@ -66,7 +66,7 @@ ONE_SHOT_MAX_BYTES = {2: 1 * MiB, 4: 256 * KiB, 8: 128 * KiB}
 DTYPES = (torch.bfloat16, torch.float32)
 # The fused all-reduce + residual add + RMSNorm: rows per call at most, and bytes per half.
 FUSED_MAX_ROWS = 512
-FUSED_HALF_BYTES = 2 * MiB
+FUSED_HALF_BYTES = 4 * MiB  # 512 bfloat16 rows of hidden size up to 4096
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ONE_SHOT, TWO_SHOT, NCCL = "one_shot", "two_shot", "nccl"
 
@@ -194,6 +194,8 @@ class CustomAllReduce:
         picks the buffer half. Only where `can_fuse_norm`."""
         from llm_inference.distributed.all_reduce_norm import all_reduce_add_rms_norm
 
+        if not self.can_fuse_norm(x, residual):  # a call past a half would corrupt the flags
+            raise ValueError(f"{tuple(x.shape)} {x.dtype} does not fit the fused all-reduce")
         buf_ptrs, flag_ptrs = self._fused_ptrs
         offset = (index & 1) * (FUSED_HALF_BYTES // x.element_size())
         return all_reduce_add_rms_norm(
@@ -281,7 +283,8 @@ def create(
 ) -> CustomAllReduce | None:
     """Set up and check the custom all-reduce on every rank of the default group (a collective
     call, right after the group exists). Returns it, or None on every rank when any rank
-    failed, after rank 0 printed one line naming the first failure. `impl` is for tests.
+    failed, after rank 0 printed one line naming the first failure; with `fused_norm`, a
+    failure first retries without it. `impl` is for tests.
 
     The ranks agree after each step (allocate, rendezvous, check), so that a rank that failed
     one is not waited for by the others in the next step's collectives. (Within the check, a
@@ -306,8 +309,13 @@ def create(
         return comm
     if comm is not None:
         comm.close()
+    rank, why = failed[0]
+    if fused_norm:  # the plain custom all-reduce may still pass (every rank takes this branch)
+        if dist.get_rank() == 0:
+            print(f"llm_inference: fused all-reduce + RMSNorm off (rank {rank}: {why})",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        return create(device, impl)
     if dist.get_rank() == 0:
-        rank, why = failed[0]
         print(
             f"llm_inference: custom all-reduce off, NCCL for every all-reduce (rank {rank}: {why})",
             file=sys.stderr,

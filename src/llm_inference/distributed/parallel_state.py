@@ -29,6 +29,10 @@ from llm_inference.distributed import custom_all_reduce
 _TP_RANK = 0
 _TP_SIZE = 1
 _CUSTOM_ALL_REDUCE: custom_all_reduce.CustomAllReduce | None = None
+# The fused all-reduce + RMSNorm runs one program per row, each signalling its peers: it beats
+# the all-reduce followed by the RMSNorm kernel for few rows only (benchmarks/all_reduce.py
+# --norm, two H200s, 3072 wide: 1.48x at 1 row, 1.25x at 8, 0.75x at 64, 0.43x at 256).
+FUSED_NORM_MAX_ROWS = 16
 
 
 def get_tp_rank() -> int:
@@ -123,10 +127,16 @@ def all_reduce_add_rms_norm(x, residual, weight, eps: float, ops, index: int = 0
     """`ops.rms_norm(all_reduce(x), weight, eps, residual)`: the sum over the ranks of a
     row-parallel layer's partial output, plus the residual, normalized; returns (normed, new
     residual). Where the custom all-reduce was set up with `fused_norm` and takes `x`, one
-    fused kernel; `index` numbers the calls of a forward pass (consecutive calls must
-    alternate parity, see custom_all_reduce). One rank: the RMSNorm alone."""
+    fused kernel (up to FUSED_NORM_MAX_ROWS rows); `index` numbers the calls of a forward pass
+    (consecutive calls must alternate parity, see custom_all_reduce). One rank: the RMSNorm
+    alone."""
     custom = _CUSTOM_ALL_REDUCE
-    if _TP_SIZE > 1 and custom is not None and custom.can_fuse_norm(x, residual):
+    if (
+        _TP_SIZE > 1
+        and custom is not None
+        and x.shape[0] <= FUSED_NORM_MAX_ROWS
+        and custom.can_fuse_norm(x, residual)
+    ):
         return custom.all_reduce_add_rms_norm(x, residual, weight, eps, index)
     return ops.rms_norm(all_reduce(x), weight, eps, residual)
 

@@ -286,8 +286,8 @@ def add_bench_args(p: argparse.ArgumentParser, kind: str | None = None) -> None:
         "--disable-custom-all-reduce", action="store_true", help="NCCL for every all-reduce"
     )
     p.add_argument(
-        "--fused-all-reduce-norm", action="store_true",
-        help="TP on CUDA: all-reduce fused with the residual add and RMSNorm",
+        "--fused-all-reduce-norm", action=argparse.BooleanOptionalAction, default=None,
+        help="TP on CUDA: all-reduce fused with the residual add and RMSNorm (default: on)",
     )  # fmt: skip
     p.add_argument(
         "--pdl", action=argparse.BooleanOptionalAction, default=None,
@@ -331,8 +331,8 @@ def run_bench(args) -> dict:
         kw["tensor_parallel_size"] = args.tensor_parallel_size
     if args.disable_custom_all_reduce:
         kw["disable_custom_all_reduce"] = res["disable_custom_all_reduce"] = True
-    if args.fused_all_reduce_norm:
-        kw["fused_all_reduce_norm"] = res["fused_all_reduce_norm"] = True
+    if args.fused_all_reduce_norm is not None:
+        kw["fused_all_reduce_norm"] = res["fused_all_reduce_norm"] = args.fused_all_reduce_norm
     if args.pdl is not None:
         kw["pdl"] = res["pdl"] = args.pdl
     if args.skinny_gemm is not None:
