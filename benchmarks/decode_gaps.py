@@ -1,0 +1,123 @@
+"""Where the GPU waits during decode: idle gaps between kernels, and what the host did then.
+
+`bench latency --profile` gives wall minus GPU-kernel time per step (host time the GPU waits
+for) but not where it goes. This runs `--steps` decode steps at `--batch` (128-token random
+prompts, greedy, ignore_eos; async scheduling as `LLM.generate` runs it) under the engine's
+profiler with a Chrome trace, then from the trace: the GPU's busy and idle time over the
+decode steps, the idle gaps by size, and for the largest gaps the CUDA runtime calls and
+operators on the host that overlap them (e.g. a synchronize, a copy, the graph launch). The
+profiler slows the host, so absolute gaps are upper bounds; the order of the causes is what
+to read. One process (TP=1).
+
+    PYTHONPATH=src python3 benchmarks/decode_gaps.py [--model llama-3.2-1b] [--batch 64]
+        [--steps 40] [--json PATH] [--trace-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import tempfile
+from pathlib import Path
+
+VOCAB = 128_256
+BUCKETS = [(5, "<5 us"), (50, "5-50 us"), (200, "50-200 us")]  # gap sizes, else ">=200 us"
+
+
+def busy_intervals(kernels: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Merge [start, end) intervals (us) into disjoint, sorted ones."""
+    merged: list[list[float]] = []
+    for start, end in sorted(kernels):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def analyse(trace: dict, top: int = 8) -> dict:
+    """GPU busy/idle over the decode window of a Chrome trace, the gaps by size, and the host
+    events overlapping the `top` largest gaps. The window starts after the longest kernel
+    (the prefill of the prompts) and ends at the last kernel."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not kernels:
+        raise ValueError("no GPU kernels in the trace")
+    prefill = max(kernels, key=lambda e: e["dur"])
+    start = prefill["ts"] + prefill["dur"]
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if e["ts"] >= start]
+    busy = busy_intervals(spans)
+    end = busy[-1][1]
+    gaps = [(b[0] - a[1], a[1], b[0]) for a, b in zip(busy, busy[1:])]
+    host = [e for e in events if e.get("cat") in ("cuda_runtime", "cpu_op", "user_annotation")]
+    sizes = collections.Counter()
+    totals = collections.Counter()
+    for size, _, _ in gaps:
+        bucket = next((name for limit, name in BUCKETS if size < limit), ">=200 us")
+        sizes[bucket] += 1
+        totals[bucket] += size
+    largest = []
+    for size, a, b in sorted(gaps, reverse=True)[:top]:
+        names = collections.Counter()
+        for e in host:
+            overlap = min(b, e["ts"] + e["dur"]) - max(a, e["ts"])
+            if overlap > 0.2 * size or overlap > 20:
+                names[e["name"][:60]] += round(overlap, 1)
+        largest.append({"gap_us": round(size, 1), "host": names.most_common(6)})
+    window = end - start
+    idle = sum(s for s, _, _ in gaps)
+    return {
+        "window_us": window,
+        "busy_us": window - idle,
+        "idle_us": idle,
+        "gaps": {k: {"count": sizes[k], "us": round(totals[k], 1)} for k in sizes},
+        "largest": largest,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-3.2-1b")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--trace-dir", default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    import torch
+
+    from llm_inference import LLM, SamplingParams
+    from llm_inference.entrypoints.bench import random_checkpoint
+
+    folder = random_checkpoint(args.model)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(VOCAB - 256) for _ in range(128)] for _ in range(args.batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True)
+    trace_dir = Path(args.trace_dir or tempfile.mkdtemp())
+    with LLM(str(folder), dtype="bfloat16", max_model_len=1024, enable_prefix_caching=False,
+             kv_cache_memory_bytes=4 << 30, max_num_seqs=max(256, args.batch)) as llm:  # fmt: skip
+        for _ in range(2):
+            llm.generate(prompts, params, use_tqdm=False)
+        llm.start_profile(str(trace_dir))
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        llm.stop_profile()
+    with open(trace_dir / "rank0.json") as f:
+        result = analyse(json.load(f))
+    result.update(model=args.model, batch=args.batch, steps=args.steps,
+                  device=torch.cuda.get_device_name())  # fmt: skip
+    per_step = {k: result[k] / args.steps / 1e3 for k in ("window_us", "busy_us", "idle_us")}
+    print(f"{args.model} batch {args.batch}, {args.steps} decode steps under the profiler: "
+          f"{per_step['window_us']:.3f} ms/step, GPU busy {per_step['busy_us']:.3f}, "
+          f"idle {per_step['idle_us']:.3f}")  # fmt: skip
+    print("gaps:", json.dumps(result["gaps"]))
+    for g in result["largest"]:
+        print(f"  {g['gap_us']:8.1f} us  " + ", ".join(f"{n} ({us})" for n, us in g["host"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
