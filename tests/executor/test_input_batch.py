@@ -167,6 +167,31 @@ def test_pad_decode_fills_padding_rows():
     assert buffers.np["slot_mapping"][:3].tolist() == [77] * 3  # real rows untouched
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging needs CUDA")
+def test_staging_cycles_through_persistent_pinned_arrays_after_their_copy():
+    """On CUDA, stage() hands out STAGES pinned host arrays in turn (no allocation per step),
+    and an array comes back only once the copy that read it has run: with the GPU kept busy
+    and the host never waiting otherwise, every step's copy still carries its own values."""
+    buffers = InputBuffers(max_tokens=64, max_seqs=8, max_blocks=4, device="cuda")
+    seen, copies = [], []
+    for step in range(3 * buffers.STAGES):
+        buffers.stage()
+        assert buffers.host.is_pinned() and buffers.host_table.is_pinned()
+        seen.append(buffers.host.data_ptr())
+        torch.cuda._sleep(10_000_000)  # the GPU busy: the copy below runs well after this
+        buffers.np["input_ids"][:] = step
+        buffers.np_table[:] = step
+        buffers.to_device(8, 4)
+        copies.append((buffers.views["input_ids"].clone(), buffers.dev_table.clone()))
+    torch.cuda.synchronize()
+    for step, (ids, table) in enumerate(copies):
+        assert ids.eq(step).all() and table.eq(step).all(), step
+    assert (
+        len(set(seen)) == buffers.STAGES
+        and seen[: buffers.STAGES] == seen[buffers.STAGES :][: buffers.STAGES]
+    )
+
+
 def test_pad_mixed_fills_padding_tokens_and_sequences():
     """A prepared mixed step (5 sequences, 47 tokens) padded to 64 tokens and 8 sequences:
     every padded entry set, every real entry and everything else untouched."""

@@ -73,10 +73,14 @@ class InputBuffers:
     """The step's inputs at fixed offsets of one int32 device array, plus a block table of
     fixed width: CUDA graphs replay from these addresses.
 
-    `stage()` hands out host arrays for the next step: on CUDA fresh pinned memory from
-    torch's caching host allocator, which never reuses a block before the copy that reads it
-    has run, so a step can be prepared while the previous one is still being copied (async
-    scheduling). `to_device` copies the whole flat array and the used corner of the table."""
+    `stage()` hands out host arrays for the next step: on CUDA the next of STAGES persistent
+    pinned copies, in turn, each reused only once the copy that last read it has run (an event
+    recorded after it; with async scheduling at most one step is in flight, so the wait is
+    for a copy two steps old, long done). A step can thus be prepared while the previous one is
+    still being copied. `to_device` copies the whole flat array and the used corner of the
+    table."""
+
+    STAGES = 3
 
     SIZES = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "seq_order",
              "logits_indices", "placeholder_dst", "placeholder_src",
@@ -108,6 +112,15 @@ class InputBuffers:
             block_table=self.dev_table,
             seq_order=self.views["seq_order"],
         )
+        # (host flat array, host table, their numpy views, the event after their last copy)
+        stages = [(self.dev, self.dev_table)] if self.on_host else [
+            (torch.empty(self.dev.shape, dtype=torch.int32, pin_memory=True),
+             torch.empty(max_seqs, max_blocks, dtype=torch.int32, pin_memory=True))
+            for _ in range(self.STAGES)
+        ]  # fmt: skip
+        self._stages = [(flat, table, self._numpy(flat), table.numpy(), None)
+                        for flat, table in stages]  # fmt: skip
+        self._next = 0
         self.stage()
 
     def _cut(self, flat):
@@ -117,19 +130,19 @@ class InputBuffers:
             offset += size
         return out
 
-    def stage(self) -> None:
-        """Fresh host arrays (`np`, `np_table`) for the next step's inputs."""
-        if self.on_host:
-            self.host, self.host_table = self.dev, self.dev_table
-        else:
-            self.host = torch.empty(self.dev.shape, dtype=torch.int32, pin_memory=True)
-            self.host_table = torch.empty(
-                self.max_seqs, self.max_blocks, dtype=torch.int32, pin_memory=True
-            )
-        self.np = {k: v.numpy() for k, v in self._cut(self.host).items()}
+    def _numpy(self, flat: torch.Tensor) -> dict[str, np.ndarray]:
+        views = {k: v.numpy() for k, v in self._cut(flat).items()}
         for name in self.FLOATS:
-            self.np[name] = self.np[name].view(np.float32)
-        self.np_table = self.host_table.numpy()
+            views[name] = views[name].view(np.float32)
+        return views
+
+    def stage(self) -> None:
+        """Host arrays (`np`, `np_table`) for the next step's inputs, free to overwrite."""
+        self._current = self._next
+        self.host, self.host_table, self.np, self.np_table, copied = self._stages[self._next]
+        self._next = (self._next + 1) % len(self._stages)
+        if copied is not None:
+            copied.synchronize()  # the copy that last read these arrays has run
 
     def pad_decode(self, num_seqs: int, padded: int) -> None:
         """Fill rows [num_seqs, padded) of a one-token-per-sequence step as harmless padding:
@@ -162,6 +175,10 @@ class InputBuffers:
         self.dev_table[:num_seqs, :block_width].copy_(
             self.host_table[:num_seqs, :block_width], non_blocking=True
         )
+        flat, table, views, table_view, copied = self._stages[self._current]
+        copied = copied or torch.cuda.Event()
+        copied.record()
+        self._stages[self._current] = (flat, table, views, table_view, copied)
 
 
 class InputBatch:
