@@ -410,12 +410,15 @@ def test_wrong_sum_at_set_up_falls_back_to_nccl():
 
 def _norm_chain(x, residual, weight, fused: bool):
     """Four partial sums normed in a row, as in two decoder layers (index 0..3), each norm's
-    output scaled into the next partial sum; fused, or NCCL then the RMSNorm kernel."""
-    from llm_inference.kernels import rms_norm, triton_ops
+    output scaled into the next partial sum; by the fused kernel (called directly: the engine
+    routes only few rows to it, parallel_state.FUSED_NORM_MAX_ROWS, but it takes any number up
+    to its capacity), or NCCL then the RMSNorm kernel."""
+    from llm_inference.kernels import rms_norm
 
+    comm = ps.get_custom_all_reduce()
     for i in range(4):
         if fused:
-            h, residual = ps.all_reduce_add_rms_norm(x, residual, weight, 1e-5, triton_ops, i)
+            h, residual = comm.all_reduce_add_rms_norm(x, residual, weight, 1e-5, i)
         else:
             summed = x.clone()
             dist.all_reduce(summed)
