@@ -57,12 +57,17 @@ class BatchReplay:
                 list(new.block_ids),
                 new.num_computed_tokens,
             )
-        for cached in so.cached_requests:
-            state = self.states[cached.request_id]
+        cached = so.cached_requests
+        assert len(set(cached.request_ids)) == len(cached), "a request cached twice in a step"
+        for rid, tokens, blocks, computed in zip(
+            cached.request_ids, cached.new_token_ids, cached.new_block_ids,
+            cached.num_computed_tokens, strict=True,
+        ):  # fmt: skip
+            state = self.states[rid]
             # Tokens the worker already has are the prompt plus earlier outputs.
-            state.output_token_ids += cached.new_token_ids
-            state.block_ids += cached.new_block_ids
-            state.num_computed_tokens = cached.num_computed_tokens
+            state.output_token_ids += tokens
+            state.block_ids += blocks
+            state.num_computed_tokens = computed
         views = []
         for rid, n in so.num_scheduled_tokens.items():
             state = self.states[rid]

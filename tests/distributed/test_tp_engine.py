@@ -281,7 +281,7 @@ def test_errors_in_async_steps(tiny_ckpt, tmp_path):
         ghost = SchedulerOutput(
             step_id=-1,
             new_requests=[],
-            cached_requests=[CachedRequestData("ghost", [], [], 0)],
+            cached_requests=CachedRequestData(["ghost"], [[]], [[]], [0]),
             num_scheduled_tokens={"ghost": 1},
             total_num_scheduled_tokens=1,
         )

@@ -82,8 +82,8 @@ def test_scheduler_counts_samples_in_flight():
     assert first.num_scheduled_tokens == {"r": 3} and req.num_output_placeholders == 1
     second = sched.schedule()  # before the first step's token is known
     assert second.num_scheduled_tokens == {"r": 1}
-    assert second.cached_requests[0].num_computed_tokens == 3  # position 3: the placeholder
-    assert second.cached_requests[0].new_token_ids == []
+    assert second.cached_requests.num_computed_tokens == [3]  # position 3: the placeholder
+    assert second.cached_requests.new_token_ids == [[]]
     assert req.num_output_placeholders == 2
     assert sched.schedule().is_empty  # both samples in flight reach max_tokens=2
     sched.update_from_output(first, ModelRunnerOutput(["r"], [[7]]))

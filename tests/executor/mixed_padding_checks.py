@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from llm_inference.config import cdiv
-from llm_inference.core.outputs import NewRequestData, SchedulerOutput
+from llm_inference.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from llm_inference.executor.input_batch import InputBatch, InputBuffers
 from llm_inference.layers.attention import Attention, AttentionBackend
 from llm_inference.sampling_params import SamplingParams
@@ -53,7 +53,7 @@ def build_step(requests, max_seqs: int, max_tokens: int, gen: torch.Generator):
         prompt = torch.randint(2, 300, (prompt_len,), generator=gen).tolist()
         new.append(NewRequestData(f"r{i}", prompt, [], SamplingParams(), blocks, computed))
         scheduled[f"r{i}"] = count
-    so = SchedulerOutput(0, new, [], scheduled, sum(scheduled.values()))
+    so = SchedulerOutput(0, new, CachedRequestData(), scheduled, sum(scheduled.values()))
     batch.apply(so)
     step = batch.prepare(so, buffers)
     # Stale entries the kernels must never read.

@@ -218,11 +218,11 @@ def test_pad_mixed_fills_padding_tokens_and_sequences():
 
 
 def test_a_request_sent_twice_or_unknown_is_an_error():
-    from llm_inference.core.outputs import NewRequestData, SchedulerOutput
+    from llm_inference.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 
     batch = InputBatch(max_num_reqs=2, max_model_len=16, block_size=4)
     new = NewRequestData("a", [1, 2, 3], [], SamplingParams(), [0], 0)
-    so = SchedulerOutput(1, [new], [], {"a": 3}, 3)
+    so = SchedulerOutput(1, [new], CachedRequestData(), {"a": 3}, 3)
     batch.apply(so)
     with pytest.raises(ValueError, match="sent as new twice"):
         batch.apply(so)

@@ -113,7 +113,7 @@ def check_paths_agree(tri):
 def staged_metadata(params, canonical: bool):
     """Metadata of `params` (one row each, prompt of 3 tokens, first sample) the way the model
     runner's fast path gets it: staged by the input batch into the step buffers."""
-    from llm_inference.core.outputs import NewRequestData, SchedulerOutput
+    from llm_inference.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
     from llm_inference.executor.input_batch import InputBatch, InputBuffers
     from llm_inference.layers.sampler import SamplingMetadata
 
@@ -121,7 +121,7 @@ def staged_metadata(params, canonical: bool):
     batch = InputBatch(max_num_reqs=n, max_model_len=8, block_size=4, vocab_size=V)
     buffers = InputBuffers(max_tokens=3 * n, max_seqs=n, max_blocks=2, device="cpu")
     new = [NewRequestData(f"r{i}", [1, 2, 3], [], p, [i], 0) for i, p in enumerate(params)]
-    so = SchedulerOutput(1, new, [], {f"r{i}": 3 for i in range(n)}, 3 * n)
+    so = SchedulerOutput(1, new, CachedRequestData(), {f"r{i}": 3 for i in range(n)}, 3 * n)
     batch.apply(so)
     step = batch.prepare(so, buffers)
     assert step.sampling is not None

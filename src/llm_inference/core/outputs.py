@@ -7,8 +7,10 @@ pickled to another process or kept while the scheduler moves on.
 - A request is sent whole once, as `NewRequestData`, when it is admitted (or readmitted after
   preemption, which discarded the workers' copy): prompt, tokens sampled so far, sampling
   parameters, block ids and how many tokens are already computed.
-- Afterwards, each step that schedules it sends a `CachedRequestData`: the tokens appended
-  since it was last sent, the blocks added since, and its `num_computed_tokens`.
+- Afterwards, each step that schedules it sends its entry of the step's `CachedRequestData`
+  (one object of parallel lists for all of them, as vLLM's: no object per request per step):
+  the tokens appended since it was last sent, the blocks added since, and its
+  `num_computed_tokens`.
 - `preempted_request_ids` and `finished_request_ids` tell the workers which states to drop.
   A worker applies a step in this order: drop finished, drop preempted, add new, update cached.
 
@@ -36,17 +38,22 @@ class NewRequestData:
 
 @dataclass(slots=True)
 class CachedRequestData:
-    request_id: str
-    new_token_ids: list[int]  # tokens appended since the request was last sent
-    new_block_ids: list[int]  # blocks appended to its block table since then
-    num_computed_tokens: int
+    """The step's requests the workers already hold; entry i of each list is request i's."""
+
+    request_ids: list[str] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)  # appended since last sent
+    new_block_ids: list[list[int]] = field(default_factory=list)  # added to its block table
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
 
 
 @dataclass
 class SchedulerOutput:
     step_id: int
     new_requests: list[NewRequestData]
-    cached_requests: list[CachedRequestData]
+    cached_requests: CachedRequestData
     num_scheduled_tokens: dict[str, int]  # request id -> tokens to compute, in batch order
     total_num_scheduled_tokens: int
     preempted_request_ids: list[str] = field(default_factory=list)

@@ -73,6 +73,10 @@ class Request:
         self.num_tokens = len(self.prompt_token_ids)  # prompt + outputs, kept by append
         self.sampling_params = sampling_params
         self.eos_token_ids = tuple(eos_token_ids)
+        # Tokens that may stop the request (`Scheduler._check_stop` decides, min_tokens
+        # included): the scheduler looks at a sampled token closely only if it is one of these.
+        eos = () if sampling_params.ignore_eos else self.eos_token_ids
+        self.stop_token_set = frozenset(eos) | frozenset(sampling_params.stop_token_ids)
         if max_tokens is None:
             max_tokens = sampling_params.max_tokens
         self.max_tokens: int = sys.maxsize if max_tokens is None else int(max_tokens)

@@ -106,15 +106,25 @@ class Scheduler:
         # case (no new block needed, nothing in flight that ends the request).
         kv = self.kv_cache_manager
         block_size = kv.block_size
+        max_model_len = self.config.max_model_len
         running = self.running
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
             in_flight = request.num_output_placeholders
-            num_new = request.num_tokens + in_flight - request.num_computed_tokens
+            num_tokens = request.num_tokens
+            num_new = num_tokens + in_flight - request.num_computed_tokens
             if num_new > budget:
                 num_new = budget
-            if num_new <= 0 or (in_flight and self._surely_done(request)):
+            # With samples in flight that will reach max_tokens or max_model_len, the request
+            # finishes when they arrive: scheduling another token would be wasted.
+            if num_new <= 0 or (
+                in_flight
+                and (
+                    len(request.output_token_ids) + in_flight >= request.max_tokens
+                    or num_tokens + in_flight >= max_model_len
+                )
+            ):
                 index += 1  # nothing to compute until a sample arrives, or nothing more ever
                 continue
             end = request.num_computed_tokens + num_new
@@ -156,15 +166,6 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _surely_done(self, request: Request) -> bool:
-        """With a sample in flight that will reach max_tokens or max_model_len, the request
-        finishes when it arrives: scheduling another token would be wasted."""
-        if not request.num_output_placeholders:
-            return False
-        num_output = request.num_output_tokens + request.num_output_placeholders
-        num_tokens = request.num_tokens + request.num_output_placeholders
-        return num_output >= request.max_tokens or num_tokens >= self.config.max_model_len
-
     def _make_output(
         self, scheduled: list[tuple[Request, int]], preempted: list[str]
     ) -> SchedulerOutput:
@@ -172,10 +173,18 @@ class Scheduler:
         scheduler's own bookkeeping of it: progress advances now, samples become placeholders
         until `update_from_output` brings them."""
         new: list[NewRequestData] = []
-        cached: list[CachedRequestData] = []
+        cached = CachedRequestData()
+        cached_ids, cached_tokens = cached.request_ids, cached.new_token_ids
+        cached_blocks, cached_computed = cached.new_block_ids, cached.num_computed_tokens
         in_flight: list[tuple[Request, bool, int]] = []
+        num_scheduled: dict[str, int] = {}
+        total = 0
         for request, num_new in scheduled:
-            if request.num_sent_tokens is None:
+            num_scheduled[request.request_id] = num_new
+            total += num_new
+            sent = request.num_sent_tokens
+            num_tokens = request.num_tokens
+            if sent is None:
                 new.append(
                     NewRequestData(
                         request_id=request.request_id,
@@ -187,24 +196,20 @@ class Scheduler:
                     )
                 )
             else:
-                cached.append(
-                    CachedRequestData(
-                        request_id=request.request_id,
-                        new_token_ids=request.get_token_ids(
-                            request.num_sent_tokens, request.num_tokens
-                        ),
-                        new_block_ids=request.block_ids[request.num_sent_blocks :],
-                        num_computed_tokens=request.num_computed_tokens,
-                    )
+                cached_ids.append(request.request_id)
+                cached_tokens.append(
+                    request.get_token_ids(sent, num_tokens) if sent != num_tokens else []
                 )
-            request.num_sent_tokens = request.num_tokens
+                cached_blocks.append(request.block_ids[request.num_sent_blocks :])
+                cached_computed.append(request.num_computed_tokens)
+            request.num_sent_tokens = num_tokens
             request.num_sent_blocks = len(request.block_ids)
-            request.num_computed_tokens += num_new
-            known = request.num_tokens + request.num_output_placeholders
-            samples = request.num_computed_tokens >= known
+            computed = request.num_computed_tokens + num_new
+            request.num_computed_tokens = computed
+            samples = computed >= num_tokens + request.num_output_placeholders
             if samples:
                 request.num_output_placeholders += 1
-            in_flight.append((request, samples, request.num_computed_tokens))
+            in_flight.append((request, samples, computed))
         self._step_id += 1
         self._in_flight[self._step_id] = in_flight
         finished, self._finished_ids = self._finished_ids, []
@@ -212,8 +217,8 @@ class Scheduler:
             step_id=self._step_id,
             new_requests=new,
             cached_requests=cached,
-            num_scheduled_tokens={r.request_id: n for r, n in scheduled},
-            total_num_scheduled_tokens=sum(n for _, n in scheduled),
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
             preempted_request_ids=preempted,
             finished_request_ids=finished,
         )
@@ -255,9 +260,11 @@ class Scheduler:
         tokens, logprobs = _by_position(scheduled, out)
         kv = self.kv_cache_manager
         caching, block_size = kv.prefix_cache is not None, kv.block_size
+        max_model_len = self.config.max_model_len
         requests = self.requests
         running = RequestStatus.RUNNING
         results: list[EngineCoreOutput] = []
+        any_finished = False
         for (request, samples, computed), new_tokens, lp in zip(scheduled, tokens, logprobs):
             rid = request.request_id
             if requests.get(rid) is not request:
@@ -275,17 +282,30 @@ class Scheduler:
             if request.num_output_placeholders:  # zero once preempted
                 request.num_output_placeholders -= 1
             appended = new_tokens
+            finished = False
+            outputs, stop_set, max_tokens = (
+                request.output_token_ids,
+                request.stop_token_set,
+                request.max_tokens,
+            )
             for k, token_id in enumerate(new_tokens):
-                request.append_output_token(token_id)
-                status = self._check_stop(request, token_id)
-                if status is not None:
-                    self._finish(request, status)
-                    appended = new_tokens[: k + 1]
-                    break
+                outputs.append(token_id)  # (request.append_output_token, inlined)
+                request.num_tokens += 1
+                if (  # only then can _check_stop find a reason
+                    token_id in stop_set
+                    or len(outputs) >= max_tokens
+                    or request.num_tokens >= max_model_len
+                ):
+                    status = self._check_stop(request, token_id)
+                    if status is not None:
+                        self._finish(request, status)
+                        appended = new_tokens[: k + 1]
+                        finished = any_finished = True
+                        break
             if request.final_only:
-                if not request.is_finished:
+                if not finished:
                     continue  # nothing to report before the end
-                appended = list(request.output_token_ids)
+                appended = list(outputs)
             results.append(
                 EngineCoreOutput(
                     rid,
@@ -295,7 +315,7 @@ class Scheduler:
                     None if lp is None else [lp],
                 )
             )
-        if any(r.finished for r in results):
+        if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
             self.waiting = deque(r for r in self.waiting if not r.is_finished)
         return results

@@ -236,11 +236,29 @@ class InputBatch:
             self._append_tokens(row, new.output_token_ids, outputs=True)
             self._append_blocks(row, new.block_ids)
             self.num_computed[row] = new.num_computed_tokens
-        for cached in so.cached_requests:
-            row = self.rows[cached.request_id]
-            self._append_tokens(row, cached.new_token_ids, outputs=True)
-            self._append_blocks(row, cached.new_block_ids)
-            self.num_computed[row] = cached.num_computed_tokens
+        # The cached requests (each at most once a step): one new token each, the common case
+        # of a decode step, is written for all of them at once.
+        cached = so.cached_requests
+        rows = [self.rows[rid] for rid in cached.request_ids]
+        one_rows, one_tokens = [], []
+        for row, ids, block_ids in zip(rows, cached.new_token_ids, cached.new_block_ids):
+            if len(ids) == 1:
+                one_rows.append(row)
+                one_tokens.append(ids[0])
+                self.output_ids[row].append(ids[0])
+            elif ids:
+                self._append_tokens(row, ids, outputs=True)
+            if block_ids:
+                self._append_blocks(row, block_ids)
+        if one_rows:
+            at = np.array(one_rows)
+            start = self.num_known[at]
+            if start.max() >= self.max_model_len:
+                raise ValueError(f"a request grew past max_model_len={self.max_model_len}")
+            self.token_ids[at, start] = one_tokens
+            self.num_known[at] = start + 1
+        if rows:
+            self.num_computed[rows] = cached.num_computed_tokens
 
     def _set_sampling(self, row: int, p: SamplingParams, prompt_len: int) -> None:
         V = self.vocab_size
