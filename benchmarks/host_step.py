@@ -8,7 +8,13 @@ async scheduling must hide, and that NOTES.md counts per request. Decode steps a
 1 / 64 / 256 (16-token prompts, 200 new tokens, temperature 0.6, final outputs only as
 `LLM.generate` asks), median over 5 runs of the mean ms per step.
 
-    PYTHONPATH=src:tests python3 benchmarks/host_step.py
+`--phases` instead splits the host's step at batch 64 and 256 (greedy, no detokenization, one
+step at a time) into the scheduler's `schedule` (with the SchedulerOutput) and
+`update_from_output`, the worker's `apply` and `prepare` (the input batch), the rest of
+`execute_model` (here the stub, the LM head and the sampler on the CPU: on a GPU, copies and
+launches instead) and the output processor, ms per step, medians of 3 runs after one.
+
+    PYTHONPATH=src:tests python3 benchmarks/host_step.py [--phases]
 """
 
 from __future__ import annotations
@@ -49,9 +55,60 @@ def ms_per_step(llm, batch: int, new_tokens: int = 200) -> float:
     return statistics.median(runs[1:])
 
 
+def _timed(obj, name: str, key: str, totals: dict) -> None:
+    """Wrap obj.name so that its seconds add up in totals[key]."""
+    fn = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[key] = totals.get(key, 0.0) + time.perf_counter() - start
+
+    setattr(obj, name, wrapper)
+
+
+def phases(folder: Path) -> None:
+    print("| batch | schedule | apply | prepare | rest of execute | update | outputs | step |")
+    print("|---|---|---|---|---|---|---|---|")
+    for batch in (64, 256):
+        with LLM(str(folder), device="cpu", max_num_seqs=256, async_scheduling=False) as llm:
+            runner = llm.engine.executor.workers[0].model_runner
+            stub_forward(runner)
+            core, totals = llm.engine.core, {}
+            _timed(core.scheduler, "schedule", "schedule", totals)
+            _timed(core.scheduler, "update_from_output", "update", totals)
+            _timed(core.executor, "execute_model", "execute", totals)
+            _timed(runner.input_batch, "apply", "apply", totals)
+            _timed(runner.input_batch, "prepare", "prepare", totals)
+            _timed(llm.engine.output_processor, "process_outputs", "outputs", totals)
+            prompts = [[5 + (i * 7) % 300] * 16 for i in range(batch)]
+            params = SamplingParams(
+                temperature=0.0, max_tokens=200, ignore_eos=True, detokenize=False
+            )
+            runs = []
+            for _ in range(4):
+                totals.clear()
+                before = llm.stats()["num_steps"]
+                start = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                steps = llm.stats()["num_steps"] - before
+                run = {k: v / steps * 1e3 for k, v in totals.items()}
+                run["execute"] -= run["apply"] + run["prepare"]
+                run["step"] = (time.perf_counter() - start) / steps * 1e3
+                runs.append(run)
+        keys = ("schedule", "apply", "prepare", "execute", "update", "outputs", "step")
+        cells = [statistics.median(r[k] for r in runs[1:]) for k in keys]
+        print(f"| {batch} | " + " | ".join(f"{c:.3f}" for c in cells) + " |", flush=True)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     folder = make_checkpoint(Path(tempfile.mkdtemp()), max_position_embeddings=512)
+    if "--phases" in sys.argv[1:]:
+        phases(folder)
+        return
     print("| mode | batch 1 | batch 64 | batch 256 |")
     print("|---|---|---|---|")
     for mode in (True, False):
