@@ -19,6 +19,7 @@ launches instead) and the output processor, ms per step, medians of 3 runs after
 
 from __future__ import annotations
 
+import pickle
 import statistics
 import sys
 import tempfile
@@ -69,9 +70,22 @@ def _timed(obj, name: str, key: str, totals: dict) -> None:
     setattr(obj, name, wrapper)
 
 
+def pickle_us(obj, rounds: int = 1000) -> float:
+    """Microseconds to pickle and unpickle `obj` (what a tensor-parallel step's
+    SchedulerOutput costs the parent and each worker), median of 5."""
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(rounds):
+            pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        times.append((time.perf_counter() - start) / rounds * 1e6)
+    return statistics.median(times)
+
+
 def phases(folder: Path) -> None:
-    print("| batch | schedule | apply | prepare | rest of execute | update | outputs | step |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| batch | schedule | apply | prepare | rest of execute | update | outputs | step "
+          "| pickle us |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for batch in (64, 256):
         with LLM(str(folder), device="cpu", max_num_seqs=256, async_scheduling=False) as llm:
             runner = llm.engine.executor.workers[0].model_runner
@@ -83,6 +97,16 @@ def phases(folder: Path) -> None:
             _timed(runner.input_batch, "apply", "apply", totals)
             _timed(runner.input_batch, "prepare", "prepare", totals)
             _timed(llm.engine.output_processor, "process_outputs", "outputs", totals)
+            decode = []  # the SchedulerOutputs of decode steps (every request cached)
+            schedule = core.scheduler.schedule
+
+            def keep(schedule=schedule, decode=decode, batch=batch):
+                so = schedule()
+                if len(so.num_scheduled_tokens) == batch and not so.new_requests:
+                    decode[:] = [so]
+                return so
+
+            core.scheduler.schedule = keep
             prompts = [[5 + (i * 7) % 300] * 16 for i in range(batch)]
             params = SamplingParams(
                 temperature=0.0, max_tokens=200, ignore_eos=True, detokenize=False
@@ -99,7 +123,7 @@ def phases(folder: Path) -> None:
                 run["step"] = (time.perf_counter() - start) / steps * 1e3
                 runs.append(run)
         keys = ("schedule", "apply", "prepare", "execute", "update", "outputs", "step")
-        cells = [statistics.median(r[k] for r in runs[1:]) for k in keys]
+        cells = [statistics.median(r[k] for r in runs[1:]) for k in keys] + [pickle_us(decode[0])]
         print(f"| {batch} | " + " | ".join(f"{c:.3f}" for c in cells) + " |", flush=True)
 
 
