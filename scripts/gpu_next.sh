@@ -6,12 +6,13 @@
 #      directly; it failed last session only through the engine's routing), under a timeout;
 #      then the TP and engine tests, which last ran before the scheduler's CachedRequestData
 #      became parallel lists (18fd8e3);
-#   2. the pinned staging ring against fresh pinned arrays per step, 1B bench latency at batch
-#      1 / 64 / 256, ROUNDS alternating rounds. The code before 0c4c5a6 travels as an
+#   2. the sixth session's host-side changes together (the pinned staging ring, 0c4c5a6, and
+#      the scheduler's fast paths, 18fd8e3) against the code before them, 1B bench latency at
+#      batch 1 / 64 / 256, ROUNDS alternating rounds. The code before 0c4c5a6 travels as an
 #      untracked folder, made here before the call:
 #        mkdir -p .ab_before && git archive 0c4c5a6~1 src | tar -x -C .ab_before
 #      (BEFORE_SRC=.ab_before/src, the default; without it only the ring runs);
-#   3. benchmarks/decode_gaps.py for the 1B at batch 64 and 256 (what the ring left).
+#   3. benchmarks/decode_gaps.py for the 1B at batch 64 and 256 (what they left).
 # Everything lands in $OUT; the tables print.
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"  # $OUT, $R, the environment, $B
@@ -26,7 +27,7 @@ tail -3 "$OUT/pytest_next.log"
 else
 BEFORE=${BEFORE_SRC:-.ab_before/src}
 for round in $(seq "${ROUNDS:-2}"); do
-  for code in before ring; do
+  for code in before after; do
     P=src
     if [ "$code" = before ]; then
       [ -d "$BEFORE" ] || continue
