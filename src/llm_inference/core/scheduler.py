@@ -197,9 +197,12 @@ class Scheduler:
                 )
             else:
                 cached_ids.append(request.request_id)
-                cached_tokens.append(
-                    request.get_token_ids(sent, num_tokens) if sent != num_tokens else []
-                )
+                if sent == num_tokens:
+                    cached_tokens.append([])
+                elif sent + 1 == num_tokens and request.output_token_ids:  # one sample since
+                    cached_tokens.append(request.output_token_ids[-1:])
+                else:
+                    cached_tokens.append(request.get_token_ids(sent, num_tokens))
                 cached_blocks.append(request.block_ids[request.num_sent_blocks :])
                 cached_computed.append(request.num_computed_tokens)
             request.num_sent_tokens = num_tokens
@@ -365,9 +368,7 @@ def _by_position(
     if len(tokens) != len(ids):
         raise ValueError(f"{len(ids)} request ids but {len(tokens)} token lists")
     logprobs = out.logprobs if out.logprobs else [None] * len(ids)
-    if len(ids) == len(scheduled) and all(
-        i == r.request_id for i, (r, _, _) in zip(ids, scheduled)
-    ):
+    if ids == [r.request_id for r, _, _ in scheduled]:
         return tokens, logprobs
     index = {rid: k for k, rid in enumerate(ids)}
     found = [index.get(r.request_id) for r, _, _ in scheduled]

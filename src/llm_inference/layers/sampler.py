@@ -86,6 +86,8 @@ class SamplerOutput:
 
 def report_status(status: list[int]) -> None:
     """Host side of `Sampler(sync=False)`: raise for NaN/+inf rows, warn for emptied rows."""
+    if STATUS_BAD not in status and STATUS_EMPTY not in status:  # the common case, at C speed
+        return
     bad = [i for i, s in enumerate(status) if s == STATUS_BAD]
     if bad:
         raise ValueError(f"sampler: NaN or +inf logits (after penalties) in rows {bad}")
