@@ -226,3 +226,34 @@ def test_a_request_sent_twice_or_unknown_is_an_error():
     batch.apply(so)
     with pytest.raises(ValueError, match="sent as new twice"):
         batch.apply(so)
+
+
+def test_placeholders_filled_in_place_equal_the_general_fill(tiny_ckpt):
+    """A decode step of the same sequences in the same order as the last (the steady state of
+    async scheduling) fills its placeholders with one copy; the result equals the general
+    gather/scatter, and steps after the batch changed take the general path."""
+    from llm_inference.executor.model_runner import ModelRunner
+
+    seen = []
+    with LLM(str(tiny_ckpt), device="cpu", max_model_len=96, max_num_seqs=8) as llm:
+        runner = llm.engine.executor.workers[0].model_runner
+        fill = runner._fill_placeholders
+
+        def checked_fill(m, in_place=False):
+            seen.append(in_place)
+            if not m:
+                return fill(m, in_place)
+            ids = runner.buffers.views["input_ids"]
+            general = ids.clone()
+            ModelRunner._fill_placeholders(runner, m)  # the general path
+            general, ids[:] = ids.clone(), general
+            fill(m, in_place)
+            assert torch.equal(ids, general), in_place
+
+        runner._fill_placeholders = checked_fill
+        g = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(2, 320, (n,), generator=g).tolist() for n in (5, 9, 14, 3)]
+        params = [SamplingParams(temperature=0.0, max_tokens=t, ignore_eos=True)
+                  for t in (12, 5, 20, 8)]  # fmt: skip
+        llm.generate(prompts, params, use_tqdm=False)
+    assert True in seen and seen.count(False) >= 3  # steady steps, and steps after changes

@@ -52,6 +52,9 @@ class StepInputs:
     # their sequence): their flat indices (sources: the buffers' `placeholder_src`).
     placeholder_tokens: list[int]
     sample_batch_rows: np.ndarray | None = None  # input-batch rows of the sample rows
+    # Placeholder i is flat token i and the last step's sample i (a decode step of the same
+    # sequences in the same order, the steady state): one copy fills them all.
+    placeholders_in_place: bool = False
     # Sampling inputs written into the buffers (`sample_*`) by `prepare`: set when no sample
     # row needs its token lists (penalties, min_tokens) or logprobs, else None.
     sampling: SamplingFlags | None = None
@@ -361,6 +364,10 @@ class InputBatch:
             sample_rows=sample.tolist(),
             num_outputs=num_outputs.tolist(),
             placeholder_tokens=ph_dst.tolist(),
+            # (ph_dst rises strictly, so ending at m - 1 means it is 0..m-1)
+            placeholders_in_place=bool(len(ph_dst))
+            and ph_dst[-1] == len(ph_dst) - 1
+            and np.array_equal(ph_src, np.arange(len(ph_src))),
             sample_batch_rows=sample_rows,
             sampling=self._stage_sampling(sample_rows, num_outputs, b),
         )

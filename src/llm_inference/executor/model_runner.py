@@ -138,7 +138,7 @@ class ModelRunner:
         if key is not None:
             self.graphs.pad(key, step.num_tokens, num_seqs)
         self.buffers.to_device(num_seqs, width)
-        self._fill_placeholders(len(step.placeholder_tokens))
+        self._fill_placeholders(len(step.placeholder_tokens), step.placeholders_in_place)
         if key is not None:
             return self.graphs.replay(key, step.num_tokens)
         md = self.model.attn_backend.metadata(
@@ -149,11 +149,15 @@ class ModelRunner:
         n = step.num_tokens
         return self.model(views["input_ids"][:n], views["positions"][:n], md)
 
-    def _fill_placeholders(self, m: int) -> None:
-        """On the device: input_ids[dst] = previous step's sampled tokens[src]."""
+    def _fill_placeholders(self, m: int, in_place: bool = False) -> None:
+        """On the device: input_ids[dst] = previous step's sampled tokens[src]; `in_place`
+        (dst and src both 0..m-1): one copy instead of five small ops."""
         if not m:
             return
         views = self.buffers.views
+        if in_place:
+            views["input_ids"][:m].copy_(self.prev_tokens[:m])
+            return
         dst = views["placeholder_dst"][:m].long()
         tokens = self.prev_tokens.index_select(0, views["placeholder_src"][:m].long())
         views["input_ids"].index_copy_(0, dst, tokens.to(torch.int32))
