@@ -204,14 +204,17 @@ class ModelRunner:
         if not step.sample_rows:
             empty = ModelRunnerOutput(req_ids, [[] for _ in req_ids], [None] * len(req_ids))
             return PendingOutput.done(empty)
-        rows_idx = self.buffers.views["logits_indices"][: len(step.sample_rows)]
+        num_samples = len(step.sample_rows)
+        if num_samples == step.num_tokens:  # every token samples (decodes): rows 0..n-1
+            hidden_rows = hidden[:num_samples]
+        else:
+            hidden_rows = hidden.index_select(0, self.buffers.views["logits_indices"][:num_samples])
         if get_tp_size() > 1:  # tensor parallel: sample across the vocabulary shards
-            hidden_rows = hidden.index_select(0, rows_idx)
             out = sample_tensor_parallel(
                 self, req_ids, step.sample_rows, step.num_outputs, hidden_rows
             )
             return self._keep_sampled(req_ids, step, out)
-        logits = self.model.compute_logits(hidden.index_select(0, rows_idx))
+        logits = self.model.compute_logits(hidden_rows)
         if get_tp_rank() != 0:
             return None  # sampling happens on rank 0 only
         if step.sampling is not None:  # the per-row inputs are already on the device
