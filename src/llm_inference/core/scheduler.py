@@ -325,13 +325,11 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         """Stop tokens win over length limits when both hold on the same token."""
-        params = request.sampling_params
         num_output = request.num_output_tokens
-        if num_output >= params.min_tokens:
-            eos = token_id in request.eos_token_ids and not params.ignore_eos
-            if eos or token_id in params.stop_token_ids:
-                request.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
+        # (stop_token_set: the EOS ids unless ignore_eos, and the stop_token_ids)
+        if num_output >= request.sampling_params.min_tokens and token_id in request.stop_token_set:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
         if num_output >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if request.num_tokens >= self.config.max_model_len:
