@@ -11,7 +11,7 @@ from llm_inference.core.outputs import ModelRunnerOutput, SchedulerOutput
 from llm_inference.distributed.parallel_state import get_tp_rank, get_tp_size
 from llm_inference.executor.cuda_graph import CudaGraphs, mixed_buckets
 from llm_inference.executor.input_batch import InputBatch, InputBuffers, StepInputs
-from llm_inference.executor.pending import PendingOutput
+from llm_inference.executor.pending import PendingOutput, TokenSlots
 from llm_inference.executor.tp_sampling import sample_tensor_parallel
 from llm_inference.kernels import get_ops
 from llm_inference.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -51,6 +51,8 @@ class ModelRunner:
         self.graphs: CudaGraphs | None = None
         # The last sampling step's tokens, on the device (InputBatch.prev_sample: whose).
         self.prev_tokens = torch.zeros(0, dtype=torch.long, device=device)
+        # Pinned host buffers the sampled tokens are copied into, reused in turn.
+        self.token_slots = TokenSlots(sched.max_num_seqs) if device.type == "cuda" else None
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -171,7 +173,7 @@ class ModelRunner:
         self.input_batch.set_sampled(step.sample_batch_rows)
         if get_tp_rank() != 0:
             return None
-        return PendingOutput.launch(req_ids, step.sample_rows, out)
+        return PendingOutput.launch(req_ids, step.sample_rows, out, self.token_slots)
 
     def sampling_metadata(
         self, rows: list[int], num_outputs: list[int] | None = None
@@ -227,4 +229,4 @@ class ModelRunner:
         out = self.sampler(logits, smd, sync=sync)
         self.prev_tokens = out.token_ids
         self.input_batch.set_sampled(step.sample_batch_rows)
-        return PendingOutput.launch(req_ids, step.sample_rows, out)
+        return PendingOutput.launch(req_ids, step.sample_rows, out, self.token_slots)
