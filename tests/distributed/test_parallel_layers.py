@@ -285,3 +285,21 @@ def test_loader_reads_only_the_rank_slices(tiny_ckpt, monkeypatch):
     real = emb.shape[0] - shard
     assert torch.equal(model.embed_tokens.weight[:real], emb[shard:])
     assert not model.embed_tokens.weight[real:].any()
+
+
+def test_races_on_slices_only_for_staged_unfiltered_sampled_steps():
+    from llm_inference.executor.input_batch import SamplingFlags
+    from llm_inference.executor.tp_sampling import races_on_slices
+
+    def flags(**kw):
+        base = dict(all_greedy=False, all_random=True, any_top_k=False, max_top_k=0,
+                    any_top_p=False, any_min_p=False)  # fmt: skip
+        return SamplingFlags(**{**base, **kw})
+
+    assert races_on_slices(flags(), True)
+    assert races_on_slices(flags(all_random=False), True)  # some greedy rows among them
+    assert not races_on_slices(flags(), False)  # the PyTorch sampler: gather to rank 0
+    assert not races_on_slices(None, True)  # penalties, min_tokens or logprobs: not staged
+    assert not races_on_slices(flags(all_greedy=True, all_random=False), True)  # argmax
+    for filtered in ("any_top_k", "any_top_p", "any_min_p"):
+        assert not races_on_slices(flags(**{filtered: True}), True), filtered

@@ -112,3 +112,24 @@ def test_tp2_async_greedy_equals_tp1(folder):
     for eager in (False, True):
         got = generate(folder, "float16", 2, eager, logprobs=None)
         assert [o.token_ids for o in got] == ref, f"eager={eager}"
+
+
+def test_tp2_seeded_sampling_races_on_slices(folder):
+    """Seeded temperature sampling without logprobs: the staged inputs let each rank race over
+    its vocabulary slice (tp_sampling.distributed_race, no gather of the logits). With logprobs
+    the same requests take the gather path (rank 0 samples the whole row). Both see the same
+    logits and draw the same noise, so the tokens must be identical, greedy rows among them."""
+    runs = {}
+    for logprobs in (None, 1):
+        params = [
+            SamplingParams(temperature=0.0 if i == 2 else 0.8, seed=100 + i, max_tokens=40,
+                           ignore_eos=True, logprobs=logprobs)
+            for i in range(len(prompts()))
+        ]  # fmt: skip
+        with LLM(
+            str(folder), device="cuda", dtype="bfloat16", tensor_parallel_size=2,
+            kv_cache_memory_bytes=64 << 20, max_num_seqs=8,
+        ) as llm:  # fmt: skip
+            runs[logprobs] = [o.token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
+    assert runs[None] == runs[1]
+    assert len({tuple(t) for t in runs[None]}) == len(runs[None])  # not one repeated answer

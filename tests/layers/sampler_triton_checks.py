@@ -227,6 +227,61 @@ def check_split_race_exact(_, device: str = "cpu"):
         assert out.tolist() == want, splits
 
 
+def check_shard_race_exact(_, device: str = "cpu", width: int = 5000, ranks=(2, 3)):
+    """Tensor parallel's race (executor/tp_sampling.py): each rank races over its vocabulary
+    slice with the slice's token ids (kernels/sampling.py race_shard, the last slice padded
+    with -inf as the LM head pads it), and pick_winners over the gathered winners gives
+    `sample`'s token of the whole row exactly: ties across slices go to the lowest token id;
+    NaN rows are BAD and all -inf rows EMPTY (token 0); greedy rows take the argmax. A slice
+    that forgets its token-id offset draws other noise and picks other tokens."""
+    from llm_inference.executor.tp_sampling import pick_winners
+    from llm_inference.kernels import sampling
+
+    B = 8
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(B, width, generator=gen) * 2.0
+    logits[0, [17, width // 2 + 3]] = 40.0  # a tie across slices (greedy row)
+    logits[1, : width - 100] = float("-inf")  # only the last slice can win
+    logits[2, width // 3] = float("nan")
+    logits[3] = float("-inf")
+    keys = torch.randint(0, 2**32, (B,), generator=gen).to(torch.int32)  # the staged dtype
+    temp = torch.rand(B, generator=gen) + 0.3
+    greedy = torch.tensor([1, 0, 0, 0, 1, 0, 0, 0], dtype=torch.int32)
+    logits, keys, temp, greedy = (t.to(device) for t in (logits, keys, temp, greedy))
+    for dtype in (torch.float32, torch.bfloat16 if device != "cpu" else torch.float16):
+        x = logits.to(dtype)
+        for g in (greedy, None):
+            want = sampling.sample(x, keys, temp, g)
+            want = torch.where(want == sampling.STATUS_EMPTY, 0, want)
+            for n in ranks:
+                shard = -(-width // n)
+                padded = torch.full((B, shard * n), float("-inf"), dtype=dtype, device=device)
+                padded[:, :width] = x
+                winners = [sampling.race_shard(padded[:, r * shard : (r + 1) * shard]
+                                               .contiguous(), keys, temp, g, r * shard)
+                           for r in range(n)]  # fmt: skip
+                tokens, status = pick_winners(torch.stack(winners))
+                what = f"{dtype} greedy={g is not None} ranks={n}"
+                assert status[2] == sampling.STATUS_BAD, what
+                assert status[3] == sampling.STATUS_EMPTY and tokens[3] == 0, what
+                ok = [0, 1, 4, 5, 6, 7]  # the rows with a token: its status is the token
+                assert tokens[ok].tolist() == want[ok].tolist(), what
+                assert status[ok].tolist() == want[ok].tolist(), what
+                if g is not None:
+                    assert tokens[0] == 17, what
+    # The noise must be the token's: slices raced with their columns as ids draw other noise.
+    n, shard = 2, -(-width // 2)
+    x = torch.randn(64, width, generator=gen).to(device)
+    k = torch.randint(0, 2**32, (64,), generator=gen).to(device)
+    t = torch.ones(64, device=device)
+    want = sampling.sample(x, k, t)
+    wrong = pick_winners(torch.stack([
+        sampling.race_shard(x[:, r * shard : (r + 1) * shard].contiguous(), k, t, None, 0)
+        for r in range(n)
+    ]))[0]  # fmt: skip
+    assert (wrong != want).any()
+
+
 CHECKS = {f"distribution_{name}": (check_distribution, name) for name in CONFIGS}
 CHECKS |= {
     "chi2_helper": (check_chi2_helper, None),
@@ -241,6 +296,7 @@ CHECKS |= {
     "broken_rows": (check_broken_rows, None),
     "broken_rows_torch": (check_broken_rows, None),
     "split_race_exact": (check_split_race_exact, None),
+    "shard_race_exact": (check_shard_race_exact, None),
 }
 
 

@@ -82,3 +82,9 @@ def test_broken_rows_on_gpu():
 
 def test_split_race_equals_single_program_on_gpu():
     sampler_triton_checks.check_split_race_exact(None, "cuda")
+
+
+def test_shard_race_equals_sample_on_gpu():
+    """Tensor parallel's race over vocabulary slices at the real vocabulary (128,256 over two
+    and three ranks, the last slice padded) gives `sample`'s tokens, bfloat16 included."""
+    sampler_triton_checks.check_shard_race_exact(None, "cuda", width=128256)

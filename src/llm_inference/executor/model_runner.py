@@ -213,7 +213,7 @@ class ModelRunner:
             hidden_rows = hidden.index_select(0, self.buffers.views["logits_indices"][:num_samples])
         if get_tp_size() > 1:  # tensor parallel: sample across the vocabulary shards
             out = sample_tensor_parallel(
-                self, req_ids, step.sample_rows, step.num_outputs, hidden_rows
+                self, req_ids, step.sample_rows, step.num_outputs, hidden_rows, step.sampling
             )
             return self._keep_sampled(req_ids, step, out)
         logits = self.model.compute_logits(hidden_rows)

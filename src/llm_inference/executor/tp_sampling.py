@@ -9,6 +9,13 @@ diffs), so all ranks split the step's rows the same way and call the same collec
   is torch.argmax over the full row. A row whose gathered maxima hold NaN or +inf, or are all
   -inf, gets a status (STATUS_BAD, STATUS_EMPTY) that rank 0 reports on the host as the
   Sampler's `sync=False` path does (ValueError; a warning and the raw argmax).
+- steps whose rows all sample with temperature only (no top-k, top-p, min-p, penalties,
+  min_tokens or logprobs; greedy rows may be among them), when the sampler is the Triton one:
+  the same, with the race of the fused sampler. Its noise is a function of (seed, step, token
+  id) only, so each rank races over its slice with the slice's token ids (kernels/sampling.py
+  `race_shard`) and one all-gather of the [3, B] winners (value, token, max logit) picks the
+  first rank holding the largest value: the token `Sampler` draws from the full row. No
+  gather of the logits, no sampling on rank 0 alone, no broadcast;
 - every other row: the slices are gathered to rank 0, which runs the normal `Sampler` on the
   full logits (a seeded request draws the same tokens at any tensor-parallel size), and one
   broadcast from rank 0 gives every rank its tokens.
@@ -57,17 +64,66 @@ def distributed_argmax(local: torch.Tensor, vocab_start: int) -> tuple[torch.Ten
     return tokens, torch.where(bad, STATUS_BAD, status)
 
 
+def pick_winners(every: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`every` [ranks, 3, B] float64: each rank's race winners (value, token id, max logit)
+    -> (tokens, status) [B] int64: the token of the first rank holding the largest value (the
+    lowest token id on ties, as one race over the whole row); STATUS_BAD where a rank saw a NaN
+    or +inf logit, STATUS_EMPTY (token 0) where every logit is -inf."""
+    values, ids, tops = every[:, 0], every[:, 1], every[:, 2]
+    best = values.argmax(dim=0)  # the first rank holding the largest value
+    tokens = ids.gather(0, best[None])[0].long()
+    top = tops.amax(dim=0)
+    tokens = torch.where(top == float("-inf"), 0, tokens)
+    status = torch.where(top == float("-inf"), STATUS_EMPTY, tokens)
+    return tokens, torch.where(top.isnan() | (top == float("inf")), STATUS_BAD, status)
+
+
+def distributed_race(
+    local: torch.Tensor, vocab_start: int, keys, temperature, greedy
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Collective, on CUDA. The fused sampler's race (temperature only; `greedy` rows the
+    argmax, None: none) over the ranks' vocabulary slices `local` [B, shard]: every rank gets
+    (tokens, status) [B] int64 on the device, those `Sampler` gives for the full logits."""
+    from llm_inference.kernels import sampling
+
+    winners = sampling.race_shard(local, keys, temperature, greedy, vocab_start)
+    return pick_winners(all_gather(winners))
+
+
+def races_on_slices(flags, uses_triton: bool) -> bool:
+    """Whether a step's samples take `distributed_race`: the Triton sampler, the per-row
+    inputs staged on the device (`flags`, input_batch.SamplingFlags: no penalties,
+    min_tokens or logprobs), no top-k, top-p or min-p, and not every row greedy (those take
+    the cheaper `distributed_argmax`)."""
+    return (
+        uses_triton
+        and flags is not None
+        and not (flags.all_greedy or flags.any_top_k or flags.any_top_p or flags.any_min_p)
+    )
+
+
 def sample_tensor_parallel(
-    runner, req_ids: list[str], sample_rows: list[int], num_outputs: list[int], hidden
-) -> SamplerOutput:
+    runner, req_ids: list[str], sample_rows: list[int], num_outputs: list[int], hidden,
+    flags=None,
+) -> SamplerOutput:  # fmt: skip
     """Collective. `hidden` [R, hidden] holds the rows to sample, in order (`num_outputs`:
-    each one's output tokens before this sample, in-flight ones included). Every rank returns
-    the same `token_ids` [R] on its device; `status` and `logprobs` are rank 0's only."""
+    each one's output tokens before this sample, in-flight ones included; `flags`: the step's
+    input_batch.SamplingFlags when its sampling inputs are staged in the runner's buffers).
+    Every rank returns the same `token_ids` [R] on its device; `status` and `logprobs` are
+    rank 0's only."""
     batch = runner.input_batch
-    rows = [batch.rows[req_ids[i]] for i in sample_rows]
     lm_head = runner.model.lm_head
     local = lm_head.compute_local_logits(hidden)
-    num = len(rows)
+    num = len(sample_rows)
+    if races_on_slices(flags, runner.sampler.uses_triton(local.device)):
+        views = runner.buffers.views
+        tokens, status = distributed_race(
+            local, lm_head.vocab_start, views["sample_keys"][:num],
+            views["sample_temperature"][:num],
+            None if flags.all_random else views["sample_greedy"][:num],
+        )  # fmt: skip
+        return SamplerOutput(token_ids=tokens, logprobs=None, status=status)
+    rows = [batch.rows[req_ids[i]] for i in sample_rows]
     full = [k for k in range(num) if needs_full_logits(batch.params[rows[k]], num_outputs[k])]
     if not full:  # all plain greedy: every rank already holds every token
         tokens, status = distributed_argmax(local, lm_head.vocab_start)

@@ -100,11 +100,12 @@ def _search(row_ptr, V, t, m, lo, up, target, MASS: tl.constexpr, BLOCK: tl.cons
 
 @triton.jit
 def _race(row_ptr, V, t, key, thr, min_p, m, NOISE: tl.constexpr, FILTER: tl.constexpr,
-          BLOCK: tl.constexpr, lo):  # fmt: skip
+          BLOCK: tl.constexpr, lo, id_offset):  # fmt: skip
     """(argmax over the kept tokens in columns [lo, V) of x - log(-log u), or of x without
     NOISE; the best value; the max of x, +inf if a logit is NaN or +inf). u is uniform_noise's:
-    (mix(mix(v) + key) >> 8 + 0.5) / 2**24 with mix = lowbias32. Reductions are few on
-    purpose: each costs the interpreter ~1 ms."""
+    (mix(mix(v) + key) >> 8 + 0.5) / 2**24 with mix = lowbias32, v = id_offset + column (a
+    vocabulary shard's first token id; the returned index is the column). Reductions are few
+    on purpose: each costs the interpreter ~1 ms."""
     best = tl.full((), float("-inf"), tl.float32)
     idx = tl.full((), 0, tl.int32)
     top = tl.full((), float("-inf"), tl.float32)
@@ -114,7 +115,7 @@ def _race(row_ptr, V, t, key, thr, min_p, m, NOISE: tl.constexpr, FILTER: tl.con
         top = tl.maximum(top, tl.max(tl.where(x != x, float("inf"), x)))
         s = x
         if NOISE:
-            h = cols.to(tl.uint32)
+            h = (cols + id_offset).to(tl.uint32)
             for _ in tl.static_range(2):  # mix(mix(v) + key)
                 h = h ^ (h >> 16)
                 h = h * _C1
@@ -163,7 +164,7 @@ def _sample_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, top_k_ptr
     if HAS_MIN_P:
         min_p = tl.load(min_p_ptr + row)
     if greedy != 0:
-        idx, _, top = _race(row_ptr, V, 1.0, key, 0.0, 0.0, 0.0, False, False, BLOCK, 0)
+        idx, _, top = _race(row_ptr, V, 1.0, key, 0.0, 0.0, 0.0, False, False, BLOCK, 0, 0)
     elif (k < V) | (p < 1.0) | (min_p > 0.0):
         m, fmin = _stats(row_ptr, V, t, BLOCK)
         ok = (m > float("-inf")) & (m < float("inf"))
@@ -174,9 +175,9 @@ def _sample_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, top_k_ptr
         if HAS_TOP_P:
             if ok & (p < 1.0):
                 thr = _search(row_ptr, V, t, m, thr, m, p, True, SEARCH_BLOCK, NP)
-        idx, _, top = _race(row_ptr, V, t, key, thr, min_p, m, True, True, BLOCK, 0)
+        idx, _, top = _race(row_ptr, V, t, key, thr, min_p, m, True, True, BLOCK, 0, 0)
     else:
-        idx, _, top = _race(row_ptr, V, t, key, 0.0, 0.0, 0.0, True, False, BLOCK, 0)
+        idx, _, top = _race(row_ptr, V, t, key, 0.0, 0.0, 0.0, True, False, BLOCK, 0, 0)
     _store_token(out_ptr + row, idx, top)
 
 
@@ -189,9 +190,11 @@ def _store_token(out_ptr, idx, top):
 
 @triton.jit
 def _split_race_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, part_ptr, idx_ptr,
-                       V, chunk, HAS_GREEDY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                       V, chunk, id_offset, HAS_GREEDY: tl.constexpr,
+                       BLOCK: tl.constexpr):  # fmt: skip
     """Program (row, s): the race over columns [s * chunk, (s + 1) * chunk) of the row (greedy
-    rows: the plain argmax). part [2, B, S] float32: best value, max logit; idx [B, S]."""
+    rows: the plain argmax); column c is token id_offset + c. part [2, B, S] float32: best
+    value, max logit; idx [B, S]."""
     row = tl.program_id(0)
     s = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -202,11 +205,12 @@ def _split_race_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, part_
     if HAS_GREEDY:
         greedy = tl.load(greedy_ptr + row).to(tl.int32)
     if greedy != 0:
-        idx, best, top = _race(row_ptr, hi, 1.0, 0, 0.0, 0.0, 0.0, False, False, BLOCK, lo)
+        idx, best, top = _race(row_ptr, hi, 1.0, 0, 0.0, 0.0, 0.0, False, False, BLOCK, lo, 0)
     else:
         t = tl.load(temp_ptr + row)
         key = tl.load(keys_ptr + row).to(tl.uint32)
-        idx, best, top = _race(row_ptr, hi, t, key, 0.0, 0.0, 0.0, True, False, BLOCK, lo)
+        idx, best, top = _race(row_ptr, hi, t, key, 0.0, 0.0, 0.0, True, False, BLOCK, lo,
+                               id_offset)  # fmt: skip
     slot = row * num_splits + s
     tl.store(part_ptr + slot, best)
     tl.store(part_ptr + tl.num_programs(0) * num_splits + slot, top)
@@ -214,19 +218,27 @@ def _split_race_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, part_
 
 
 @triton.jit
-def _merge_kernel(part_ptr, idx_ptr, out_ptr, B, num_splits, BLOCK_S: tl.constexpr):
+def _merge_kernel(part_ptr, idx_ptr, out_ptr, B, num_splits, id_offset, BLOCK_S: tl.constexpr,
+                  RAW: tl.constexpr):  # fmt: skip
     """Per row: the first split holding the largest best value (so the first index on ties),
-    and the largest max logit for the status."""
+    and the largest max logit for the status. RAW (a vocabulary shard, race_shard): out is
+    float64 [3, B], the best value, its token id (id_offset + index) and the max logit."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_S)
     mask = offs < num_splits
     base = row * num_splits
     best = tl.load(part_ptr + base + offs, mask=mask, other=float("-inf"))
     top = tl.max(tl.load(part_ptr + B * num_splits + base + offs, mask=mask, other=float("-inf")))
-    first = tl.min(tl.where(mask & (best == tl.max(best)), offs, BLOCK_S))
+    value = tl.max(best)
+    first = tl.min(tl.where(mask & (best == value), offs, BLOCK_S))
     first = tl.where(first == BLOCK_S, 0, first)  # every best -inf: split 0 (index 0 then)
     idx = tl.load(idx_ptr + base + first)
-    _store_token(out_ptr + row, idx, top)
+    if RAW:
+        tl.store(out_ptr + row, value.to(tl.float64))
+        tl.store(out_ptr + B + row, (idx + id_offset).to(tl.float64))
+        tl.store(out_ptr + 2 * B + row, top.to(tl.float64))
+    else:
+        _store_token(out_ptr + row, idx, top)
 
 
 def _check_row_param(name: str, x: torch.Tensor | None, B: int, dtypes, device) -> None:
@@ -300,7 +312,10 @@ def race_splits(B: int, V: int, block: int) -> int:
     return max(1, min(blocks, SPLIT_PROGRAMS // max(B, 1)))
 
 
-def _split_race(logits, keys, temperature, greedy, dummy, out, splits: int, block: int):
+def _split_race(
+    logits, keys, temperature, greedy, dummy, out, splits: int, block: int,
+    id_offset: int = 0, raw: bool = False,
+):  # fmt: skip
     B, V = logits.shape
     blocks = -(-V // block)
     chunk = -(-blocks // splits) * block
@@ -309,7 +324,43 @@ def _split_race(logits, keys, temperature, greedy, dummy, out, splits: int, bloc
     idx = torch.empty(B * splits, dtype=torch.int32, device=logits.device)
     _split_race_kernel[(B, splits)](
         logits, logits.stride(0), keys, temperature, _greedy_arg(greedy, dummy), part, idx,
-        V, chunk, HAS_GREEDY=greedy is not None, BLOCK=block, num_warps=8,
+        V, chunk, id_offset, HAS_GREEDY=greedy is not None, BLOCK=block, num_warps=8,
     )  # fmt: skip
-    _merge_kernel[(B,)](part, idx, out, B, splits, BLOCK_S=triton.next_power_of_2(splits))
+    _merge_kernel[(B,)](
+        part, idx, out, B, splits, id_offset, BLOCK_S=triton.next_power_of_2(splits), RAW=raw
+    )
     return out
+
+
+def race_shard(
+    logits: torch.Tensor,
+    keys: torch.Tensor,
+    temperature: torch.Tensor,
+    greedy: torch.Tensor | None,
+    vocab_start: int,
+) -> torch.Tensor:
+    """The race of `sample` (rows without top-k, top-p or min-p) over one vocabulary shard:
+    logits [B, Vs] whose column c is token vocab_start + c (drawing that token's noise) ->
+    float64 [3, B]: each row's best race value (the raw logit on greedy rows), its token id
+    and the shard's max logit (+inf if a logit is NaN or +inf). Over the shards of a row, the
+    first one holding the largest best value has `sample`'s token of the whole row
+    (tp_sampling.distributed_race)."""
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    if logits.dim() != 2 or logits.dtype not in floats or logits.stride(1) != 1:
+        what = f"{tuple(logits.shape)} {logits.dtype} strides {logits.stride()}"
+        raise ValueError(f"logits must be float [B, V], last dim contiguous, got {what}")
+    B, V = logits.shape
+    dev = logits.device
+    _check_row_param("keys", keys, B, (torch.int64, torch.int32), dev)
+    _check_row_param("temperature", temperature, B, torch.float32, dev)
+    _check_row_param("greedy", greedy, B, (torch.bool, torch.int32), dev)
+    out = torch.empty(3 * B, dtype=torch.float64, device=dev)
+    if B and V:
+        block = min(BLOCK, triton.next_power_of_2(V))
+        splits = race_splits(B, V, block)
+        _split_race(logits, keys, temperature, greedy, temperature, out, splits, block,
+                    vocab_start, raw=True)  # fmt: skip
+    elif B:  # an empty shard: nothing to win
+        out.fill_(float("-inf"))
+        out[B : 2 * B] = vocab_start
+    return out.view(3, B)
