@@ -8,13 +8,20 @@ async scheduling must hide, and that NOTES.md counts per request. Decode steps a
 1 / 64 / 256 (16-token prompts, 200 new tokens, temperature 0.6, final outputs only as
 `LLM.generate` asks), median over 5 runs of the mean ms per step.
 
+`--throughput` runs `bench throughput`'s workload (256 requests, in/out lengths uniform in
+[100, 1024], temperature 0.6, seeded; prompt ids folded into the small vocabulary) through the
+stub with async scheduling, and counts its steps: how many carry prompt tokens (mixed) and
+how many only decode, the decode batch sizes, and the host's ms per step of each kind. Against
+the GPU's measured throughput run, this says how many steps the run has and what the host
+costs per step where async scheduling cannot hide it.
+
 `--phases` instead splits the host's step at batch 64 and 256 (greedy, no detokenization, one
 step at a time) into the scheduler's `schedule` (with the SchedulerOutput) and
 `update_from_output`, the worker's `apply` and `prepare` (the input batch), the rest of
 `execute_model` (here the stub, the LM head and the sampler on the CPU: on a GPU, copies and
 launches instead) and the output processor, ms per step, medians of 3 runs after one.
 
-    PYTHONPATH=src:tests python3 benchmarks/host_step.py [--phases]
+    PYTHONPATH=src:tests python3 benchmarks/host_step.py [--phases | --throughput]
 """
 
 from __future__ import annotations
@@ -127,8 +134,56 @@ def phases(folder: Path) -> None:
         print(f"| {batch} | " + " | ".join(f"{c:.3f}" for c in cells) + " |", flush=True)
 
 
+def throughput_steps() -> None:
+    from llm_inference.entrypoints.bench import throughput_workload
+
+    folder = make_checkpoint(Path(tempfile.mkdtemp()), max_position_embeddings=2048)
+    prompts, params = throughput_workload(ids=300)
+    with LLM(str(folder), device="cpu", max_num_seqs=256, max_model_len=2048) as llm:
+        stub_forward(llm.engine.executor.workers[0].model_runner)
+        core = llm.engine.core
+        steps = []  # (prompt tokens, decode rows, host seconds from this schedule to the next)
+        schedule = core.scheduler.schedule
+
+        def record():
+            so = schedule()
+            now = time.perf_counter()
+            if steps:
+                steps[-1][2] = now - steps[-1][2]
+            decodes = sum(1 for n in so.num_scheduled_tokens.values() if n == 1)
+            prompt = so.total_num_scheduled_tokens - decodes
+            steps.append([prompt, decodes, now])
+            return so
+
+        core.scheduler.schedule = record
+        llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up
+        steps.clear()
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+    steps = [s for s in steps[:-1] if s[0] or s[1]]  # the last one's time is open
+    mixed = [s for s in steps if s[0]]
+    decode = [s for s in steps if not s[0]]
+    print(f"{len(steps)} steps in {wall:.2f} s: {len(mixed)} with prompt tokens "
+          f"({sum(s[0] for s in mixed):,} prompt tokens, {sum(s[1] for s in mixed):,} decodes "
+          f"among them), {len(decode)} decode-only")  # fmt: skip
+    print("| steps | count | mean batch (decodes) | host ms/step (median) |")
+    print("|---|---|---|---|")
+    for name, group in (("with prompt tokens", mixed), ("decode only", decode)):
+        if group:
+            batch = statistics.mean(s[1] for s in group)
+            host = statistics.median(s[2] for s in group) * 1e3
+            print(f"| {name} | {len(group)} | {batch:.1f} | {host:.3f} |")
+    for lo, hi in ((129, 256), (65, 128), (17, 64), (1, 16)):
+        n = sum(1 for s in decode if lo <= s[1] <= hi)
+        print(f"decode-only steps with {lo}-{hi} rows: {n}")
+
+
 def main() -> None:
     torch.set_num_threads(1)
+    if "--throughput" in sys.argv[1:]:
+        throughput_steps()
+        return
     folder = make_checkpoint(Path(tempfile.mkdtemp()), max_position_embeddings=512)
     if "--phases" in sys.argv[1:]:
         phases(folder)
