@@ -31,3 +31,29 @@ def results() -> tuple[dict[str, str], str]:
 def test_sampling_kernel_in_interpreter(results, name):
     status, log = results
     assert status.get(name) == "ok", log[-8000:]
+
+
+@pytest.mark.parametrize("launcher", ["sample", "race_shard"])
+def test_launchers_reject_bad_inputs(launcher):
+    """The checks `sample` and `race_shard` share raise before any launch, naming the input."""
+    import torch
+
+    from llm_inference.kernels import sampling
+
+    def call(logits, keys, temperature, greedy=None):
+        if launcher == "sample":
+            return sampling.sample(logits, keys, temperature, greedy)
+        return sampling.race_shard(logits, keys, temperature, greedy, 0)
+
+    x, keys, temp = torch.randn(3, 10), torch.zeros(3, dtype=torch.int64), torch.ones(3)
+    for bad, name in (
+        ((x[0], keys, temp), "logits"),
+        ((x.long(), keys, temp), "logits"),
+        ((x.t(), keys, temp), "logits"),
+        ((x, keys[:2], temp), "keys"),
+        ((x, keys.float(), temp), "keys"),
+        ((x, keys, temp.double()), "temperature"),
+        ((x, keys, temp, torch.zeros(3)), "greedy"),
+    ):
+        with pytest.raises(ValueError, match=name):
+            call(*bad)

@@ -247,6 +247,20 @@ def _check_row_param(name: str, x: torch.Tensor | None, B: int, dtypes, device) 
         raise ValueError(f"{name} must be [{B}] {dtypes} on {device}, got {x.shape} {x.dtype}")
 
 
+def _check_race_args(logits, keys, temperature, greedy) -> tuple[int, int]:
+    """The checks `sample` and `race_shard` share; returns (B, V)."""
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    if logits.dim() != 2 or logits.dtype not in floats or logits.stride(1) != 1:
+        what = f"{tuple(logits.shape)} {logits.dtype} strides {logits.stride()}"
+        raise ValueError(f"logits must be float [B, V], last dim contiguous, got {what}")
+    B, V = logits.shape
+    dev = logits.device
+    _check_row_param("keys", keys, B, (torch.int64, torch.int32), dev)
+    _check_row_param("temperature", temperature, B, torch.float32, dev)
+    _check_row_param("greedy", greedy, B, (torch.bool, torch.int32), dev)
+    return B, V
+
+
 def _greedy_arg(greedy: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
     if greedy is None:
         return dummy
@@ -270,15 +284,8 @@ def sample(
     int64 or int32 (>= V: off); top_p [B] float32 in (0, 1] (1: off); min_p [B] float32 in
     [0, 1] (0: off). None means off for every row.
     """
-    floats = (torch.float32, torch.bfloat16, torch.float16)
-    if logits.dim() != 2 or logits.dtype not in floats or logits.stride(1) != 1:
-        what = f"{tuple(logits.shape)} {logits.dtype} strides {logits.stride()}"
-        raise ValueError(f"logits must be float [B, V], last dim contiguous, got {what}")
-    B, V = logits.shape
+    B, V = _check_race_args(logits, keys, temperature, greedy)
     dev = logits.device
-    _check_row_param("keys", keys, B, (torch.int64, torch.int32), dev)
-    _check_row_param("temperature", temperature, B, torch.float32, dev)
-    _check_row_param("greedy", greedy, B, (torch.bool, torch.int32), dev)
     _check_row_param("top_k", top_k, B, (torch.int64, torch.int32), dev)
     _check_row_param("top_p", top_p, B, torch.float32, dev)
     _check_row_param("min_p", min_p, B, torch.float32, dev)
@@ -345,16 +352,8 @@ def race_shard(
     and the shard's max logit (+inf if a logit is NaN or +inf). Over the shards of a row, the
     first one holding the largest best value has `sample`'s token of the whole row
     (tp_sampling.distributed_race)."""
-    floats = (torch.float32, torch.bfloat16, torch.float16)
-    if logits.dim() != 2 or logits.dtype not in floats or logits.stride(1) != 1:
-        what = f"{tuple(logits.shape)} {logits.dtype} strides {logits.stride()}"
-        raise ValueError(f"logits must be float [B, V], last dim contiguous, got {what}")
-    B, V = logits.shape
-    dev = logits.device
-    _check_row_param("keys", keys, B, (torch.int64, torch.int32), dev)
-    _check_row_param("temperature", temperature, B, torch.float32, dev)
-    _check_row_param("greedy", greedy, B, (torch.bool, torch.int32), dev)
-    out = torch.empty(3 * B, dtype=torch.float64, device=dev)
+    B, V = _check_race_args(logits, keys, temperature, greedy)
+    out = torch.empty(3 * B, dtype=torch.float64, device=logits.device)
     if B and V:
         block = min(BLOCK, triton.next_power_of_2(V))
         splits = race_splits(B, V, block)
