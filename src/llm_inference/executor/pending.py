@@ -103,8 +103,7 @@ class PendingOutput:
         if self._event is not None:
             self._event.synchronize()
         tokens, status = self._host.tolist()
-        self._host = self._event = None
-        report_status(status)
+        report_status(status)  # may raise: then the tokens stay, and so does the error
         n = len(self._req_ids)
         logprobs: list[object | None] = [None] * n
         if len(self._rows) == n:  # every request sampled (decodes): rows are 0..n-1
@@ -117,6 +116,7 @@ class PendingOutput:
             for k, i in enumerate(self._rows):
                 logprobs[i] = self._logprobs[k]
         self._done = ModelRunnerOutput(self._req_ids, sampled, logprobs)
+        self._host = self._event = None
 
     def leave_slot(self) -> None:
         """Move the copied tokens out of their TokenSlots buffer (waiting for the copy), if
