@@ -22,7 +22,9 @@ VC=/tmp/vc/call4
  fi)
 $B latency --model "$SHAPE" --tensor-parallel-size "$TP" \
   --json "$OUT/ours_${SHAPE}${SUFFIX}_latency.json" 2>&1 | grep -v "it/s" | tail -7
-$B throughput --model "$SHAPE" --tensor-parallel-size "$TP" \
+# Token ids only, as vllm_bench.py asks of vLLM (detokenize=False); until 2026-11-30's
+# seventh session ours also made the text.
+$B throughput --model "$SHAPE" --tensor-parallel-size "$TP" --disable-detokenize \
   --json "$OUT/ours_${SHAPE}${SUFFIX}_throughput.json" 2>&1 | tail -1
 if [ "${PREFILL:-0}" = 1 ]; then
   $B prefill --model "$SHAPE" --max-model-len 8192 \

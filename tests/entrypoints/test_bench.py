@@ -23,6 +23,26 @@ def test_throughput_counts_every_requested_token(llm):
     assert llm.stats()["num_free_kv_blocks"] == llm.stats()["num_kv_blocks"]
 
 
+def test_throughput_without_detokenizing(llm, monkeypatch):
+    """`--disable-detokenize` (as in vLLM's bench): the same workload, token ids only; the
+    tokens are those of the run that makes text."""
+    prompts, params = bench.throughput_workload(5, 3, 9, ids=300, detokenize=False)
+    same_prompts, with_text = bench.throughput_workload(5, 3, 9, ids=300)
+    assert prompts == same_prompts and not any(p.detokenize for p in params)
+    assert [p.max_tokens for p in params] == [p.max_tokens for p in with_text]
+    ids_only = llm.generate(prompts, params, use_tqdm=False)
+    texts = llm.generate(prompts, with_text, use_tqdm=False)
+    assert all(o.text == "" for o in ids_only) and any(o.text for o in texts)
+    assert [o.token_ids for o in ids_only] == [o.token_ids for o in texts]
+    seen = {}
+    monkeypatch.setattr(bench, "_timed_generate",
+                        lambda llm, prompts, params: seen.update(p=params) or 1.0)  # fmt: skip
+    bench.throughput(llm, num_prompts=5, lo=3, hi=9, ids=300, detokenize=False)
+    assert not any(p.detokenize for p in seen["p"])
+    args = build_parser().parse_args(["bench", "throughput", "--disable-detokenize"])
+    assert args.disable_detokenize
+
+
 def test_throughput_profile_covers_the_timed_requests_only(llm, monkeypatch):
     """`bench throughput --profile`'s second run: no warm-up of its own (one generate call,
     all the requests), each rank's kernel seconds and top operators (on the CPU)."""

@@ -228,17 +228,25 @@ def prefill(llm, seed: int = 0, profile: bool = False, trace_dir: str | None = N
 
 
 def throughput_workload(
-    num_prompts: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0, ids: int = 10000
-):
+    num_prompts: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0, ids: int = 10000,
+    detokenize: bool = True,
+):  # fmt: skip
     """(prompts, params) of the throughput benchmark: prompt ids in [0, ids), lengths and
-    max_tokens uniform in [lo, hi], temperature 0.6, ignore_eos, request i seeded with i."""
+    max_tokens uniform in [lo, hi], temperature 0.6, ignore_eos, request i seeded with i;
+    `detokenize=False`: token ids only (vLLM's `--disable-detokenize`)."""
     from llm_inference import SamplingParams
 
     rng = random.Random(seed)
     lengths = [rng.randint(lo, hi) for _ in range(num_prompts)]
     prompts = [[rng.randrange(ids) for _ in range(n)] for n in lengths]
     params = [
-        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(lo, hi), seed=i)
+        SamplingParams(
+            temperature=0.6,
+            ignore_eos=True,
+            max_tokens=rng.randint(lo, hi),
+            seed=i,
+            detokenize=detokenize,
+        )
         for i in range(num_prompts)
     ]
     return prompts, params
@@ -246,11 +254,11 @@ def throughput_workload(
 
 def throughput(
     llm, num_prompts: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0, ids: int = 10000,
-    warmup: bool = True,
+    warmup: bool = True, detokenize: bool = True,
 ):  # fmt: skip
     """The 256-request workload (`throughput_workload`); after a warm-up on the first 8
     (unless `warmup` is False: a run right after another)."""
-    prompts, params = throughput_workload(num_prompts, lo, hi, seed, ids)
+    prompts, params = throughput_workload(num_prompts, lo, hi, seed, ids, detokenize)
     if warmup:
         _timed_generate(llm, prompts[:8], params[:8])
     dt = _timed_generate(llm, prompts, params)
@@ -275,6 +283,10 @@ def add_bench_args(p: argparse.ArgumentParser, kind: str | None = None) -> None:
     p.add_argument("--model", default="llama-3.2-1b",
                    help=f"checkpoint folder or a named shape: {', '.join(SHAPES)}")  # fmt: skip
     p.add_argument("--num-prompts", type=int, default=256, help="throughput requests")
+    p.add_argument(
+        "--disable-detokenize", action="store_true",
+        help="throughput: token ids only, no text (as vLLM's flag of that name)",
+    )  # fmt: skip
     p.add_argument("--batches", default="1,8,64,256", help="latency batch sizes")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
@@ -341,9 +353,12 @@ def run_bench(args) -> dict:
         kw["enable_prefix_caching"] = False
     with LLM(str(folder), **kw) as llm:
         if args.kind == "throughput":
-            res.update(throughput(llm, args.num_prompts))
+            detok = not args.disable_detokenize
+            res.update(throughput(llm, args.num_prompts, detokenize=detok))
+            if not detok:
+                res["detokenize"] = False
             if args.profile:  # a second run, profiled: each rank's kernel time against the wall
-                ranks = _kernel_profile_throughput(llm, args.num_prompts)
+                ranks = _kernel_profile_throughput(llm, args.num_prompts, detokenize=detok)
                 res["profile"] = ranks
         elif args.kind == "prefill":
             res.update(prefill(llm, profile=bool(args.profile), trace_dir=args.trace_dir))
