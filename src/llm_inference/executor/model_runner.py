@@ -167,8 +167,9 @@ class ModelRunner:
     def _keep_sampled(
         self, req_ids: list[str], step: StepInputs, out: SamplerOutput
     ) -> PendingOutput | None:
-        """Tensor parallel: every rank holds the step's tokens (the same tensor on each), so
-        each fills the next step's placeholders itself; rank 0 starts their copy to the host."""
+        """The step's tokens stay on the device for the next step's placeholders (at TP > 1
+        every rank holds the same tensor and fills its own); rank 0 starts their copy to the
+        host."""
         self.prev_tokens = out.token_ids
         self.input_batch.set_sampled(step.sample_batch_rows)
         if get_tp_rank() != 0:
@@ -226,7 +227,4 @@ class ModelRunner:
             )  # fmt: skip
         else:
             smd = self.sampling_metadata(step.sample_batch_rows.tolist(), step.num_outputs)
-        out = self.sampler(logits, smd, sync=sync)
-        self.prev_tokens = out.token_ids
-        self.input_batch.set_sampled(step.sample_batch_rows)
-        return PendingOutput.launch(req_ids, step.sample_rows, out, self.token_slots)
+        return self._keep_sampled(req_ids, step, self.sampler(logits, smd, sync=sync))
