@@ -11,12 +11,17 @@ to read. One process (TP=1).
 
     PYTHONPATH=src python3 benchmarks/decode_gaps.py [--model llama-3.2-1b] [--batch 64]
         [--steps 40] [--json PATH] [--trace-dir DIR]
+    PYTHONPATH=src python3 benchmarks/decode_gaps.py --throughput [--slices 20]
+
+`--throughput` profiles the whole 256-request run of `bench throughput` instead: busy and
+idle over the run, and per slice of time the busy fraction and the decode steps launched.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import random
 import tempfile
@@ -37,16 +42,21 @@ def busy_intervals(kernels: list[tuple[float, float]]) -> list[tuple[float, floa
     return [(a, b) for a, b in merged]
 
 
-def analyse(trace: dict, top: int = 8) -> dict:
+def analyse(trace: dict, top: int = 8, whole: bool = False, slices: int = 0) -> dict:
     """GPU busy/idle over the decode window of a Chrome trace, the gaps by size, and the host
     events overlapping the `top` largest gaps. The window starts after the longest kernel
-    (the prefill of the prompts) and ends at the last kernel."""
+    (the prefill of the prompts), or at the first kernel if `whole`, and ends at the last
+    kernel. `slices` > 0: also the window cut into that many equal spans of time, each with its
+    GPU busy fraction and the CUDA graph launches (decode steps) the host made in it."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if not kernels:
         raise ValueError("no GPU kernels in the trace")
-    prefill = max(kernels, key=lambda e: e["dur"])
-    start = prefill["ts"] + prefill["dur"]
+    if whole:
+        start = min(e["ts"] for e in kernels)
+    else:
+        prefill = max(kernels, key=lambda e: e["dur"])
+        start = prefill["ts"] + prefill["dur"]
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if e["ts"] >= start]
     busy = busy_intervals(spans)
     end = busy[-1][1]
@@ -68,13 +78,33 @@ def analyse(trace: dict, top: int = 8) -> dict:
         largest.append({"gap_us": round(size, 1), "host": names.most_common(6)})
     window = end - start
     idle = sum(s for s, _, _ in gaps)
-    return {
+    out = {
         "window_us": window,
         "busy_us": window - idle,
         "idle_us": idle,
         "gaps": {k: {"count": sizes[k], "us": round(totals[k], 1)} for k in sizes},
         "largest": largest,
     }
+    if slices:
+        width = window / slices
+        launches = [e["ts"] for e in host if e["name"] == "cudaGraphLaunch"]
+        out["slices"] = [
+            {
+                "busy": round(
+                    _overlap(busy, start + i * width, start + (i + 1) * width) / width, 3
+                ),
+                "graph_launches": sum(
+                    start + i * width <= t < start + (i + 1) * width for t in launches
+                ),
+            }  # fmt: skip
+            for i in range(slices)
+        ]
+        out["slice_ms"] = width / 1e3
+    return out
+
+
+def _overlap(intervals: list[tuple[float, float]], a: float, b: float) -> float:
+    return sum(max(0.0, min(b, hi) - max(a, lo)) for lo, hi in intervals)
 
 
 def main() -> None:
@@ -82,35 +112,61 @@ def main() -> None:
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument(
+        "--throughput", action="store_true",
+        help="profile the 256-request throughput run instead (bench throughput's settings, "
+        "token ids only), the whole run, in --slices spans of time",
+    )  # fmt: skip
+    p.add_argument("--slices", type=int, default=20)
     p.add_argument("--trace-dir", default=None)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     import torch
 
     from llm_inference import LLM, SamplingParams
-    from llm_inference.entrypoints.bench import random_checkpoint
+    from llm_inference.entrypoints.bench import random_checkpoint, throughput
 
     folder = random_checkpoint(args.model)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(VOCAB - 256) for _ in range(128)] for _ in range(args.batch)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True)
     trace_dir = Path(args.trace_dir or tempfile.mkdtemp())
-    with LLM(str(folder), dtype="bfloat16", max_model_len=1024, enable_prefix_caching=False,
-             kv_cache_memory_bytes=4 << 30, max_num_seqs=max(256, args.batch)) as llm:  # fmt: skip
-        for _ in range(2):
-            llm.generate(prompts, params, use_tqdm=False)
+    if args.throughput:  # as `bench throughput --disable-detokenize`
+        kw = dict(max_model_len=4096, gpu_memory_utilization=0.85, max_num_seqs=256)
+    else:
+        kw = dict(max_model_len=1024, kv_cache_memory_bytes=4 << 30,
+                  max_num_seqs=max(256, args.batch))  # fmt: skip
+    with LLM(str(folder), dtype="bfloat16", enable_prefix_caching=False, **kw) as llm:
+        if args.throughput:
+            run = functools.partial(throughput, llm, detokenize=False)
+            unprofiled = run()
+            run = functools.partial(run, warmup=False)
+        else:
+            rng = random.Random(0)
+            prompts = [[rng.randrange(VOCAB - 256) for _ in range(128)] for _ in range(args.batch)]
+            params = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True)
+            run = functools.partial(llm.generate, prompts, params, use_tqdm=False)
+            for _ in range(2):
+                run()
         llm.start_profile(str(trace_dir))
-        llm.generate(prompts, params, use_tqdm=False)
+        run()
         torch.cuda.synchronize()
         llm.stop_profile()
     with open(trace_dir / "rank0.json") as f:
-        result = analyse(json.load(f))
-    result.update(model=args.model, batch=args.batch, steps=args.steps,
-                  device=torch.cuda.get_device_name())  # fmt: skip
-    per_step = {k: result[k] / args.steps / 1e3 for k in ("window_us", "busy_us", "idle_us")}
-    print(f"{args.model} batch {args.batch}, {args.steps} decode steps under the profiler: "
-          f"{per_step['window_us']:.3f} ms/step, GPU busy {per_step['busy_us']:.3f}, "
-          f"idle {per_step['idle_us']:.3f}")  # fmt: skip
+        result = analyse(json.load(f), whole=args.throughput,
+                         slices=args.slices if args.throughput else 0)  # fmt: skip
+    result.update(model=args.model, device=torch.cuda.get_device_name())
+    if args.throughput:
+        result.update(unprofiled=unprofiled)
+        print(f"{args.model} throughput run: unprofiled {unprofiled['seconds']:.3f} s "
+              f"({unprofiled['output_tok_per_s']:,.0f} output tok/s); profiled window "
+              f"{result['window_us'] / 1e6:.3f} s, GPU busy {result['busy_us'] / 1e6:.3f} s, "
+              f"idle {result['idle_us'] / 1e6:.3f} s")  # fmt: skip
+        print(f"slices of {result['slice_ms']:.1f} ms: busy fraction / graph launches")
+        print("  " + " ".join(f"{s['busy']:.2f}/{s['graph_launches']}" for s in result["slices"]))
+    else:
+        result.update(batch=args.batch, steps=args.steps)
+        per_step = {k: result[k] / args.steps / 1e3 for k in ("window_us", "busy_us", "idle_us")}
+        print(f"{args.model} batch {args.batch}, {args.steps} decode steps under the profiler: "
+              f"{per_step['window_us']:.3f} ms/step, GPU busy {per_step['busy_us']:.3f}, "
+              f"idle {per_step['idle_us']:.3f}")  # fmt: skip
     print("gaps:", json.dumps(result["gaps"]))
     for g in result["largest"]:
         print(f"  {g['gap_us']:8.1f} us  " + ", ".join(f"{n} ({us})" for n, us in g["host"]))
