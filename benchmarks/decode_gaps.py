@@ -100,6 +100,14 @@ def analyse(trace: dict, top: int = 8, whole: bool = False, slices: int = 0) -> 
             for i in range(slices)
         ]
         out["slice_ms"] = width / 1e3
+        by_name = collections.defaultdict(lambda: [0.0, 0])
+        for e in kernels:
+            by_name[e["name"]][0] += e["dur"]
+            by_name[e["name"]][1] += 1
+        ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
+        out["kernels"] = [
+            {"name": n, "ms": round(us / 1e3, 3), "calls": c} for n, (us, c) in ranked
+        ]
     return out
 
 
@@ -161,6 +169,9 @@ def main() -> None:
               f"idle {result['idle_us'] / 1e6:.3f} s")  # fmt: skip
         print(f"slices of {result['slice_ms']:.1f} ms: busy fraction / graph launches")
         print("  " + " ".join(f"{s['busy']:.2f}/{s['graph_launches']}" for s in result["slices"]))
+        print("kernels (ms, calls):")
+        for k in result["kernels"][:40]:
+            print(f"  {k['ms']:9.3f} {k['calls']:7d}  {k['name'][:100]}")
     else:
         result.update(batch=args.batch, steps=args.steps)
         per_step = {k: result[k] / args.steps / 1e3 for k in ("window_us", "busy_us", "idle_us")}
