@@ -3,6 +3,7 @@ the comparisons and process-table checks several test folders share."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -205,3 +206,22 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def triton_compiles():
+    """The names of the Triton kernels compiled (in-memory cache misses, loads from the disk
+    cache included) while the block runs, in a list the block can read after it."""
+    import triton
+
+    names: list[str] = []
+    old = triton.knobs.runtime.jit_post_compile_hook
+
+    def hook(*args, **kw):
+        names.append(kw["fn"].name)
+
+    triton.knobs.runtime.jit_post_compile_hook = hook
+    try:
+        yield names
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = old

@@ -50,3 +50,24 @@ def test_triton_greedy_equals_reference(tmp_path, head_dim, block_size, eager):
     # Before the first difference the sequences are identical; at it, the reference must have
     # found the two tokens nearly tied.
     assert_greedy_close(runs["auto"], runs["reference"], NEAR_TIE, "Triton")
+
+
+def test_first_requests_compile_nothing(tmp_path):
+    """Engine start compiles every Triton kernel its steps launch (graph capture for the model,
+    a warm-up for the sampler), so requests of any batch size, sampled or greedy, wait for no
+    compile: before, a run's first steps at each new batch size compiled the sampler's merge."""
+    from helpers import triton_compiles
+
+    folder = make_sharp_checkpoint(tmp_path, head_dim=64)
+    with LLM(str(folder), device="cuda", dtype="bfloat16", kv_cache_memory_bytes=64 << 20,
+             max_num_seqs=16) as llm:  # fmt: skip
+        prompts = _prompts()
+        with triton_compiles() as compiled:
+            for n in (1, 3, 6, 6 * 2):
+                batch = (prompts * 2)[:n]
+                sampled = [SamplingParams(temperature=0.8, seed=i, max_tokens=9) for i in range(n)]
+                llm.generate(batch, sampled, use_tqdm=False)
+                mixed = [SamplingParams(temperature=0.0 if i % 2 else 0.8, max_tokens=9)
+                         for i in range(n)]  # fmt: skip
+                llm.generate(batch, mixed, use_tqdm=False)
+    assert compiled == []

@@ -88,3 +88,32 @@ def test_shard_race_equals_sample_on_gpu():
     """Tensor parallel's race over vocabulary slices at the real vocabulary (128,256 over two
     and three ranks, the last slice padded) gives `sample`'s tokens, bfloat16 included."""
     sampler_triton_checks.check_shard_race_exact(None, "cuda", width=128256)
+
+
+def test_no_compiles_after_warm_up_at_any_batch():
+    """After `warm_up` at the largest batch, the race at every batch size of a run (split or
+    not, with and without greedy rows, whole rows and vocabulary slices) compiles nothing: the
+    batch size and split count are not specialized. Before, each new batch size could cost a
+    compile in the middle of a run."""
+    from helpers import triton_compiles
+
+    from llm_inference.kernels import sampling
+
+    dev = "cuda"
+    logits = torch.randn(B, V, device=dev).to(torch.bfloat16)
+    keys = torch.randint(0, 2**31, (B,), dtype=torch.int32, device=dev)
+    temperature = torch.full((B,), 0.7, device=dev)
+    greedy = torch.arange(B, device=dev).remainder(3).eq(0).to(torch.int32)
+    shard = logits[:, : V // 2]
+    sampling.warm_up(logits, keys, temperature, greedy)
+    sampling.warm_up(shard, keys, temperature, greedy, vocab_start=V // 2)
+    with triton_compiles() as compiled:
+        for b in (1, 2, 3, 15, 16, 17, 31, 32, 64, 100, 128, 129, 200, 255, 256):
+            for g in (None, greedy[:b]):
+                tokens = sampling.sample(logits[:b], keys[:b], temperature[:b], greedy=g)
+                sampling.race_shard(shard[:b], keys[:b], temperature[:b], g, V // 2)
+        torch.cuda.synchronize()
+    assert compiled == []
+    # the merge's wider tile changed no token: greedy rows still take the argmax
+    rows = greedy.bool()
+    assert torch.equal(tokens[rows], logits.float().argmax(dim=-1)[rows])

@@ -114,6 +114,24 @@ class ModelRunner:
                 self.mixed_graph_sizes(),
             )  # fmt: skip
             self.graphs.capture()
+        if self.device.type == "cuda" and self.sampler.uses_triton(self.device):
+            self._warm_up_sampler()
+
+    @torch.inference_mode()
+    def _warm_up_sampler(self) -> None:
+        """Compile the fused sampler's kernels for the staged sampling inputs before the first
+        request, as the graph capture does the model's (kernels/sampling.py, "Compiles")."""
+        from llm_inference.kernels import sampling
+
+        rows, views = self.config.scheduler.max_num_seqs, self.buffers.views
+        lm_head = self.model.lm_head
+        hidden = torch.zeros(rows, lm_head.weight.shape[1], dtype=self.dtype, device=self.device)
+        tp = get_tp_size() > 1  # no collective: each rank its own slice
+        logits = lm_head.compute_local_logits(hidden) if tp else self.model.compute_logits(hidden)
+        sampling.warm_up(
+            logits, views["sample_keys"], views["sample_temperature"], views["sample_greedy"],
+            lm_head.vocab_start if tp else None,
+        )  # fmt: skip
 
     def mixed_graph_sizes(self) -> list[int]:
         """Token buckets of the mixed-step graphs (none without CUDA graphs)."""

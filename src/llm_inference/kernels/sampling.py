@@ -32,6 +32,13 @@ and write their best value, its index and the range's max logit; `_merge_kernel`
 per row, the first range holding the largest value, so the token (first index on ties), the
 noise and the statuses are exactly the single program's. Splits are chosen to give about
 SPLIT_PROGRAMS programs in all; a batch large enough to fill the GPU runs unsplit.
+
+Compiles: Triton compiles a kernel again for each new constexpr and each integer argument newly
+equal to 1 or divisible by 16. The batch size and the split count change from step to step, so
+they are not specialized (`do_not_specialize`) and the merge's tile is sized from V: one
+compiled kernel per variant serves every step. Otherwise each new batch size of a run paid a
+compile (~50 ms, twelve in the first 1B throughput run: benchmarks/first_run.py). `warm_up`
+compiles the variants an engine meets before its first request.
 """
 
 from __future__ import annotations
@@ -104,15 +111,19 @@ def _race(row_ptr, V, t, key, thr, min_p, m, NOISE: tl.constexpr, FILTER: tl.con
     """(argmax over the kept tokens in columns [lo, V) of x - log(-log u), or of x without
     NOISE; the best value; the max of x, +inf if a logit is NaN or +inf). u is uniform_noise's:
     (mix(mix(v) + key) >> 8 + 0.5) / 2**24 with mix = lowbias32, v = id_offset + column (a
-    vocabulary shard's first token id; the returned index is the column). Reductions are few
-    on purpose: each costs the interpreter ~1 ms."""
-    best = tl.full((), float("-inf"), tl.float32)
-    idx = tl.full((), 0, tl.int32)
-    top = tl.full((), float("-inf"), tl.float32)
+    vocabulary shard's first token id; the returned index is the column). Each lane keeps its
+    own best across the loop and the lanes are reduced once at the end: a reduction per block
+    (a cross-warp exchange through shared memory) cost more on the GPU than the noise's
+    arithmetic, and ~1 ms each in the interpreter."""
+    # Per lane: the best value so far, its column (the first on ties: a later column must be
+    # strictly better) and the max of x; reduced across lanes once, after the loop.
+    best_l = tl.full((BLOCK,), float("-inf"), tl.float32)
+    idx_l = tl.full((BLOCK,), 0, tl.int32)
+    top_l = tl.full((BLOCK,), float("-inf"), tl.float32)
     for start in range(lo, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / t
-        top = tl.maximum(top, tl.max(tl.where(x != x, float("inf"), x)))
+        top_l = tl.maximum(top_l, tl.where(x != x, float("inf"), x))
         s = x
         if NOISE:
             h = (cols + id_offset).to(tl.uint32)
@@ -133,12 +144,14 @@ def _race(row_ptr, V, t, key, thr, min_p, m, NOISE: tl.constexpr, FILTER: tl.con
             s = x - tl.log(e)
         if FILTER:
             s = tl.where((x >= thr) & (tl.exp(x - m) >= min_p), s, float("-inf"))
-        s = tl.where(cols < V, s, float("-inf"))
-        block_best, block_idx = tl.max(s, 0, return_indices=True)
-        take = block_best > best
-        idx = tl.where(take, start + block_idx, idx)
-        best = tl.where(take, block_best, best)
-    return idx, best, top
+        take = (s > best_l) & (cols < V)
+        idx_l = tl.where(take, cols, idx_l)
+        best_l = tl.where(take, s, best_l)
+    best = tl.max(best_l)
+    # the smallest column holding the best value; every lane -inf: column 0
+    idx = tl.min(tl.where(best_l == best, idx_l, 2147483647))
+    idx = tl.where(best == float("-inf"), 0, idx)
+    return idx, best, tl.max(top_l)
 
 
 @triton.jit
@@ -188,7 +201,7 @@ def _store_token(out_ptr, idx, top):
     tl.store(out_ptr, token)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["id_offset"])
 def _split_race_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, part_ptr, idx_ptr,
                        V, chunk, id_offset, HAS_GREEDY: tl.constexpr,
                        BLOCK: tl.constexpr):  # fmt: skip
@@ -217,7 +230,7 @@ def _split_race_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, part_
     tl.store(idx_ptr + slot, idx)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "num_splits", "id_offset"])
 def _merge_kernel(part_ptr, idx_ptr, out_ptr, B, num_splits, id_offset, BLOCK_S: tl.constexpr,
                   RAW: tl.constexpr):  # fmt: skip
     """Per row: the first split holding the largest best value (so the first index on ties),
@@ -333,8 +346,10 @@ def _split_race(
         logits, logits.stride(0), keys, temperature, _greedy_arg(greedy, dummy), part, idx,
         V, chunk, id_offset, HAS_GREEDY=greedy is not None, BLOCK=block, num_warps=8,
     )  # fmt: skip
+    # BLOCK_S from the most splits V allows, not this launch's: one compiled merge serves
+    # every batch (per-step sizes are not specialized either: module doc, "Compiles")
     _merge_kernel[(B,)](
-        part, idx, out, B, splits, id_offset, BLOCK_S=triton.next_power_of_2(splits), RAW=raw
+        part, idx, out, B, splits, id_offset, BLOCK_S=triton.next_power_of_2(blocks), RAW=raw
     )
     return out
 
@@ -363,3 +378,23 @@ def race_shard(
         out.fill_(float("-inf"))
         out[B : 2 * B] = vocab_start
     return out.view(3, B)
+
+
+def warm_up(
+    logits: torch.Tensor,
+    keys: torch.Tensor,
+    temperature: torch.Tensor,
+    greedy: torch.Tensor,
+    vocab_start: int | None = None,
+) -> None:
+    """Compile what `sample` (given `vocab_start`: `race_shard`) runs on inputs of these dtypes
+    and strides, with and without greedy rows, at one row and at all of `logits`' rows (where
+    that many fill the GPU, the unsplit kernel): an engine calls it at start, so that its first
+    requests do not wait for compiles (module doc, "Compiles"). The results are not used."""
+    for rows in sorted({1, logits.shape[0]}):
+        args = (logits[:rows], keys[:rows], temperature[:rows])
+        for g in (None, greedy[:rows]):
+            if vocab_start is None:
+                sample(*args, greedy=g)
+            else:
+                race_shard(*args, g, vocab_start)
