@@ -55,7 +55,9 @@ def test_triton_greedy_equals_reference(tmp_path, head_dim, block_size, eager):
 def test_first_requests_compile_nothing(tmp_path):
     """Engine start compiles every Triton kernel its steps launch (graph capture for the model,
     a warm-up for the sampler), so requests of any batch size, sampled or greedy, wait for no
-    compile: before, a run's first steps at each new batch size compiled the sampler's merge."""
+    compile: before, a run's first steps at each new batch size compiled the sampler's merge,
+    and the first step too long for a graph (here 6 x 400 prompt tokens, eager) compiled the
+    attention kernel for its sequence count."""
     from helpers import triton_compiles
 
     folder = make_sharp_checkpoint(tmp_path, head_dim=64)
@@ -70,4 +72,6 @@ def test_first_requests_compile_nothing(tmp_path):
                 mixed = [SamplingParams(temperature=0.0 if i % 2 else 0.8, max_tokens=9)
                          for i in range(n)]  # fmt: skip
                 llm.generate(batch, mixed, use_tqdm=False)
+            long = [[(7 * i + j) % 300 + 2 for j in range(400)] for i in range(6)]
+            llm.generate(long, SamplingParams(temperature=0.8, max_tokens=3), use_tqdm=False)
     assert compiled == []

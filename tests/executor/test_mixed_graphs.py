@@ -66,6 +66,20 @@ def test_select_picks_the_smallest_bucket_or_none():
         CudaGraphs(None, buffers, 40, 64, mixed_sizes=[1024], eager=True)
 
 
+def test_long_steps_pad_to_a_large_bucket_only_when_nearly_full():
+    """Above 2,048 tokens a step takes a bucket only within 256 tokens of it (padded tokens
+    cost GEMM time there); below, the smallest bucket as before."""
+    buffers = InputBuffers(max_tokens=8192, max_seqs=8, max_blocks=4, device="cpu")
+    graphs = CudaGraphs(None, buffers, 8, 64, mixed_sizes=mixed_buckets(8192), eager=True)
+    assert graphs.select(step(2048, 3, 900)) == (MIXED, 2048)
+    assert graphs.select(step(1800, 3, 900)) == (MIXED, 2048)
+    assert graphs.select(step(2049, 3, 900)) is None  # 6,143 padded tokens: eager
+    assert graphs.select(step(7935, 8, 4000)) is None
+    assert graphs.select(step(7936, 8, 4000)) == (MIXED, 8192)
+    assert graphs.select(step(8192, 8, 4000)) == (MIXED, 8192)
+    assert graphs.select(step(8, 8, 1)) == (DECODE, 8)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_padding_keeps_real_rows_reference(case):
     run_case(case, reference, torch.float32, exact=True)

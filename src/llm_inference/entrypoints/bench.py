@@ -201,15 +201,17 @@ def profile_decode(llm, bs: int, prompt_len: int = 128, new: int = 64, seed: int
 
 
 def prefill(llm, seed: int = 0, profile: bool = False, trace_dir: str | None = None) -> dict:
-    """ms to prefill one 8,000-token prompt, and 64 prompts of 512 tokens (each generating one
-    token): median of 5 after 2 warm-ups, as vLLM's comparison script times it. With
+    """ms to prefill one 8,000-token prompt, 64 prompts of 512 tokens (as vLLM's comparison
+    script) and one 3,000-token prompt (between the mixed-graph ladder and the budget), each
+    generating one token: median of 5 after 2 warm-ups. With
     `profile`, also each case's GPU kernel time and top kernels (rank 0), and with `trace_dir`
     a Chrome trace of each case there."""
     from llm_inference import SamplingParams
 
     rng = random.Random(seed)
     cases = {"1x8000": [[rng.randrange(10000) for _ in range(8000)]],
-             "64x512": [[rng.randrange(10000) for _ in range(512)] for _ in range(64)]}  # fmt: skip
+             "64x512": [[rng.randrange(10000) for _ in range(512)] for _ in range(64)],
+             "1x3000": [[rng.randrange(10000) for _ in range(3000)]]}  # fmt: skip
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     out = {}
     for name, prompts in cases.items():

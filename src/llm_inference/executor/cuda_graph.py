@@ -31,7 +31,10 @@ tokens on an H200), while a graph saves a roughly fixed host time per step that 
 scheduling already hides behind GPU work once a step is long. So the ladder is fine (at most
 255 padded tokens) where steps are short and host-bound, stops at 2,048, and adds only the
 full budget above that: a step of chunked prefill fills the budget exactly and pads nothing.
-Steps between 2,048 tokens and the budget run eagerly. `mixed_cuda_graph_sizes` overrides it.
+Steps between 2,048 tokens and the budget run eagerly unless a bucket holds them with at most
+256 tokens of padding (`select`; any bucket list, `mixed_cuda_graph_sizes` included): a
+3,000-token prompt padded to 8,192 tokens would put 2.7x its tokens through the GEMMs.
+`mixed_cuda_graph_sizes` overrides the ladder.
 
 Capture (`CudaGraphs.capture`) goes largest graph first, mixed then decode, through one memory
 pool shared by all graphs: smaller graphs reuse the largest one's activations. That pool
@@ -139,7 +142,10 @@ class CudaGraphs:
             kind, buckets, need = MIXED, self.mixed_buckets, step.num_tokens
         if step.num_seqs > self.max_num_seqs or not buckets or need > buckets[-1]:
             return None
-        return kind, next(b for b in buckets if b >= need)
+        size = next(b for b in buckets if b >= need)
+        if kind == MIXED and size > MIXED_FINE_MAX and size - need > MIXED_STRIDE:
+            return None  # compute-bound: the padding would cost more than the launches save
+        return kind, size
 
     def pad(self, key: tuple[str, int], num_tokens: int, num_seqs: int) -> None:
         """Pad the host buffers' step of `num_tokens` tokens and `num_seqs` sequences to the

@@ -90,7 +90,9 @@ def _attend_range(q, m_i, l_i, acc, k_head, v_head, bt_row, q_pos, start, end, s
     return m_i, l_i, acc
 
 
-@triton.jit
+# num_seqs changes from step to step: specialized (== 1, divisible by 16), an eager step's
+# count would compile a variant the captured graphs never needed, in the middle of a run.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _unified_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr,
     scale_log2, num_seqs,
