@@ -111,10 +111,10 @@ def _race(row_ptr, V, t, key, thr, min_p, m, NOISE: tl.constexpr, FILTER: tl.con
     """(argmax over the kept tokens in columns [lo, V) of x - log(-log u), or of x without
     NOISE; the best value; the max of x, +inf if a logit is NaN or +inf). u is uniform_noise's:
     (mix(mix(v) + key) >> 8 + 0.5) / 2**24 with mix = lowbias32, v = id_offset + column (a
-    vocabulary shard's first token id; the returned index is the column). Each lane keeps its
-    own best across the loop and the lanes are reduced once at the end: a reduction per block
-    (a cross-warp exchange through shared memory) cost more on the GPU than the noise's
-    arithmetic, and ~1 ms each in the interpreter."""
+    vocabulary shard's first token id; the returned index is the column). The lanes are
+    reduced once, after the loop: a reduction per block (a cross-warp exchange through shared
+    memory) took ~15% of the race at batch 64-256 on an H200 (benchmarks/sampler_race.py) and
+    ~1 ms each in the interpreter. The noise's hashing and logs take the rest."""
     # Per lane: the best value so far, its column (the first on ties: a later column must be
     # strictly better) and the max of x; reduced across lanes once, after the loop.
     best_l = tl.full((BLOCK,), float("-inf"), tl.float32)
