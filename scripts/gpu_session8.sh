@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# The eighth session's GPU calls (nvidia-h200-x2), from the repository root; .ab_x/src holds
-# the code before the sampler change (git archive of 2101bc1's successor's parent). $OUT gets
-# JSON and logs; the tables print.
+# The eighth session's GPU calls (nvidia-h200-x2), from the repository root. .ab_x/src holds
+# the code before the change measured (`git archive REV src | tar -x -C .ab_x`): a154adb for
+# PART=ab, b2d3337 for PART=final. $OUT gets JSON and logs; the tables print.
 #   PART=ab: the race kernel alone (sampler_race.py), old and new; the throughput run three
 #     times in one engine (first_run.py, fresh Triton cache), old and new, alternating.
 #   PART=tests: the CUDA tests of this session's changes and the seventh's untested commits.
-#   PART=final: the tests of the eager long mixed steps, then bench prefill before (.ab_x, now
-#     the commit before 46867c2) and after.
+#   PART=final: the tests of the eager long mixed steps, then bench prefill before and after.
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"  # $OUT, $R, the environment, $B
 if [ "${PART:-ab}" = ab ]; then
