@@ -93,9 +93,9 @@ BAD_PROMPTS = [
     (np.array([[5, 6, 7]]), None, {}, TypeError, r"not ndarray.*\.tolist\(\)"),
     (torch.tensor([5, 6, 7]), None, {}, TypeError, r"not Tensor; pass token ids as a list"),
     ([np.array([5, 6])], None, {}, TypeError, r"prompt 0 must be .* not ndarray; use \.tolist"),
-    ([np.float32(5.0)], None, {}, TypeError, r"prompt 0 must be a string or a list of token"),
+    ([np.float32(5.0)], None, {}, TypeError, r"prompt 0 must be a string, a list of token ids"),
     (None, None, {}, TypeError, r"prompts must be a string, .* not NoneType"),
-    ([None], None, {}, TypeError, r"prompt 0 must be a string or a list of token ids, not None"),
+    ([None], None, {}, TypeError, r"prompt 0 must be .* or a prompt dict, not NoneType"),
     (["a", 5], None, {}, TypeError, r"prompt 1 is a token id among strings or lists"),
     ([[5, 6]], {"temperature": 0.5}, {}, TypeError, r"sampling_params must be a SamplingParams"),
     ([[5, 6]], "greedy", {}, TypeError, r"sampling_params must be a SamplingParams or a list"),
@@ -104,12 +104,37 @@ BAD_PROMPTS = [
     ([[5]], [SamplingParams()] * 3, {}, ValueError, r"got 3 sampling_params for 1 prompts"),
     ([[5, 6]], None, {"max_new_tokens": 0}, ValueError, r"max_new_tokens must be at least 1"),
     ([[5, 6]], None, {"max_new_tokens": 2.5}, TypeError, r"max_new_tokens must be an integer"),
+    (
+        [{"prompt": "a", "multi_modal_data": {}}],
+        None,
+        {},
+        ValueError,
+        r"prompt 0: unsupported keys \['multi_modal_data'\]",
+    ),
+    (
+        [[5], {"prompt": "a", "prompt_token_ids": [5]}],
+        None,
+        {},
+        ValueError,
+        r"prompt 1: give 'prompt' or 'prompt_token_ids', not both",
+    ),
+    ({}, None, {}, ValueError, r"prompt 0: give 'prompt' or 'prompt_token_ids'"),
+    ([{"prompt": [5, 6]}], None, {}, TypeError, r"prompt 0: 'prompt' must be a string, not list"),
+    (
+        [{"prompt_token_ids": np.array([5])}],
+        None,
+        {},
+        TypeError,
+        r"'prompt_token_ids' must be a list of token ids, not ndarray; use \.tolist",
+    ),
+    ([{"prompt_token_ids": [5, "x"]}], None, {}, ValueError, r"prompt 0: token ids must be"),
 ]
 BAD_PROMPT_IDS = [
     "float_id", "bool_id", "numpy_array", "numpy_2d", "tensor", "list_of_arrays",
     "numpy_float", "None", "list_of_None", "str_and_int", "dict_params", "str_params",
     "list_of_dicts", "too_few_params", "too_many_params", "max_new_tokens_0",
-    "max_new_tokens_float",
+    "max_new_tokens_float", "dict_unsupported_key", "dict_both_keys", "dict_empty",
+    "dict_prompt_not_text", "dict_ids_array", "dict_bad_id",
 ]  # fmt: skip
 
 
@@ -123,6 +148,21 @@ def test_bad_prompt_or_params_fails_before_any_step(llm, prompts, params, kw, ex
     assert stats["num_unfinished_requests"] == 0
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
     assert len(llm.generate([[5, 6, 7]], max_new_tokens=2, use_tqdm=False)[0].token_ids) == 2
+
+
+def test_vllm_prompt_dicts(llm):
+    """vLLM's TextPrompt and TokensPrompt dicts work as its users pass them: alone, in a list,
+    mixed with plain prompts; outputs equal those of the plain prompts."""
+    tok = llm.get_tokenizer()
+    ids = tok("Hello there").input_ids
+    want = llm.generate(["Hello there", [5, 6, 7]], max_new_tokens=4, use_tqdm=False)
+    got = llm.generate([{"prompt": "Hello there"}, {"prompt_token_ids": (5, 6, 7)}],
+                       max_new_tokens=4, use_tqdm=False)  # fmt: skip
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert got[0].prompt == "Hello there" and got[0].prompt_token_ids == ids
+    assert got[1].prompt is None and got[1].prompt_token_ids == [5, 6, 7]
+    (alone,) = llm.generate({"prompt_token_ids": ids}, max_new_tokens=4, use_tqdm=False)
+    assert alone.token_ids == want[0].token_ids
 
 
 def test_numpy_and_torch_integer_token_ids_are_accepted_as_ints(llm):

@@ -18,6 +18,9 @@ from llm_inference.outputs import RequestOutput
 from llm_inference.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+# vLLM's prompt dicts (its TextPrompt and TokensPrompt) are taken too: {"prompt": text} or
+# {"prompt_token_ids": ids}.
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 def _as_token(t) -> int | None:
@@ -45,6 +48,27 @@ def _token_list(ids) -> list:
         v = _as_token(t)
         out.append(t if v is None else v)
     return out
+
+
+def _from_dict(p: dict, i: int) -> Prompt:
+    """A vLLM-style prompt dict as a string or a list of token ids."""
+    other = sorted(str(k) for k in p if k not in PROMPT_KEYS)
+    if other:
+        raise ValueError(f"prompt {i}: unsupported keys {other}; a prompt dict holds "
+                         "'prompt' (text) or 'prompt_token_ids' (token ids)")  # fmt: skip
+    if len(p) != 1:
+        raise ValueError(f"prompt {i}: give 'prompt' or 'prompt_token_ids', not both or neither")
+    if "prompt" in p:
+        if not isinstance(p["prompt"], str):
+            raise TypeError(f"prompt {i}: 'prompt' must be a string, not "
+                            f"{type(p['prompt']).__name__}")  # fmt: skip
+        return p["prompt"]
+    ids = p["prompt_token_ids"]
+    if not isinstance(ids, (list, tuple)):
+        hint = "; use .tolist()" if hasattr(ids, "tolist") else ""
+        raise TypeError(f"prompt {i}: 'prompt_token_ids' must be a list of token ids, not "
+                        f"{type(ids).__name__}{hint}")  # fmt: skip
+    return _token_list(ids)
 
 
 class LLM:
@@ -82,6 +106,10 @@ class LLM:
         if getattr(self, "_thaw", None) is not None:
             self._thaw()  # once: a finalizer runs at most once
 
+    def get_tokenizer(self):
+        """The model's tokenizer (a transformers tokenizer), as vLLM's `LLM.get_tokenizer()`."""
+        return self.tokenizer
+
     def stats(self) -> dict[str, int]:
         return self._engine().stats()
 
@@ -110,8 +138,9 @@ class LLM:
         max_new_tokens: int | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Complete each prompt (text, or a list of token ids). Without `sampling_params`
-        decoding is greedy. Outputs come back in input order."""
+        """Complete each prompt: text, a list of token ids, or vLLM's prompt dicts
+        ({"prompt": text}, {"prompt_token_ids": ids}). Without `sampling_params` decoding is
+        greedy. Outputs come back in input order."""
         self._engine()
         prompt_list = self._normalize_prompts(prompts)
         params = self._normalize_params(sampling_params, len(prompt_list), max_new_tokens)
@@ -145,11 +174,11 @@ class LLM:
 
     @staticmethod
     def _normalize_prompts(prompts) -> list[Prompt]:
-        """A string, a list of token ids, or a list of either. Token ids may be any integer
-        scalars (numpy or 0-d torch integers too): they become plain ints. Other values in a
-        list of token ids are left for validate_request to name."""
-        if isinstance(prompts, str):
-            return [prompts]
+        """A string, a list of token ids, a prompt dict, or a list of those. Token ids may be
+        any integer scalars (numpy or 0-d torch integers too): they become plain ints. Other
+        values in a list of token ids are left for validate_request to name."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             hint = ""
             if hasattr(prompts, "tolist"):  # a numpy array or torch tensor
@@ -158,7 +187,8 @@ class LLM:
                     "ambiguous (one prompt or a batch) and its dtype may not be integer"
                 )
             raise TypeError(
-                f"prompts must be a string, a list of token ids or a list of those, not "
+                f"prompts must be a string, a list of token ids, a prompt dict or a list of "
+                f"those, not "
                 f"{type(prompts).__name__}{hint}"
             )
         if any(_as_token(t) is not None for t in prompts) and not any(
@@ -167,6 +197,8 @@ class LLM:
             return [_token_list(prompts)]  # one prompt given as token ids
         out: list[Prompt] = []
         for i, p in enumerate(prompts):
+            if isinstance(p, dict):
+                p = _from_dict(p, i)
             if isinstance(p, str):
                 out.append(p)
             elif isinstance(p, (list, tuple)):
@@ -178,8 +210,8 @@ class LLM:
                 )
             else:
                 hint = "; use .tolist()" if hasattr(p, "tolist") else ""
-                raise TypeError(f"prompt {i} must be a string or a list of token ids, not "
-                                f"{type(p).__name__}{hint}")  # fmt: skip
+                raise TypeError(f"prompt {i} must be a string, a list of token ids or a "
+                                f"prompt dict, not {type(p).__name__}{hint}")  # fmt: skip
         return out
 
     @staticmethod
