@@ -36,6 +36,14 @@ INVALID = [
     ("seed", "42", "seed must be None or an integer"),
     ("stop", "", "stop must be a non-empty string or a list of non-empty strings"),
     ("stop", ["ok", 3], "stop must be a non-empty string or a list of non-empty strings"),
+    ("logit_bias", {5: 100.5}, "logit_bias must be None or a dict of non-negative token ids"),
+    ("logit_bias", {-1: 1.0}, "logit_bias must be None or a dict of non-negative token ids"),
+    ("logit_bias", {"5": 1.0}, "logit_bias must be None or a dict of non-negative token ids"),
+    ("logit_bias", {5: float("nan")}, "to numbers in [-100, 100]"),
+    ("logit_bias", [5], "logit_bias must be None or a dict"),
+    ("allowed_token_ids", [], "allowed_token_ids must be None or a non-empty list"),
+    ("allowed_token_ids", [3, -1], "allowed_token_ids must be None or a non-empty list"),
+    ("allowed_token_ids", 7, "allowed_token_ids must be None or a non-empty list"),
 ]
 
 
@@ -107,3 +115,14 @@ def test_replace_and_clone_are_validated_copies():
     assert params.stop_token_ids == [3]  # lists are not shared
     with pytest.raises(ValueError, match="top_p"):
         params.replace(top_p=2.0)
+
+
+def test_logit_bias_and_allowed_token_ids_are_copied():
+    bias, allowed = {5: 2.0}, [1, 2]
+    p = SamplingParams(logit_bias=bias, allowed_token_ids=allowed)
+    bias[6], allowed[0] = 1.0, 9  # the caller's objects change; the params do not
+    q = p.replace()
+    q.logit_bias[7], q.allowed_token_ids[1] = 3.0, 8
+    assert p.logit_bias == {5: 2.0} and p.allowed_token_ids == [1, 2]
+    assert p.has_logit_bias and not SamplingParams().has_logit_bias
+    assert SamplingParams(logit_bias={}).logit_bias is None  # an empty dict is no bias

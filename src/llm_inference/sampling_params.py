@@ -43,6 +43,10 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only, no text (as vLLM's; no stop strings)
+    # Added to the logits before sampling ({token id: bias in [-100, 100]}, OpenAI's range).
+    logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled (vLLM's field).
+    allowed_token_ids: list[int] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -51,6 +55,10 @@ class SamplingParams:
         else:
             self.stop_strings = tuple(self.stop or ())
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = dict(self.logit_bias) or None
+        if isinstance(self.allowed_token_ids, (list, tuple)):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self._validate()
 
     def _validate(self) -> None:
@@ -94,6 +102,18 @@ class SamplingParams:
             fail("stop", "a non-empty string or a list of non-empty strings")
         if self.stop_strings and not self.detokenize:
             fail("stop", "empty when detokenize=False (stop strings need the text)")
+        if self.logit_bias is not None and not (
+            isinstance(self.logit_bias, dict)
+            and all(_is_int(t) and t >= 0 for t in self.logit_bias)
+            and all(_is_number(b) and -100.0 <= b <= 100.0 for b in self.logit_bias.values())
+        ):
+            fail("logit_bias", "None or a dict of non-negative token ids to numbers in [-100, 100]")
+        if self.allowed_token_ids is not None and not (
+            isinstance(self.allowed_token_ids, list)
+            and self.allowed_token_ids
+            and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)
+        ):
+            fail("allowed_token_ids", "None or a non-empty list of non-negative integers")
 
     @property
     def greedy(self) -> bool:
@@ -110,6 +130,11 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
         )
 
+    @property
+    def has_logit_bias(self) -> bool:
+        """True when logit_bias or allowed_token_ids changes the logits before sampling."""
+        return self.logit_bias is not None or self.allowed_token_ids is not None
+
     def replace(self, **changes) -> SamplingParams:
         """A validated copy with some fields changed (lists are copied, never shared)."""
         kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
@@ -117,7 +142,7 @@ class SamplingParams:
         if isinstance(kw["stop"], list):
             kw["stop"] = list(kw["stop"])
         kw["stop_token_ids"] = list(kw["stop_token_ids"] or [])
-        return SamplingParams(**kw)
+        return SamplingParams(**kw)  # __post_init__ copies logit_bias and allowed_token_ids
 
     def clone(self) -> SamplingParams:
         return self.replace()

@@ -1,11 +1,11 @@
 """Tensor parallelism end to end on the CPU (gloo), tiny random model (4 heads, 2 KV heads):
 TP=2 equals TP=1, with async scheduling (the default: step n+1 sent to the workers before step
 n's tokens are read) and without (greedy under preemption and chunked prefill, seeded sampling,
-a mixed batch with logprobs and penalties); steps, an empty step and a collective_rpc sent
-before the earlier replies are read; worker processes never outlive the LLM (context manager,
-exceptions, a killed worker, Ctrl-C, an LLM never closed, a parent that dies); clear errors for
-sizes that do not fit. Engine instances are few: each start spawns processes that import
-torch."""
+a mixed batch with logprobs, penalties and logit biases); steps, an empty step and a
+collective_rpc sent before the earlier replies are read; worker processes never outlive the
+LLM (context manager, exceptions, a killed worker, Ctrl-C, an LLM never closed, a parent that
+dies); clear errors for sizes that do not fit. Engine instances are few: each start spawns
+processes that import torch."""
 
 from __future__ import annotations
 
@@ -62,9 +62,10 @@ def seeded(i: int) -> SamplingParams:
     return SamplingParams(temperature=0.8, seed=1000 + i, max_tokens=24, ignore_eos=True)
 
 
+FORCED, ALLOWED = 250, [5, 17, 33]
 MIXED = [
-    GREEDY,
-    seeded(1),
+    GREEDY.replace(logit_bias={FORCED: 100.0, 3: -50.0}),
+    seeded(1).replace(allowed_token_ids=ALLOWED),
     SamplingParams(temperature=0.0, max_tokens=12, logprobs=3),
     SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=5, max_tokens=16),
     SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=16),
@@ -206,8 +207,11 @@ def test_seeded_sampling_matches_tp1(runs):
 
 
 def test_mixed_batch_matches_tp1(runs):
-    """Greedy rows with penalties, min_tokens or logprobs take the full-logits path."""
+    """Greedy rows with penalties, min_tokens, logprobs or a logit bias take the full-logits
+    path; so does a sampled row with allowed_token_ids."""
     assert runs[2]["mixed"] == runs[1]["mixed"]
+    assert set(runs[2]["mixed"][0]) == {FORCED}
+    assert set(runs[2]["mixed"][1]) <= set(ALLOWED) and len(set(runs[2]["mixed"][1])) > 1
     lp1, lp2 = runs[1]["logprobs"][2], runs[2]["logprobs"][2]
     assert lp1 and len(lp1) == len(lp2)
     for a, b in zip(lp1, lp2):

@@ -128,13 +128,28 @@ BAD_PROMPTS = [
         r"'prompt_token_ids' must be a list of token ids, not ndarray; use \.tolist",
     ),
     ([{"prompt_token_ids": [5, "x"]}], None, {}, ValueError, r"prompt 0: token ids must be"),
+    (
+        [[5]],
+        SamplingParams(logit_bias={10**6: 1.0}),
+        {},
+        ValueError,
+        r"prompt 0: logit_bias holds token ids outside the vocabulary \[0, \d+\): \[1000000\]",
+    ),
+    (
+        [[5]],
+        SamplingParams(allowed_token_ids=[3, 10**6]),
+        {},
+        ValueError,
+        r"prompt 0: allowed_token_ids holds token ids outside the vocabulary",
+    ),
 ]
 BAD_PROMPT_IDS = [
     "float_id", "bool_id", "numpy_array", "numpy_2d", "tensor", "list_of_arrays",
     "numpy_float", "None", "list_of_None", "str_and_int", "dict_params", "str_params",
     "list_of_dicts", "too_few_params", "too_many_params", "max_new_tokens_0",
     "max_new_tokens_float", "dict_unsupported_key", "dict_both_keys", "dict_empty",
-    "dict_prompt_not_text", "dict_ids_array", "dict_bad_id",
+    "dict_prompt_not_text", "dict_ids_array", "dict_bad_id", "logit_bias_vocab",
+    "allowed_vocab",
 ]  # fmt: skip
 
 

@@ -104,6 +104,26 @@ def test_n_stop_seed_and_logprobs(client):
         assert cut.choices[0].finish_reason == "stop"
 
 
+def test_logit_bias_and_allowed_token_ids(client, offline_llm):
+    """OpenAI's logit_bias (token ids as strings) and vLLM's allowed_token_ids reach the
+    sampler: a +100 bias forces its token; sampled tokens stay in the allowed set; a key that
+    is not a token id is a 400 naming the field."""
+    tok = offline_llm.get_tokenizer()
+    forced = tok("Paris", add_special_tokens=False).input_ids[0]
+    r = client.completions.create(prompt="Hello", logit_bias={str(forced): 100}, **_extra(GREEDY))
+    assert r.choices[0].text == tok.decode([forced] * 12)
+    allowed = sorted(set(tok(" a b c d", add_special_tokens=False).input_ids))
+    r = client.completions.create(
+        model=MODEL_NAME, prompt="Hello", max_tokens=10, temperature=1.0, seed=3, logprobs=0,
+        extra_body={"allowed_token_ids": allowed, "ignore_eos": True},
+    )  # fmt: skip
+    assert set(r.choices[0].logprobs.tokens) <= {tok.decode([t]) for t in allowed}
+    with pytest.raises(openai.BadRequestError, match="logit_bias keys must be token ids"):
+        client.completions.create(prompt="Hello", logit_bias={"x": 1}, **_extra(GREEDY))
+    with pytest.raises(openai.BadRequestError, match="logit_bias must be"):
+        client.completions.create(prompt="Hello", logit_bias={"5": 101}, **_extra(GREEDY))
+
+
 def test_tokenize_detokenize_health_metrics(live_server):
     headers = {"Authorization": f"Bearer {API_KEY}"}
     tok = httpx.post(

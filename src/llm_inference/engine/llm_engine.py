@@ -64,6 +64,11 @@ class LLMEngine:
             bad = [t for t in ids if not (type(t) is int and 0 <= t < vocab)]
             if bad:
                 raise ValueError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        for name in ("logit_bias", "allowed_token_ids"):
+            bad = sorted(t for t in getattr(params, name) or () if t >= vocab)
+            if bad:
+                raise ValueError(f"{name} holds token ids outside the vocabulary [0, {vocab}): "
+                                 f"{bad[:5]}")  # fmt: skip
         check_request_length(
             self.config.scheduler.max_model_len, len(prompt_token_ids), params.max_tokens
         )

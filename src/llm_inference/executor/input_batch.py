@@ -203,7 +203,8 @@ class InputBatch:
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         # Sampling inputs per row. Arrays for every request (greedy rows hold neutral values;
         # top_k is vocab_size where off); Python lists for the rows that need token lists
-        # (penalties, min_tokens) or logprobs (`needs_lists`): the sampler's slow path.
+        # (penalties, min_tokens), logprobs or a logit bias (`needs_lists`): the sampler's slow
+        # path.
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.prompt_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
         self.output_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
@@ -274,7 +275,9 @@ class InputBatch:
         self.top_p[row] = 1.0 if greedy else p.top_p
         self.min_p[row] = 0.0 if greedy else p.min_p
         self.seed_hash[row] = seed_hash(p.seed or 0)
-        self.needs_lists[row] = p.logprobs is not None or p.min_tokens > 0 or p.has_penalties
+        self.needs_lists[row] = (
+            p.logprobs is not None or p.min_tokens > 0 or p.has_penalties or p.has_logit_bias
+        )
         self.prev_sample[row] = -1
 
     def set_sampled(self, sample_batch_rows: np.ndarray) -> None:

@@ -40,6 +40,7 @@ def needs_full_logits(params: SamplingParams, num_output_tokens: int) -> bool:
     plain = (
         params.greedy
         and not params.has_penalties
+        and not params.has_logit_bias
         and params.logprobs is None
         and num_output_tokens >= params.min_tokens
     )

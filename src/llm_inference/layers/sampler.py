@@ -2,12 +2,13 @@
 
 Order, as in vLLM v1:
   1. logprobs from log_softmax of the raw logits (before anything below);
-  2. penalties: repetition (prompt + output tokens), frequency and presence (output tokens);
-  3. min_tokens: EOS and stop_token_ids set to -inf while len(output) < min_tokens;
-  4. greedy rows take the argmax; the others go through temperature, top-k, top-p, min-p
+  2. allowed_token_ids (every other token -inf), then logit_bias (added);
+  3. penalties: repetition (prompt + output tokens), frequency and presence (output tokens);
+  4. min_tokens: EOS and stop_token_ids set to -inf while len(output) < min_tokens;
+  5. greedy rows take the argmax; the others go through temperature, top-k, top-p, min-p
      and are sampled with the exponential race: argmax(probs / E), E ~ Exp(1).
 
-Step 4 has two implementations with the same semantics: `sample_reference` (PyTorch, any
+Step 5 has two implementations with the same semantics: `sample_reference` (PyTorch, any
 device; the CPU engine's) and the fused Triton kernel of kernels/sampling.py, which the
 Sampler picks when the logits are on CUDA and triton imports (`Sampler(use_triton=...)` forces
 either). Both draw the same uniforms u[b, v] = uniform_noise(keys)[b, v] bit for bit, a pure
@@ -17,7 +18,7 @@ races in log space (argmax x - log(-log u)) and finds the top-k/top-p threshold 
 keeping every token tied at the top-p boundary, so the two agree on the token except where
 float rounding decides a near-tie.
 
-Broken rows (after penalties and min_tokens): a NaN or +inf logit raises ValueError naming the
+Broken rows (after steps 2-4): a NaN or +inf logit raises ValueError naming the
 rows; a row whose logits are all -inf (e.g. min_tokens masked every token the model allows)
 takes the argmax of the raw logits, with a RuntimeWarning, or raises if those are all -inf too.
 """
@@ -101,6 +102,21 @@ def report_status(status: list[int]) -> None:
         )
 
 
+def apply_logit_bias(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """allowed_token_ids (every other token of the row -inf), then logit_bias (added), on
+    float32 [B, V] logits in place; before the penalties, as vLLM's order."""
+    if md.allowed is not None:
+        lists, rows, cols = md.allowed
+        blocked = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+        blocked[lists] = True
+        blocked[rows, cols] = False
+        logits.masked_fill_(blocked, float("-inf"))
+    if md.logit_bias is not None:
+        rows, cols, values = md.logit_bias
+        logits.index_put_((rows, cols), values, accumulate=True)
+    return logits
+
+
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """vLLM's penalties on float32 [B, V] logits (in place), vectorized over the batch.
 
@@ -147,7 +163,7 @@ def apply_top_k_top_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tenso
 
 
 def sample_reference(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Step 4 in PyTorch on processed float32 logits [B, V] -> [B] int64 tokens, or a status
+    """Step 5 in PyTorch on processed float32 logits [B, V] -> [B] int64 tokens, or a status
     (STATUS_BAD, STATUS_EMPTY) on broken rows. The row max is one extra cheap reduction."""
     rowmax = logits.amax(dim=-1)  # NaN or +inf if any, -inf if all -inf
     if md.all_greedy:
@@ -215,13 +231,20 @@ class Sampler(torch.nn.Module):
         logprobs are asked for."""
         assert logits.dim() == 2 and logits.shape[1] == md.vocab_size, logits.shape
         raw = logits
-        plain = md.no_penalties and md.min_tokens_rows is None and md.logprobs_rows is None
+        plain = (
+            md.no_penalties
+            and md.min_tokens_rows is None
+            and md.logprobs_rows is None
+            and not md.has_logit_bias
+        )
         triton = self.uses_triton(logits.device)
         if not (plain and triton):  # the kernel reads bf16/fp16 logits as they are
             logits = logits.to(torch.float32, copy=True)  # never change the caller's tensor
         raw_logprobs = None
         if md.logprobs_rows is not None:
             raw_logprobs = logits.index_select(0, md.logprobs_rows).log_softmax(dim=-1)
+        if md.has_logit_bias:
+            logits = apply_logit_bias(logits, md)
         if not md.no_penalties:
             logits = apply_penalties(logits, md)
         if md.min_tokens_rows is not None:

@@ -99,6 +99,26 @@ def _min_tokens_pairs(
     return rows, cols
 
 
+def _bias_lists(params: list[SamplingParams], V: int):
+    """(rows, token ids, biases) of logit_bias and (rows with a list, rows, token ids) of
+    allowed_token_ids; None for either when no row uses it. Ids >= V are dropped (the
+    engine's validate_request refuses them before)."""
+    rows, cols, values, lists, arows, acols = [], [], [], [], [], []
+    for b, p in enumerate(params):
+        for t, v in (p.logit_bias or {}).items():
+            if t < V:
+                rows.append(b)
+                cols.append(t)
+                values.append(float(v))
+        if p.allowed_token_ids is not None:
+            lists.append(b)
+            ids = sorted({t for t in p.allowed_token_ids if t < V})
+            arows += [b] * len(ids)
+            acols += ids
+    bias = (rows, cols, values) if rows else None
+    return bias, ((lists, arows, acols) if lists else None)
+
+
 @dataclass
 class SamplingMetadata:
     """Per-step sampling inputs: tensors on the logits' device, one row per request.
@@ -127,6 +147,14 @@ class SamplingMetadata:
     logprobs_k: list[int | None]  # per row: SamplingParams.logprobs
     logprobs_rows: torch.Tensor | None  # [R] rows that asked for logprobs
     max_num_logprobs: int | None  # largest k asked (None: no row asked)
+    # logit_bias: (rows, token ids, float32 biases) to add, None when no row has one
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # allowed_token_ids: (rows that have a list, rows, token ids), None when no row has one
+    allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def has_logit_bias(self) -> bool:
+        return self.logit_bias is not None or self.allowed is not None
 
     @classmethod
     def from_views(
@@ -195,6 +223,7 @@ class SamplingMetadata:
         steps = num_output_tokens or [len(out) for out in output_token_ids]
         rows, cols = _min_tokens_pairs(params, steps, eos_token_ids, V)
         lp_rows = [b for b, p in enumerate(params) if p.logprobs is not None]
+        bias, allowed = _bias_lists(params, V)
 
         def floats(values: list[float]) -> torch.Tensor:
             return to_device(torch.tensor(values, dtype=torch.float32), device)
@@ -224,4 +253,6 @@ class SamplingMetadata:
             logprobs_k=[p.logprobs for p in params],
             logprobs_rows=ints(lp_rows) if lp_rows else None,
             max_num_logprobs=max((params[b].logprobs for b in lp_rows), default=None),
+            logit_bias=None if bias is None else (ints(bias[0]), ints(bias[1]), floats(bias[2])),
+            allowed=None if allowed is None else tuple(ints(x) for x in allowed),
         )

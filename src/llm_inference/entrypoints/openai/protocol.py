@@ -1,9 +1,10 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and the OpenAI error format.
 
-Field names and defaults follow OpenAI's API; `top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos`, `min_tokens`, `stop_token_ids`, `skip_special_tokens` and
-`include_stop_str_in_output` are extra fields, as vLLM accepts them. Unknown fields are
-ignored. Values are range-checked by `SamplingParams`, whose errors name the field.
+Field names and defaults follow OpenAI's API (`logit_bias` included); `top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `skip_special_tokens`,
+`include_stop_str_in_output` and `allowed_token_ids` are extra fields, as vLLM accepts them.
+Unknown fields are ignored. Values are range-checked by `SamplingParams`, whose errors name
+the field.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class _SamplingFields(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     # vLLM's extra sampling fields
     top_k: int = -1
     min_p: float = 0.0
@@ -57,6 +59,7 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
 
     @property
     def include_usage(self) -> bool:

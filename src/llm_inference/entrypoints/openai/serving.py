@@ -74,6 +74,14 @@ class OpenAIServing:
         req: _SamplingFields, max_tokens: int | None, logprobs: int | None
     ) -> SamplingParams:
         """SamplingParams from the request; its ValueError (naming the field) becomes a 400."""
+        bias = None
+        if req.logit_bias is not None:
+            try:
+                bias = {int(k): v for k, v in req.logit_bias.items()}
+            except ValueError as e:
+                keys = sorted(req.logit_bias)[:5]
+                msg = f"logit_bias keys must be token ids (integers as strings), got {keys}"
+                raise APIError(400, msg, param="logit_bias") from e
         try:
             return SamplingParams(
                 n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
@@ -83,6 +91,7 @@ class OpenAIServing:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens,
                 logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+                logit_bias=bias, allowed_token_ids=req.allowed_token_ids,
             )  # fmt: skip
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split()[0]) from e
