@@ -44,6 +44,9 @@ INVALID = [
     ("allowed_token_ids", [], "allowed_token_ids must be None or a non-empty list"),
     ("allowed_token_ids", [3, -1], "allowed_token_ids must be None or a non-empty list"),
     ("allowed_token_ids", 7, "allowed_token_ids must be None or a non-empty list"),
+    ("truncate_prompt_tokens", 0, "truncate_prompt_tokens must be None, -1"),
+    ("truncate_prompt_tokens", -2, "truncate_prompt_tokens must be None, -1"),
+    ("truncate_prompt_tokens", 2.0, "truncate_prompt_tokens must be None, -1"),
 ]
 
 

@@ -47,6 +47,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Only these token ids may be sampled (vLLM's field).
     allowed_token_ids: list[int] | None = None
+    # Keep only the prompt's last k tokens (left truncation); -1: the last max_model_len.
+    truncate_prompt_tokens: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -108,6 +110,11 @@ class SamplingParams:
             and all(_is_number(b) and -100.0 <= b <= 100.0 for b in self.logit_bias.values())
         ):
             fail("logit_bias", "None or a dict of non-negative token ids to numbers in [-100, 100]")
+        if self.truncate_prompt_tokens is not None and not (
+            _is_int(self.truncate_prompt_tokens)
+            and (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)
+        ):
+            fail("truncate_prompt_tokens", "None, -1 (the model's length) or an integer >= 1")
         if self.allowed_token_ids is not None and not (
             isinstance(self.allowed_token_ids, list)
             and self.allowed_token_ids

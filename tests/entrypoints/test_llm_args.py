@@ -180,6 +180,20 @@ def test_vllm_prompt_dicts(llm):
     assert alone.token_ids == want[0].token_ids
 
 
+def test_truncate_prompt_tokens(llm):
+    """The prompt's last k tokens run (and are reported), as if given alone; -1 keeps the last
+    max_model_len, which then leaves no room to generate: a clear error."""
+    long = [5 + i % 200 for i in range(700)]  # beyond max_model_len (512)
+    params = SamplingParams(temperature=0.0, max_tokens=6, truncate_prompt_tokens=100)
+    (out,) = llm.generate([long], params, use_tqdm=False)
+    (want,) = llm.generate([long[-100:]], max_new_tokens=6, use_tqdm=False)
+    assert out.prompt_token_ids == long[-100:] and out.token_ids == want.token_ids
+    with pytest.raises(ValueError, match="prompt 0: .*512"):
+        llm.generate([long], params.replace(truncate_prompt_tokens=-1), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt 0: .*512"):
+        llm.generate([long], params.replace(truncate_prompt_tokens=None), use_tqdm=False)
+
+
 def test_numpy_and_torch_integer_token_ids_are_accepted_as_ints(llm):
     """Lists of integer scalars of any kind are token ids (as vLLM takes lists of ints): numpy
     and 0-d torch integers become plain ints. Whole arrays / tensors are refused above."""

@@ -124,6 +124,15 @@ def test_logit_bias_and_allowed_token_ids(client, offline_llm):
         client.completions.create(prompt="Hello", logit_bias={"5": 101}, **_extra(GREEDY))
 
 
+def test_truncate_prompt_tokens(client):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens only, past max_model_len too."""
+    r = client.completions.create(
+        model=MODEL_NAME, prompt="Hello " * 600, max_tokens=3,
+        extra_body={"truncate_prompt_tokens": 7},
+    )  # fmt: skip
+    assert r.usage.prompt_tokens == 7 and r.usage.completion_tokens == 3
+
+
 def test_tokenize_detokenize_health_metrics(live_server):
     headers = {"Authorization": f"Bearer {API_KEY}"}
     tok = httpx.post(

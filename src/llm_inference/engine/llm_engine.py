@@ -53,12 +53,20 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------------
 
+    def truncated(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt as the request runs it: its last `truncate_prompt_tokens` tokens (-1: the
+        last max_model_len), or all of it."""
+        k = params.truncate_prompt_tokens
+        if k == -1:
+            k = self.config.scheduler.max_model_len
+        return prompt_token_ids if k is None else prompt_token_ids[-k:]
+
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError for a prompt this engine cannot run (before anything is added)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, not {type(params).__name__}")
         vocab = self.config.model.vocab_size
-        ids = prompt_token_ids
+        ids = prompt_token_ids = self.truncated(prompt_token_ids, params)
         plain = isinstance(ids, list) and set(map(type, ids)) <= {int}  # builtins: C speed
         if not (plain and (not ids or (min(ids) >= 0 and max(ids) < vocab))):
             bad = [t for t in ids if not (type(t) is int and 0 <= t < vocab)]
@@ -91,6 +99,7 @@ class LLMEngine:
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already running")
         self.validate_request(prompt_token_ids, params)
+        prompt_token_ids = self.truncated(prompt_token_ids, params)
         # Every request gets a seed: its random stream never depends on its batch companions.
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
         children = [replace(params, n=1, seed=child_seed(seed, j)) for j in range(params.n)]

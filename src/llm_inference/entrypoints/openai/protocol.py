@@ -2,7 +2,8 @@
 
 Field names and defaults follow OpenAI's API (`logit_bias` included); `top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `skip_special_tokens`,
-`include_stop_str_in_output` and `allowed_token_ids` are extra fields, as vLLM accepts them.
+`include_stop_str_in_output`, `allowed_token_ids` and `truncate_prompt_tokens` are extra
+fields, as vLLM accepts them.
 Unknown fields are ignored. Values are range-checked by `SamplingParams`, whose errors name
 the field.
 """
@@ -60,6 +61,7 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
 
     @property
     def include_usage(self) -> bool:

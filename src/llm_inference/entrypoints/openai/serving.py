@@ -92,6 +92,7 @@ class OpenAIServing:
                 ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens,
                 logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
                 logit_bias=bias, allowed_token_ids=req.allowed_token_ids,
+                truncate_prompt_tokens=req.truncate_prompt_tokens,
             )  # fmt: skip
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split()[0]) from e
