@@ -169,6 +169,18 @@ BAD = [
     ("max_tokens", dict(max_tokens=0), 400, "max_tokens must be"),
     ("type", dict(top_p="lots"), 400, "top_p"),
     ("model", dict(model="gpt-9"), 404, "`gpt-9` does not exist"),
+    (
+        "prompt_logprobs",
+        dict(extra_body={"prompt_logprobs": 1}),
+        400,
+        "prompt_logprobs is not supported",
+    ),
+    (
+        "beam search",
+        dict(extra_body={"use_beam_search": True}),
+        400,
+        "use_beam_search is not supported",
+    ),
 ]
 
 
@@ -182,6 +194,20 @@ def test_bad_request_then_server_still_answers(client, name, kw, status, message
     err = info.value.body
     assert message in err["message"] and set(err) == {"message", "type", "param", "code"}
     assert client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2).choices
+
+
+def test_unsupported_chat_fields_are_refused_not_ignored(client):
+    """A request for structured output or tools gets a 400 naming the field (an answer that
+    ignored it would look valid); their off values, as clients send them, are accepted."""
+    chat = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="response_format is not supported"):
+        client.chat.completions.create(response_format={"type": "json_object"}, **chat)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match="tools is not supported"):
+        client.chat.completions.create(tools=[tool], **chat)
+    ok = client.chat.completions.create(response_format={"type": "text"}, tool_choice="none",
+                                        **chat)  # fmt: skip
+    assert ok.choices[0].message.content is not None
 
 
 def test_chat_errors(client):

@@ -3,9 +3,9 @@
 Field names and defaults follow OpenAI's API (`logit_bias` included); `top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `skip_special_tokens`,
 `include_stop_str_in_output`, `allowed_token_ids` and `truncate_prompt_tokens` are extra
-fields, as vLLM accepts them.
-Unknown fields are ignored. Values are range-checked by `SamplingParams`, whose errors name
-the field.
+fields, as vLLM accepts them. Fields of UNSUPPORTED (structured outputs, tools, beam search,
+prompt logprobs, ...) are refused with a 400 naming them; other unknown fields are ignored.
+Values are range-checked by `SamplingParams`, whose errors name the field.
 """
 
 from __future__ import annotations
@@ -33,10 +33,30 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    """The sampling fields both endpoints share."""
+# Fields of OpenAI's or vLLM's API that this server does not implement: a request that sets
+# one (to anything but an off value) gets a 400 naming it, not an answer that ignored it.
+UNSUPPORTED = ("prompt_logprobs", "bad_words", "response_format", "guided_json", "guided_regex",
+               "guided_choice", "guided_grammar", "structured_outputs", "tools", "tool_choice",
+               "functions", "function_call", "use_beam_search", "best_of", "suffix",
+               "logits_processors")  # fmt: skip
 
-    model_config = ConfigDict(extra="ignore")
+
+def _is_off(field: str, value: Any) -> bool:
+    """Whether an UNSUPPORTED field's value asks for nothing (what clients send by default)."""
+    if value is None or value is False or value in ("", [], {}):
+        return True
+    if field == "best_of":
+        return type(value) is int and value == 1
+    if field == "tool_choice":
+        return value in ("none", "auto")  # with no tools (tools themselves are refused)
+    return field == "response_format" and value == {"type": "text"}
+
+
+class _SamplingFields(BaseModel):
+    """The sampling fields both endpoints share. Other fields are kept (`model_extra`) only to
+    refuse the UNSUPPORTED ones; the rest are ignored."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None  # None: what fits in the context
@@ -66,6 +86,11 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def unsupported(self) -> str | None:
+        """The first UNSUPPORTED field this request sets, or None."""
+        extra = self.model_extra or {}
+        return next((k for k in UNSUPPORTED if k in extra and not _is_off(k, extra[k])), None)
 
 
 class CompletionRequest(_SamplingFields):

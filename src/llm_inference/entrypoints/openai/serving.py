@@ -74,6 +74,8 @@ class OpenAIServing:
         req: _SamplingFields, max_tokens: int | None, logprobs: int | None
     ) -> SamplingParams:
         """SamplingParams from the request; its ValueError (naming the field) becomes a 400."""
+        if (field := req.unsupported()) is not None:
+            raise APIError(400, f"{field} is not supported by this server", param=field)
         bias = None
         if req.logit_bias is not None:
             try:
