@@ -77,6 +77,9 @@ class RequestOutput:
     """The state of one request: its prompt and its n completions.
 
     `text`, `token_ids`, `finish_reason` and `logprobs` are shortcuts to `outputs[0]`.
+    `prompt_logprobs` (SamplingParams.prompt_logprobs): one entry per prompt token, None for the
+    first, then Logprobs of that token given the ones before it (from log_softmax of the raw
+    logits) with the k most likely tokens there in `top`. A DELTA output carries them once.
     """
 
     request_id: str
@@ -84,6 +87,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    prompt_logprobs: list[Logprobs | None] | None = None
 
     @property
     def text(self) -> str:
@@ -117,8 +121,9 @@ def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
                 m.add(c)
     last = deltas[-1]
     outputs = [merged[i] for i in sorted(merged)]
+    prompt_lps = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None)
     return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, outputs,
-                         last.finished)  # fmt: skip
+                         last.finished, prompt_lps)  # fmt: skip
 
 
 def accumulate(total: RequestOutput | None, delta: RequestOutput, n: int = 1) -> RequestOutput:
@@ -131,10 +136,13 @@ def accumulate(total: RequestOutput | None, delta: RequestOutput, n: int = 1) ->
     for c in delta.outputs:
         total.outputs[c.index].add(c)
     total.finished = delta.finished
+    if delta.prompt_logprobs is not None:
+        total.prompt_logprobs = delta.prompt_logprobs
     return total
 
 
 def copy_output(out: RequestOutput) -> RequestOutput:
     """A copy of `out` whose lists are its own."""
     return RequestOutput(out.request_id, out.prompt, list(out.prompt_token_ids),
-                         [c.copy() for c in out.outputs], out.finished)  # fmt: skip
+                         [c.copy() for c in out.outputs], out.finished,
+                         _copy_lps(out.prompt_logprobs))  # fmt: skip

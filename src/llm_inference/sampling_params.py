@@ -41,6 +41,9 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # Per prompt token after the first: its log-probability given the tokens before it, and
+    # the prompt_logprobs most likely tokens there (RequestOutput.prompt_logprobs).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only, no text (as vLLM's; no stop strings)
     # Added to the logits before sampling ({token id: bias in [-100, 100]}, OpenAI's range).
@@ -98,6 +101,10 @@ class SamplingParams:
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             fail("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            fail("prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "a list of non-negative integers")
         if not all(isinstance(s, str) and s for s in self.stop_strings):

@@ -200,3 +200,27 @@ def test_no_admission_in_a_step_that_preempted_even_if_blocks_came_free():
     assert out.preempted_request_ids == ["b"]
     assert plan(out) == [("a", 4, 1)]  # b's freed block would fit a 4-token chunk: not now
     assert plan(step(sched)) == [("a", 5, 1), ("b", 0, 4)]
+
+
+def test_prompt_logprobs_are_reported_once_with_the_first_token():
+    """The runner's prompt logprobs (opaque here) gather over the prompt's chunks; positions
+    reported again (a prompt recomputed after a preemption) are not added twice; the request's
+    first record carries them all, None first (the first prompt token has none), and no later
+    record does."""
+    sched = make_scheduler(budget=8)
+    prompt = list(range(1000, 1020))
+    sched.add_request(Request("a", prompt, SamplingParams(prompt_logprobs=0), max_tokens=5))
+    lps = [f"lp{p}" for p in range(1, 20)]  # position p - 1's entry: prompt token p
+
+    def run(chunk):
+        out = sched.schedule()
+        runner_out = fake_output(out)
+        runner_out.prompt_logprobs = {"a": chunk}
+        return sched.update_from_output(out, runner_out)
+
+    assert run((0, lps[0:8])) == []  # positions 0-7, no sample yet
+    assert run((0, lps[0:16])) == []  # positions 8-15, as if 0-7 were recomputed too
+    (first,) = run((16, lps[16:19]))  # positions 16-19: the last one samples
+    assert first.new_token_ids == [7] and first.prompt_logprobs == [None, *lps]
+    (second,) = run((19, []))
+    assert second.new_token_ids == [7] and second.prompt_logprobs is None

@@ -1,11 +1,11 @@
 """Tensor parallelism end to end on the CPU (gloo), tiny random model (4 heads, 2 KV heads):
 TP=2 equals TP=1, with async scheduling (the default: step n+1 sent to the workers before step
 n's tokens are read) and without (greedy under preemption and chunked prefill, seeded sampling,
-a mixed batch with logprobs, penalties and logit biases); steps, an empty step and a
-collective_rpc sent before the earlier replies are read; worker processes never outlive the
-LLM (context manager, exceptions, a killed worker, Ctrl-C, an LLM never closed, a parent that
-dies); clear errors for sizes that do not fit. Engine instances are few: each start spawns
-processes that import torch."""
+a mixed batch with logprobs, prompt logprobs, penalties and logit biases); steps, an empty
+step and a collective_rpc sent before the earlier replies are read; worker processes never
+outlive the LLM (context manager, exceptions, a killed worker, Ctrl-C, an LLM never closed, a
+parent that dies); clear errors for sizes that do not fit. Engine instances are few: each
+start spawns processes that import torch."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ FORCED, ALLOWED = 250, [5, 17, 33]
 MIXED = [
     GREEDY.replace(logit_bias={FORCED: 100.0, 3: -50.0}),
     seeded(1).replace(allowed_token_ids=ALLOWED),
-    SamplingParams(temperature=0.0, max_tokens=12, logprobs=3),
+    SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, prompt_logprobs=2),
     SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=5, max_tokens=16),
     SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=16),
     SamplingParams(temperature=0.0, min_tokens=8, max_tokens=16),
@@ -82,6 +82,7 @@ def run_all(llm: LLM) -> dict:
     mixed = gen(MIXED)
     out["mixed"] = [o.token_ids for o in mixed]
     out["logprobs"] = [o.outputs[0].logprobs for o in mixed]
+    out["prompt_logprobs"] = [o.prompt_logprobs for o in mixed]
     out["stats"] = llm.stats()
     return out
 
@@ -216,6 +217,13 @@ def test_mixed_batch_matches_tp1(runs):
     assert lp1 and len(lp1) == len(lp2)
     for a, b in zip(lp1, lp2):
         assert a.token_id == b.token_id and set(a.top) == set(b.top)
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    # prompt logprobs: the logits of every prompt position gathered over the ranks
+    plp1, plp2 = runs[1]["prompt_logprobs"], runs[2]["prompt_logprobs"]
+    assert [p is None for p in plp2] == [i != 2 for i in range(len(MIXED))]
+    assert len(plp2[2]) == len(PROMPTS[2]) and plp2[2][0] is None
+    for a, b in zip(plp1[2][1:], plp2[2][1:]):
+        assert a.token_id == b.token_id and set(a.top) == set(b.top) and len(a.top) == 2
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
 
 

@@ -286,3 +286,20 @@ def test_merge_deltas_and_accumulate():
         total = accumulate(total, d, 2)
     assert [(c.text, c.token_ids) for c in total.outputs] == [("abc", [1, 2, 3]), ("x", [7, 8])]
     assert total.finished
+
+
+def test_prompt_logprobs_stream_once(allm, offline_llm):
+    """A DELTA stream carries the prompt logprobs in one output; a CUMULATIVE one in every
+    output from the first; both equal the offline engine's."""
+    params = SamplingParams(temperature=0.0, max_tokens=5, prompt_logprobs=2, ignore_eos=True)
+    (want,) = offline_llm.generate([PROMPTS[0]], params, use_tqdm=False)
+
+    async def collect(kind):
+        return [o async for o in allm.generate(PROMPTS[0], params, output_kind=kind)]
+
+    deltas = asyncio.run(collect(RequestOutputKind.DELTA))
+    carried = [d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None]
+    assert len(carried) == 1 and carried[0] == want.prompt_logprobs
+    assert len(want.prompt_logprobs) == len(want.prompt_token_ids)
+    cumulative = asyncio.run(collect(RequestOutputKind.CUMULATIVE))
+    assert all(o.prompt_logprobs == want.prompt_logprobs for o in cumulative)

@@ -111,8 +111,13 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> CacheHit:
         """The longest cached prefix of a request that holds no blocks (empty when caching is
-        off); changes nothing. Pass it to `allocate_slots` to admit the request."""
-        if self.prefix_cache is None or request.block_ids:
+        off, and for a request that wants its prompt's logprobs: every prompt token must run);
+        changes nothing. Pass it to `allocate_slots` to admit the request."""
+        if (
+            self.prefix_cache is None
+            or request.block_ids
+            or request.sampling_params.prompt_logprobs is not None
+        ):
             return CacheHit()
         return self.prefix_cache.find_longest_hit(request)
 

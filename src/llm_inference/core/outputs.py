@@ -80,6 +80,9 @@ class ModelRunnerOutput:
     request_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[object | None] | None = None
+    # request id -> (first prompt position, [Logprobs of the token after each position]) for
+    # the prompt tokens this step ran of requests that asked for prompt_logprobs
+    prompt_logprobs: dict[str, tuple[int, list]] | None = None
 
 
 @dataclass(slots=True)
@@ -88,7 +91,9 @@ class EngineCoreOutput:
 
     `new_token_ids` are the tokens appended in this step (a request that finishes on a stop
     token includes it). `finish_reason` is "stop", "length" or None while it runs;
-    `stop_reason` is the stop token id when a stop token ended it.
+    `stop_reason` is the stop token id when a stop token ended it. `prompt_logprobs` (a request
+    that asked for them, in its first record): None, then one Logprobs per prompt token after
+    the first.
     """
 
     request_id: str
@@ -96,6 +101,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     new_logprobs: list[object] | None = None
+    prompt_logprobs: list[object | None] | None = None
 
     @property
     def finished(self) -> bool:

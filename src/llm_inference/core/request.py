@@ -97,6 +97,10 @@ class Request:
         # Samples scheduled but not yet returned (async scheduling: at most one). The workers
         # feed such a token to the next step straight from the device.
         self.num_output_placeholders = 0
+        # prompt_logprobs: the prompt positions' Logprobs so far (a recomputed prompt after a
+        # preemption adds nothing twice), reported with the request's first record
+        self.prompt_logprobs: list | None = None if sampling_params.prompt_logprobs is None else []
+        self.prompt_logprobs_sent = False
 
     @property
     def all_token_ids(self) -> list[int]:

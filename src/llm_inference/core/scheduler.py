@@ -261,6 +261,7 @@ class Scheduler:
         out = model_runner_output
         scheduled = self._in_flight.pop(scheduler_output.step_id, [])
         tokens, logprobs = _by_position(scheduled, out)
+        prompt_lps = out.prompt_logprobs or {}
         kv = self.kv_cache_manager
         caching, block_size = kv.prefix_cache is not None, kv.block_size
         max_model_len = self.config.max_model_len
@@ -278,6 +279,11 @@ class Scheduler:
                 and computed >= (len(request.cache_keys) + 1) * block_size
             ):
                 kv.cache_full_blocks(request, computed)
+            if rid in prompt_lps and request.prompt_logprobs is not None:
+                start, entries = prompt_lps[rid]
+                have = len(request.prompt_logprobs)  # positions recorded before (preemption)
+                if start <= have:
+                    request.prompt_logprobs.extend(entries[have - start :])
             if not new_tokens:
                 if samples:
                     raise ValueError(f"request {rid!r} needed a sample but got none")
@@ -316,6 +322,7 @@ class Scheduler:
                     request.finish_reason,
                     request.stop_reason,
                     None if lp is None else [lp],
+                    _take_prompt_logprobs(request),
                 )
             )
         if any_finished:
@@ -355,6 +362,16 @@ class Scheduler:
             self._finish(request, status)
         self.running = [r for r in self.running if not r.is_finished]
         self.waiting = deque(r for r in self.waiting if not r.is_finished)
+
+
+def _take_prompt_logprobs(request: Request) -> list | None:
+    """A request's prompt logprobs for its first record (None first: the first prompt token
+    has none), then None."""
+    lps = request.prompt_logprobs
+    if lps is None or request.prompt_logprobs_sent:
+        return None
+    request.prompt_logprobs_sent = True
+    return [None, *lps]
 
 
 def _by_position(

@@ -78,6 +78,8 @@ class _RequestState:
     prompt_token_ids: list[int]
     completions: list[_Completion]
     kind: RequestOutputKind = _CUMULATIVE
+    prompt_logprobs: list | None = None
+    prompt_logprobs_new: bool = False  # arrived this step (DELTA outputs carry them once)
 
     @property
     def finished(self) -> bool:
@@ -90,7 +92,12 @@ class _RequestState:
         if len(advanced) > 1:
             advanced = sorted(advanced, key=lambda c: c.index)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             [c.delta_output() for c in advanced], self.finished)  # fmt: skip
+                             [c.delta_output() for c in advanced], self.finished,
+                             self._take_new_prompt_logprobs())  # fmt: skip
+
+    def _take_new_prompt_logprobs(self) -> list | None:
+        new, self.prompt_logprobs_new = self.prompt_logprobs_new, False
+        return self.prompt_logprobs if new else None
 
     def output(self) -> RequestOutput:
         return RequestOutput(
@@ -99,6 +106,7 @@ class _RequestState:
             prompt_token_ids=list(self.prompt_token_ids),
             outputs=[c.output() for c in self.completions],
             finished=self.finished,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -186,6 +194,8 @@ class OutputProcessor:
             if owner is None:
                 continue  # aborted in the front end since
             state, completion = owner
+            if out.prompt_logprobs is not None and state.prompt_logprobs is None:
+                state.prompt_logprobs, state.prompt_logprobs_new = out.prompt_logprobs, True
             if self._advance(completion, out, state.kind) and out.finish_reason is None:
                 stopped.append(out.request_id)
             done = completion.finish_reason is not None
@@ -194,7 +204,8 @@ class OutputProcessor:
             if state.kind is _DELTA and len(state.completions) == 1:  # the server's requests
                 results.append(RequestOutput(state.request_id, state.prompt,
                                              state.prompt_token_ids,
-                                             [completion.delta_output()], done))  # fmt: skip
+                                             [completion.delta_output()], done,
+                                             state._take_new_prompt_logprobs()))  # fmt: skip
                 if done:
                     del self.requests[state.request_id]
                 continue

@@ -58,6 +58,9 @@ class StepInputs:
     # Sampling inputs written into the buffers (`sample_*`) by `prepare`: set when no sample
     # row needs its token lists (penalties, min_tokens) or logprobs, else None.
     sampling: SamplingFlags | None = None
+    # prompt_logprobs: per request that asked and runs prompt tokens here, (request id, first
+    # prompt position, flat token indices, the prompt tokens that follow them, k)
+    prompt_logprobs: list[tuple[str, int, np.ndarray, np.ndarray, int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -216,6 +219,7 @@ class InputBatch:
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
         self.seed_hash = np.zeros(max_num_reqs, dtype=np.uint64)
         self.needs_lists = np.zeros(max_num_reqs, dtype=bool)
+        self.prompt_lp = np.full(max_num_reqs, -1, dtype=np.int64)  # prompt_logprobs, -1: off
         # Row of each request's token in the last sampled tokens (on the device), -1 if none.
         self.prev_sample = np.full(max_num_reqs, -1, dtype=np.int64)
 
@@ -278,6 +282,7 @@ class InputBatch:
         self.needs_lists[row] = (
             p.logprobs is not None or p.min_tokens > 0 or p.has_penalties or p.has_logit_bias
         )
+        self.prompt_lp[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
         self.prev_sample[row] = -1
 
     def set_sampled(self, sample_batch_rows: np.ndarray) -> None:
@@ -357,6 +362,9 @@ class InputBatch:
         b["placeholder_src"][: len(ph_dst)] = ph_src
         sample_rows = rows[sample]
         num_outputs = seq_lens[sample] - self.prompt_len[sample_rows]
+        prompt_lps = None
+        if (self.prompt_lp[rows] >= 0).any():
+            prompt_lps = self._prompt_logprob_rows(request_ids, rows, starts, counts, cu)
         return StepInputs(
             request_ids=request_ids,
             num_tokens=total,
@@ -373,7 +381,21 @@ class InputBatch:
             and np.array_equal(ph_src, np.arange(len(ph_src))),
             sample_batch_rows=sample_rows,
             sampling=self._stage_sampling(sample_rows, num_outputs, b),
+            prompt_logprobs=prompt_lps,
         )
+
+    def _prompt_logprob_rows(self, request_ids, rows, starts, counts, cu) -> list | None:
+        """StepInputs.prompt_logprobs: the step's prompt positions p < prompt_len - 1 (each
+        predicts prompt token p + 1) of the requests that asked for prompt_logprobs."""
+        found = []
+        for i in np.flatnonzero(self.prompt_lp[rows] >= 0):
+            row, start = rows[i], int(starts[i])
+            end = min(start + int(counts[i]), int(self.prompt_len[row]) - 1)
+            if end > start:
+                flat = cu[i] + np.arange(end - start)
+                targets = self.token_ids[row, start + 1 : end + 1].astype(np.int64)
+                found.append((request_ids[i], start, flat, targets, int(self.prompt_lp[row])))
+        return found or None
 
     def _stage_sampling(self, rows: np.ndarray, num_outputs: np.ndarray, b) -> SamplingFlags | None:
         """The sampler's per-row inputs for `rows` into the host buffers `b` (noise keys from

@@ -4,6 +4,7 @@ of its rank."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from llm_inference.config import EngineConfig, cdiv
@@ -183,7 +184,7 @@ class ModelRunner:
         views["input_ids"].index_copy_(0, dst, tokens.to(torch.int32))
 
     def _keep_sampled(
-        self, req_ids: list[str], step: StepInputs, out: SamplerOutput
+        self, req_ids: list[str], step: StepInputs, out: SamplerOutput, prompt_lps=None
     ) -> PendingOutput | None:
         """The step's tokens stay on the device for the next step's placeholders (at TP > 1
         every rank holds the same tensor and fills its own); rank 0 starts their copy to the
@@ -192,7 +193,49 @@ class ModelRunner:
         self.input_batch.set_sampled(step.sample_batch_rows)
         if get_tp_rank() != 0:
             return None
-        return PendingOutput.launch(req_ids, step.sample_rows, out, self.token_slots)
+        pending = PendingOutput.launch(req_ids, step.sample_rows, out, self.token_slots)
+        pending.prompt_logprobs = prompt_lps
+        return pending
+
+    PROMPT_LOGPROB_ROWS = 512  # logits rows at a time: [512, V] float32 is 263 MB at V=128k
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs) -> dict | None:
+        """ModelRunnerOutput.prompt_logprobs of the step (rank 0; other ranks None). Collective
+        at TP > 1 (the logits are gathered over the ranks), so every rank calls it. Waits for
+        the device: a request that asks for prompt logprobs costs its steps the overlap."""
+        from llm_inference.outputs import Logprobs
+
+        entries = step.prompt_logprobs
+        flat = torch.from_numpy(np.concatenate([e[2] for e in entries])).to(self.device)
+        targets = torch.from_numpy(np.concatenate([e[3] for e in entries])).to(self.device)
+        k = max(e[4] for e in entries)
+        chosen, top_values, top_ids = [], [], []
+        for s in range(0, len(flat), self.PROMPT_LOGPROB_ROWS):
+            rows = flat[s : s + self.PROMPT_LOGPROB_ROWS]
+            lp = self.model.compute_logits(hidden.index_select(0, rows)).float().log_softmax(-1)
+            chosen.append(lp.gather(1, targets[s : s + len(rows), None])[:, 0])
+            if k:
+                values, ids = lp.topk(k, dim=-1)
+                top_values.append(values)
+                top_ids.append(ids)
+        if get_tp_rank() != 0:
+            return None
+        chosen = torch.cat(chosen).tolist()
+        top_values = torch.cat(top_values).tolist() if k else None
+        top_ids = torch.cat(top_ids).tolist() if k else None
+        out, i = {}, 0
+        for rid, start, positions, tokens, req_k in entries:
+            lps = []
+            for j, token in enumerate(tokens.tolist()):
+                top = (
+                    {}
+                    if not req_k
+                    else dict(zip(top_ids[i + j][:req_k], top_values[i + j][:req_k]))
+                )
+                lps.append(Logprobs(token, chosen[i + j], top))
+            out[rid] = (start, lps)
+            i += len(positions)
+        return out
 
     def sampling_metadata(
         self, rows: list[int], num_outputs: list[int] | None = None
@@ -222,8 +265,11 @@ class ModelRunner:
             return PendingOutput.done(ModelRunnerOutput(req_ids, [[] for _ in req_ids]))
         step = self.input_batch.prepare(so, self.buffers)
         hidden = self._forward(step)
+        prompt_lps = None if step.prompt_logprobs is None else self._prompt_logprobs(hidden, step)
         if not step.sample_rows:
-            empty = ModelRunnerOutput(req_ids, [[] for _ in req_ids], [None] * len(req_ids))
+            empty = ModelRunnerOutput(
+                req_ids, [[] for _ in req_ids], [None] * len(req_ids), prompt_lps
+            )
             return PendingOutput.done(empty)
         num_samples = len(step.sample_rows)
         if num_samples == step.num_tokens:  # every token samples (decodes): rows 0..n-1
@@ -234,7 +280,7 @@ class ModelRunner:
             out = sample_tensor_parallel(
                 self, req_ids, step.sample_rows, step.num_outputs, hidden_rows, step.sampling
             )
-            return self._keep_sampled(req_ids, step, out)
+            return self._keep_sampled(req_ids, step, out, prompt_lps)
         logits = self.model.compute_logits(hidden_rows)
         if get_tp_rank() != 0:
             return None  # sampling happens on rank 0 only
@@ -245,4 +291,4 @@ class ModelRunner:
             )  # fmt: skip
         else:
             smd = self.sampling_metadata(step.sample_batch_rows.tolist(), step.num_outputs)
-        return self._keep_sampled(req_ids, step, self.sampler(logits, smd, sync=sync))
+        return self._keep_sampled(req_ids, step, self.sampler(logits, smd, sync=sync), prompt_lps)

@@ -54,6 +54,7 @@ class PendingOutput:
         self._req_ids: list[str] = []
         self._rows: list[int] = []
         self._logprobs = None
+        self.prompt_logprobs: dict | None = None  # ModelRunnerOutput.prompt_logprobs
         # result() may be called by the engine or a TP reply thread (multiproc.py) while
         # TokenSlots.take moves the tokens out of a slot for reuse: one at a time.
         self._lock = threading.Lock()
@@ -115,7 +116,7 @@ class PendingOutput:
         if self._logprobs is not None:
             for k, i in enumerate(self._rows):
                 logprobs[i] = self._logprobs[k]
-        self._done = ModelRunnerOutput(self._req_ids, sampled, logprobs)
+        self._done = ModelRunnerOutput(self._req_ids, sampled, logprobs, self.prompt_logprobs)
         self._host = self._event = None
 
     def leave_slot(self) -> None:
