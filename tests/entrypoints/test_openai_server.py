@@ -124,6 +124,48 @@ def test_logit_bias_and_allowed_token_ids(client, offline_llm):
         client.completions.create(prompt="Hello", logit_bias={"5": 101}, **_extra(GREEDY))
 
 
+def test_echo_and_prompt_logprobs(client, offline_llm):
+    """Completions' echo (the prompt's text, and with logprobs its tokens' logprobs first) and
+    vLLM's prompt_logprobs field (per choice for completions, at the top for chat), equal to
+    the offline engine's prompt logprobs; echo with stream is a 400."""
+    plain = client.completions.create(prompt="Hello world", **_extra(GREEDY))
+    r = client.completions.create(prompt="Hello world", echo=True, logprobs=2, **_extra(GREEDY))
+    choice = r.choices[0]
+    assert choice.text == "Hello world" + plain.choices[0].text
+    (want,) = offline_llm.generate(["Hello world"], OFFLINE.replace(prompt_logprobs=2),
+                                   use_tqdm=False)  # fmt: skip
+    n = len(want.prompt_token_ids)
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == n + 12
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == pytest.approx(
+        [x.logprob for x in want.prompt_logprobs[1:]], abs=1e-4
+    )
+    assert all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset)
+    r = client.completions.create(
+        prompt="Hello world", extra_body={"prompt_logprobs": 1, "ignore_eos": True},
+        **{k: v for k, v in GREEDY.items() if k != "ignore_eos"},
+    )  # fmt: skip
+    got = r.model_dump()["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == n
+    for entry, x in zip(got[1:], want.prompt_logprobs[1:]):
+        assert entry[str(x.token_id)]["logprob"] == pytest.approx(x.logprob, abs=1e-4)
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+        extra_body={"prompt_logprobs": 0},
+    )  # fmt: skip
+    chat_lps = chat.model_dump()["prompt_logprobs"]
+    assert chat_lps[0] is None and len(chat_lps) > 2 and all(len(e) == 1 for e in chat_lps[1:])
+    with pytest.raises(openai.BadRequestError, match="echo is not supported with stream"):
+        client.completions.create(prompt="Hello", echo=True, stream=True, **_extra(GREEDY))
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs is not supported with"):
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], stream=True,
+            extra_body={"prompt_logprobs": 0},
+        )  # fmt: skip
+
+
 def test_truncate_prompt_tokens(client):
     """vLLM's truncate_prompt_tokens: the prompt's last k tokens only, past max_model_len too."""
     r = client.completions.create(
@@ -169,12 +211,7 @@ BAD = [
     ("max_tokens", dict(max_tokens=0), 400, "max_tokens must be"),
     ("type", dict(top_p="lots"), 400, "top_p"),
     ("model", dict(model="gpt-9"), 404, "`gpt-9` does not exist"),
-    (
-        "prompt_logprobs",
-        dict(extra_body={"prompt_logprobs": 1}),
-        400,
-        "prompt_logprobs is not supported",
-    ),
+    ("bad_words", dict(extra_body={"bad_words": ["x"]}), 400, "bad_words is not supported"),
     (
         "beam search",
         dict(extra_body={"use_beam_search": True}),

@@ -1,11 +1,12 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and the OpenAI error format.
 
-Field names and defaults follow OpenAI's API (`logit_bias` included); `top_k`, `min_p`,
-`repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `skip_special_tokens`,
-`include_stop_str_in_output`, `allowed_token_ids` and `truncate_prompt_tokens` are extra
-fields, as vLLM accepts them. Fields of UNSUPPORTED (structured outputs, tools, beam search,
-prompt logprobs, ...) are refused with a 400 naming them; other unknown fields are ignored.
-Values are range-checked by `SamplingParams`, whose errors name the field.
+Field names and defaults follow OpenAI's API (`logit_bias` and completions' `echo` included);
+`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
+`skip_special_tokens`, `include_stop_str_in_output`, `allowed_token_ids`,
+`truncate_prompt_tokens` and `prompt_logprobs` are extra fields, as vLLM accepts them. Fields
+of UNSUPPORTED (structured outputs, tools, beam search, ...) are refused with a 400 naming
+them; other unknown fields are ignored. Values are range-checked by `SamplingParams`, whose
+errors name the field.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class StreamOptions(BaseModel):
 
 # Fields of OpenAI's or vLLM's API that this server does not implement: a request that sets
 # one (to anything but an off value) gets a 400 naming it, not an answer that ignored it.
-UNSUPPORTED = ("prompt_logprobs", "bad_words", "response_format", "guided_json", "guided_regex",
+UNSUPPORTED = ("bad_words", "response_format", "guided_json", "guided_regex",
                "guided_choice", "guided_grammar", "structured_outputs", "tools", "tool_choice",
                "functions", "function_call", "use_beam_search", "best_of", "suffix",
                "logits_processors")  # fmt: skip
@@ -82,6 +83,7 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def include_usage(self) -> bool:

@@ -40,6 +40,9 @@ class ResponseBuilder:
         self.id = new_id("cmpl" if kind == "completion" else "chatcmpl")
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
+        self.echo: list[str] | None = None  # completions with echo: each prompt's text
+        self.echo_k = 0  # with echo and logprobs=k: the prompt tokens' top-k
+        self.prompt_logprobs = False  # vLLM's prompt_logprobs field in the response
 
     def _head(self, object_name: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created,
@@ -80,6 +83,44 @@ class ResponseBuilder:
             content.append(item)
         return {"content": content}
 
+    def echo_logprobs(self, out: RequestOutput, lps: list[Logprobs]) -> dict[str, Any]:
+        """Completions' logprobs with echo: the prompt's tokens first (the first has none),
+        then the completion's, offsets running on through both."""
+        prompt_lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        tokens = [self.token_text(t) for t in out.prompt_token_ids]
+        body = self.completion_logprobs(lps, sum(map(len, tokens)))
+        offsets, offset = [], 0
+        for tok in tokens:
+            offsets.append(offset)
+            offset += len(tok)
+        top = [None if lp is None else {self.token_text(t): _lp(v)
+                                        for t, v in list(lp.top.items())[: self.echo_k]}
+               for lp in prompt_lps]  # fmt: skip
+        return {
+            "tokens": tokens + body["tokens"],
+            "token_logprobs": [None if lp is None else _lp(lp.logprob) for lp in prompt_lps]
+            + body["token_logprobs"],
+            "top_logprobs": top + body["top_logprobs"],
+            "text_offset": offsets + body["text_offset"],
+        }
+
+    def vllm_prompt_logprobs(self, lps: list[Logprobs | None] | None) -> list | None:
+        """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob,
+        decoded_token}} for the token itself and the most likely ones there."""
+        if lps is None:
+            return None
+        out = []
+        for lp in lps:
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(t): {"logprob": _lp(v), "decoded_token": self.token_text(t)}
+                     for t, v in lp.top.items()}  # fmt: skip
+            entry[str(lp.token_id)] = {"logprob": _lp(lp.logprob),
+                                       "decoded_token": self.token_text(lp.token_id)}  # fmt: skip
+            out.append(entry)
+        return out
+
     def logprobs(self, lps: list[Logprobs] | None, offset: int = 0) -> dict[str, Any] | None:
         if lps is None:
             return None
@@ -95,15 +136,23 @@ class ResponseBuilder:
             for c in out.outputs:
                 choice: dict[str, Any] = {"index": i * self.n + c.index}
                 if self.kind == "completion":
-                    choice["text"] = c.text
+                    choice["text"] = c.text if self.echo is None else self.echo[i] + c.text
                 else:
                     choice["message"] = {"role": "assistant", "content": c.text}
-                choice["logprobs"] = self.logprobs(c.logprobs)
+                if self.echo is not None and c.logprobs is not None:
+                    choice["logprobs"] = self.echo_logprobs(out, c.logprobs)
+                else:
+                    choice["logprobs"] = self.logprobs(c.logprobs)
                 choice["finish_reason"] = c.finish_reason
                 choice["stop_reason"] = c.stop_reason
+                if self.prompt_logprobs and self.kind == "completion":
+                    choice["prompt_logprobs"] = self.vllm_prompt_logprobs(out.prompt_logprobs)
                 choices.append(choice)
         name = "text_completion" if self.kind == "completion" else "chat.completion"
-        return {**self._head(name), "choices": choices, "usage": usage(outputs)}
+        body = {**self._head(name), "choices": choices, "usage": usage(outputs)}
+        if self.prompt_logprobs and self.kind == "chat":  # one prompt: at the top, as vLLM
+            body["prompt_logprobs"] = self.vllm_prompt_logprobs(outputs[0].prompt_logprobs)
+        return body
 
     # ---- stream chunks --------------------------------------------------------------------
 

@@ -71,11 +71,15 @@ class OpenAIServing:
 
     @staticmethod
     def sampling_params(
-        req: _SamplingFields, max_tokens: int | None, logprobs: int | None
-    ) -> SamplingParams:
+        req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:  # fmt: skip
         """SamplingParams from the request; its ValueError (naming the field) becomes a 400."""
         if (field := req.unsupported()) is not None:
             raise APIError(400, f"{field} is not supported by this server", param=field)
+        if req.stream and req.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs is not supported with stream",
+                           param="prompt_logprobs")  # fmt: skip
         bias = None
         if req.logit_bias is not None:
             try:
@@ -95,6 +99,7 @@ class OpenAIServing:
                 logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
                 logit_bias=bias, allowed_token_ids=req.allowed_token_ids,
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
+                prompt_logprobs=prompt_logprobs,
             )  # fmt: skip
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split()[0]) from e
@@ -103,11 +108,20 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, raw: Request):
         self.check_model(req.model)
-        if req.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+        if req.echo and req.stream:
+            raise APIError(400, "echo is not supported with stream", param="echo")
         prompts = self.completion_prompts(req.prompt)
-        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        # echo with logprobs: the prompt's tokens get theirs too
+        prompt_lps = req.prompt_logprobs
+        if req.echo and req.logprobs is not None:
+            prompt_lps = max(req.logprobs, prompt_lps or 0)
+        params = self.sampling_params(req, req.max_tokens, req.logprobs, prompt_lps)
         builder = ResponseBuilder("completion", self.model_name, self.tokenizer, req.n)
+        if req.echo:
+            builder.echo = [text if text is not None else self.tokenizer.decode(ids)
+                            for text, ids in prompts]  # fmt: skip
+            builder.echo_k = req.logprobs or 0
+        builder.prompt_logprobs = req.prompt_logprobs is not None
         return await self._run(raw, prompts, params, builder, req)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
@@ -116,8 +130,9 @@ class OpenAIServing:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
-        params = self.sampling_params(req, max_tokens, logprobs)
+        params = self.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs)
         builder = ResponseBuilder("chat", self.model_name, self.tokenizer, req.n)
+        builder.prompt_logprobs = req.prompt_logprobs is not None
         return await self._run(raw, [self.chat_prompt(req)], params, builder, req)
 
     # ---- the shared flow ------------------------------------------------------------------
