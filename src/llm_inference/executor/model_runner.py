@@ -197,7 +197,9 @@ class ModelRunner:
         pending.prompt_logprobs = prompt_lps
         return pending
 
-    PROMPT_LOGPROB_ROWS = 512  # logits rows at a time: [512, V] float32 is 263 MB at V=128k
+    # logits rows at a time: [128, V] float32 is 66 MB at V=128k, a few of them at once (the
+    # memory profile does not count them)
+    PROMPT_LOGPROB_ROWS = 128
 
     def _prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs) -> dict | None:
         """ModelRunnerOutput.prompt_logprobs of the step (rank 0; other ranks None). Collective
