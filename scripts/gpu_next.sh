@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (nvidia-h200-x2), from the repository root: the next session's first calls
 # (benchmarks/NOTES.md, eighth session, "For the next GPU session"), each under 10 minutes.
-#   PART=1: TP=2 at batch 64, where vLLM's step was faster (2.722 against 2.838 ms, seventh
+#   PART=1: first the CUDA tests of the eighth session's last commits; then TP=2 at batch 64, where vLLM's step was faster (2.722 against 2.838 ms, seventh
 #     session): our step profile at TP=2, batch 64 (`bench latency --profile 64`), to set
 #     beside vLLM's (`profile_decode.py vllm llama-3.2-3b 64` with TP=2, after the four vLLM
 #     carry calls); then the TP=2 throughput run's kernels, rank 0 (all-reduces 1.1 s per rank
@@ -14,6 +14,10 @@
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"  # $OUT, $R, the environment, $B
 if [ "${PART:-1}" = 1 ]; then
+# CUDA tests of the eighth session's later commits (prompt logprobs from the graphs' hidden
+# states; logit_bias/allowed_token_ids and prompt logprobs at TP=2 ran on the CPU only)
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_triton_engine.py \
+  tests/distributed/test_tp_cuda.py 2>&1 | tail -4
 timeout 200 $B latency --model llama-3.2-3b --tensor-parallel-size 2 --batches 64 \
   --profile 64 --json "$OUT/tp2_3b_bs64_profile.json" 2>&1 | grep -v "it/s" | tail -12
 timeout 200 $B throughput --model llama-3.2-3b --tensor-parallel-size 2 --profile 1 \
