@@ -52,7 +52,12 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # Keep only the prompt's last k tokens (left truncation); -1: the last max_model_len.
     truncate_prompt_tokens: int | None = None
+    # Words the output may not contain (vLLM's): a word's last token is masked whenever the
+    # tokens before it end the output (a one-token word: always).
+    bad_words: list[str] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
+    # bad_words as token id sequences, set by the engine from its tokenizer (`tokenize_bad_words`)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +69,8 @@ class SamplingParams:
             self.logit_bias = dict(self.logit_bias) or None
         if isinstance(self.allowed_token_ids, (list, tuple)):
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, (list, tuple)):
+            self.bad_words = list(self.bad_words) or None
         self._validate()
 
     def _validate(self) -> None:
@@ -122,6 +129,11 @@ class SamplingParams:
             and (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)
         ):
             fail("truncate_prompt_tokens", "None, -1 (the model's length) or an integer >= 1")
+        if self.bad_words is not None and not (
+            isinstance(self.bad_words, list)
+            and all(isinstance(w, str) and w.strip() for w in self.bad_words)
+        ):
+            fail("bad_words", "None or a list of non-empty strings")
         if self.allowed_token_ids is not None and not (
             isinstance(self.allowed_token_ids, list)
             and self.allowed_token_ids
@@ -146,8 +158,26 @@ class SamplingParams:
 
     @property
     def has_logit_bias(self) -> bool:
-        """True when logit_bias or allowed_token_ids changes the logits before sampling."""
-        return self.logit_bias is not None or self.allowed_token_ids is not None
+        """True when logit_bias, allowed_token_ids or bad_words change the logits before
+        sampling."""
+        return (
+            self.logit_bias is not None
+            or self.allowed_token_ids is not None
+            or self.bad_words is not None
+        )
+
+    def tokenize_bad_words(self, tokenizer) -> None:
+        """Set `bad_words_token_ids`: each word as tokenized alone and after a space (as vLLM
+        does: the word at the start of the text and inside it), the second only when it is
+        another sequence of the same length."""
+        seqs: list[tuple[int, ...]] = []
+        for word in self.bad_words or ():
+            alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            seqs.append(alone)
+            if spaced and alone and spaced[0] != alone[0] and len(spaced) == len(alone):
+                seqs.append(spaced)
+        self.bad_words_token_ids = tuple(s for s in seqs if s)
 
     def replace(self, **changes) -> SamplingParams:
         """A validated copy with some fields changed (lists are copied, never shared)."""

@@ -1,11 +1,11 @@
 """Tensor parallelism end to end on the CPU (gloo), tiny random model (4 heads, 2 KV heads):
 TP=2 equals TP=1, with async scheduling (the default: step n+1 sent to the workers before step
 n's tokens are read) and without (greedy under preemption and chunked prefill, seeded sampling,
-a mixed batch with logprobs, prompt logprobs, penalties and logit biases); steps, an empty
-step and a collective_rpc sent before the earlier replies are read; worker processes never
-outlive the LLM (context manager, exceptions, a killed worker, Ctrl-C, an LLM never closed, a
-parent that dies); clear errors for sizes that do not fit. Engine instances are few: each
-start spawns processes that import torch."""
+a mixed batch with logprobs, prompt logprobs, penalties, logit biases and bad words); steps, an
+empty step and a collective_rpc sent before the earlier replies are read; worker processes
+never outlive the LLM (context manager, exceptions, a killed worker, Ctrl-C, an LLM never
+closed, a parent that dies); clear errors for sizes that do not fit. Engine instances are few:
+each start spawns processes that import torch."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ MIXED = [
     seeded(1).replace(allowed_token_ids=ALLOWED),
     SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, prompt_logprobs=2),
     SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=5, max_tokens=16),
-    SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=16),
+    SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=16, bad_words=["the"]),
     SamplingParams(temperature=0.0, min_tokens=8, max_tokens=16),
 ]
 

@@ -122,6 +122,18 @@ def test_logit_bias_and_allowed_token_ids(client, offline_llm):
         client.completions.create(prompt="Hello", logit_bias={"x": 1}, **_extra(GREEDY))
     with pytest.raises(openai.BadRequestError, match="logit_bias must be"):
         client.completions.create(prompt="Hello", logit_bias={"5": 101}, **_extra(GREEDY))
+    # bad_words reach the engine: a one-token word of the greedy output is gone from it
+    (plain,) = offline_llm.generate(["Hello"], OFFLINE, use_tqdm=False)
+    words = [tok.decode([t]) for t in plain.token_ids]
+    word, token = next(
+        (w, t) for w, t in zip(words, plain.token_ids)
+        if w.strip().isalpha() and tok.encode(w, add_special_tokens=False) == [t]
+    )  # fmt: skip
+    banned = client.completions.create(
+        prompt="Hello", logprobs=0, extra_body={"bad_words": [word], "ignore_eos": True},
+        **{k: v for k, v in GREEDY.items() if k != "ignore_eos"},
+    )  # fmt: skip
+    assert banned.choices[0].text != plain.text and word not in banned.choices[0].logprobs.tokens
 
 
 def test_echo_and_prompt_logprobs(client, offline_llm):
@@ -211,7 +223,12 @@ BAD = [
     ("max_tokens", dict(max_tokens=0), 400, "max_tokens must be"),
     ("type", dict(top_p="lots"), 400, "top_p"),
     ("model", dict(model="gpt-9"), 404, "`gpt-9` does not exist"),
-    ("bad_words", dict(extra_body={"bad_words": ["x"]}), 400, "bad_words is not supported"),
+    (
+        "guided_json",
+        dict(extra_body={"guided_json": {"type": "object"}}),
+        400,
+        "guided_json is not supported",
+    ),
     (
         "beam search",
         dict(extra_body={"use_beam_search": True}),

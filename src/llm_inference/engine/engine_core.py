@@ -31,8 +31,9 @@ class KVCacheTooSmallError(ValueError):
 
 
 def needs_sync(params: SamplingParams) -> bool:
-    """Penalties read every output token, and logprobs are built on the host each step."""
-    return params.logprobs is not None or params.has_penalties
+    """Penalties and bad words read every output token, and logprobs are built on the host
+    each step."""
+    return params.logprobs is not None or params.has_penalties or params.bad_words is not None
 
 
 class EngineCore:

@@ -99,9 +99,10 @@ def _min_tokens_pairs(
     return rows, cols
 
 
-def _bias_lists(params: list[SamplingParams], V: int):
-    """(rows, token ids, biases) of logit_bias and (rows with a list, rows, token ids) of
-    allowed_token_ids; None for either when no row uses it. Ids >= V are dropped (the
+def _bias_lists(params: list[SamplingParams], outputs: list[list[int]], V: int):
+    """(rows, token ids, biases) of logit_bias and of bad_words (-inf on a word's last token
+    where the output ends with the tokens before it), and (rows with a list, rows, token ids)
+    of allowed_token_ids; None for either when no row uses it. Ids >= V are dropped (the
     engine's validate_request refuses them before)."""
     rows, cols, values, lists, arows, acols = [], [], [], [], [], []
     for b, p in enumerate(params):
@@ -110,6 +111,12 @@ def _bias_lists(params: list[SamplingParams], V: int):
                 rows.append(b)
                 cols.append(t)
                 values.append(float(v))
+        for seq in p.bad_words_token_ids:
+            *head, last = seq
+            if last < V and (not head or outputs[b][-len(head) :] == head):
+                rows.append(b)
+                cols.append(last)
+                values.append(float("-inf"))
         if p.allowed_token_ids is not None:
             lists.append(b)
             ids = sorted({t for t in p.allowed_token_ids if t < V})
@@ -147,7 +154,8 @@ class SamplingMetadata:
     logprobs_k: list[int | None]  # per row: SamplingParams.logprobs
     logprobs_rows: torch.Tensor | None  # [R] rows that asked for logprobs
     max_num_logprobs: int | None  # largest k asked (None: no row asked)
-    # logit_bias: (rows, token ids, float32 biases) to add, None when no row has one
+    # logit_bias and bad_words: (rows, token ids, float32 biases, -inf for a bad word) to add,
+    # None when no row has one
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # allowed_token_ids: (rows that have a list, rows, token ids), None when no row has one
     allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -223,7 +231,7 @@ class SamplingMetadata:
         steps = num_output_tokens or [len(out) for out in output_token_ids]
         rows, cols = _min_tokens_pairs(params, steps, eos_token_ids, V)
         lp_rows = [b for b, p in enumerate(params) if p.logprobs is not None]
-        bias, allowed = _bias_lists(params, V)
+        bias, allowed = _bias_lists(params, output_token_ids, V)
 
         def floats(values: list[float]) -> torch.Tensor:
             return to_device(torch.tensor(values, dtype=torch.float32), device)

@@ -3,10 +3,10 @@
 Field names and defaults follow OpenAI's API (`logit_bias` and completions' `echo` included);
 `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
 `skip_special_tokens`, `include_stop_str_in_output`, `allowed_token_ids`,
-`truncate_prompt_tokens` and `prompt_logprobs` are extra fields, as vLLM accepts them. Fields
-of UNSUPPORTED (structured outputs, tools, beam search, ...) are refused with a 400 naming
-them; other unknown fields are ignored. Values are range-checked by `SamplingParams`, whose
-errors name the field.
+`truncate_prompt_tokens`, `prompt_logprobs` and `bad_words` are extra fields, as vLLM accepts
+them. Fields of UNSUPPORTED (structured outputs, tools, beam search, ...) are refused with a
+400 naming them; other unknown fields are ignored. Values are range-checked by
+`SamplingParams`, whose errors name the field.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class StreamOptions(BaseModel):
 
 # Fields of OpenAI's or vLLM's API that this server does not implement: a request that sets
 # one (to anything but an off value) gets a 400 naming it, not an answer that ignored it.
-UNSUPPORTED = ("bad_words", "response_format", "guided_json", "guided_regex",
+UNSUPPORTED = ("response_format", "guided_json", "guided_regex",
                "guided_choice", "guided_grammar", "structured_outputs", "tools", "tool_choice",
                "functions", "function_call", "use_beam_search", "best_of", "suffix",
                "logits_processors")  # fmt: skip
@@ -84,6 +84,7 @@ class _SamplingFields(BaseModel):
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
+    bad_words: list[str] | None = None
 
     @property
     def include_usage(self) -> bool:

@@ -99,7 +99,7 @@ class OpenAIServing:
                 logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
                 logit_bias=bias, allowed_token_ids=req.allowed_token_ids,
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
-                prompt_logprobs=prompt_logprobs,
+                prompt_logprobs=prompt_logprobs, bad_words=req.bad_words,
             )  # fmt: skip
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split()[0]) from e
