@@ -107,6 +107,23 @@ def test_chat_applies_template(tiny_ckpt):
         assert out.token_ids == direct.token_ids
 
 
+def test_chat_continue_final_message_and_template_kwargs(tiny_ckpt, monkeypatch):
+    """vLLM's chat options: the last assistant message left open for the model to continue,
+    and extra template variables."""
+    with LLM(str(tiny_ckpt), device="cpu") as llm:
+        msgs = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Sure, "}]
+        (out,) = llm.chat(msgs, max_new_tokens=3, use_tqdm=False, add_generation_prompt=False,
+                          continue_final_message=True)  # fmt: skip
+        assert out.prompt.endswith("Sure, ")
+        with pytest.raises(ValueError, match="continue_final_message needs"):
+            llm.chat(msgs, continue_final_message=True)
+        template = "{% for m in messages %}{{ greeting }} {{ m['content'] }}\n{% endfor %}"
+        monkeypatch.setattr(llm.tokenizer, "chat_template", template)
+        (out,) = llm.chat(msgs[:1], max_new_tokens=2, use_tqdm=False,
+                          chat_template_kwargs={"greeting": "Ahoy"})  # fmt: skip
+        assert out.prompt == "Ahoy Hello\n"
+
+
 BAD_INPUTS = [
     ([[5, 6], []], {}, r"prompt 1: the prompt is empty"),
     ([[5] * 600], {}, r"prompt 0: the prompt has 600 tokens.*max_model_len=512"),

@@ -264,6 +264,19 @@ def test_unsupported_chat_fields_are_refused_not_ignored(client):
     assert ok.choices[0].message.content is not None
 
 
+def test_chat_continue_final_message(client):
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well, "}]
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=msgs, max_tokens=3,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True,
+                    "chat_template_kwargs": {"unused": 1}},
+    )  # fmt: skip
+    assert r.choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError, match="continue_final_message needs"):
+        client.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=3,
+                                       extra_body={"continue_final_message": True})  # fmt: skip
+
+
 def test_chat_errors(client):
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
         client.chat.completions.create(

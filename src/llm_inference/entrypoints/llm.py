@@ -157,14 +157,26 @@ class LLM:
         max_new_tokens: int | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Apply the chat template to one conversation or a list of them, then generate."""
+        """Apply the chat template to one conversation or a list of them, then generate.
+        `continue_final_message`: the last (assistant) message is left open for the model to
+        continue, instead of a new turn (as vLLM's; not with `add_generation_prompt`).
+        `chat_template_kwargs`: extra variables for the template (e.g. Llama 3's
+        `date_string`)."""
         self._engine()
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             self.tokenizer.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, tokenize=False
-            )
+                conv,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}),
+            )  # fmt: skip
             for conv in conversations
         ]
         token_ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]

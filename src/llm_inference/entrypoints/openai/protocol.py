@@ -121,6 +121,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: continue the last (assistant) message
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra template variables
 
 
 class TokenizeRequest(BaseModel):

@@ -61,10 +61,15 @@ class OpenAIServing:
     def chat_prompt(self, req: ChatCompletionRequest) -> Prompt:
         """The chat template applied to the messages, as `LLM.chat` does."""
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError(400, "continue_final_message needs add_generation_prompt=false",
+                           param="continue_final_message")  # fmt: skip
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, tokenize=False
-            )
+                messages, add_generation_prompt=req.add_generation_prompt, tokenize=False,
+                continue_final_message=req.continue_final_message,
+                **(req.chat_template_kwargs or {}),
+            )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - a template error is the request's problem
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
         return text, self.tokenizer(text, add_special_tokens=False).input_ids
