@@ -2,7 +2,8 @@
 
 Order, as in vLLM v1:
   1. logprobs from log_softmax of the raw logits (before anything below);
-  2. allowed_token_ids (every other token -inf), then logit_bias (added);
+  2. allowed_token_ids (every other token -inf), then logit_bias (added) and bad_words (a
+     word's last token -inf where the output ends with the tokens before it);
   3. penalties: repetition (prompt + output tokens), frequency and presence (output tokens);
   4. min_tokens: EOS and stop_token_ids set to -inf while len(output) < min_tokens;
   5. greedy rows take the argmax; the others go through temperature, top-k, top-p, min-p
@@ -103,8 +104,9 @@ def report_status(status: list[int]) -> None:
 
 
 def apply_logit_bias(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """allowed_token_ids (every other token of the row -inf), then logit_bias (added), on
-    float32 [B, V] logits in place; before the penalties, as vLLM's order."""
+    """allowed_token_ids (every other token of the row -inf), then logit_bias and bad_words
+    (added: a bad word's entries are -inf), on float32 [B, V] logits in place; before the
+    penalties, as vLLM's order."""
     if md.allowed is not None:
         lists, rows, cols = md.allowed
         blocked = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
