@@ -13,15 +13,17 @@ if TYPE_CHECKING:
     from llm_inference.engine.async_llm import AsyncLLM
     from llm_inference.entrypoints.llm import LLM
     from llm_inference.outputs import CompletionOutput, RequestOutput
-    from llm_inference.sampling_params import SamplingParams
+    from llm_inference.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput"]  # fmt: skip
 __version__ = "0.1.0"
 
 _WHERE = {
     "LLM": "llm_inference.entrypoints.llm",
     "AsyncLLM": "llm_inference.engine.async_llm",
     "SamplingParams": "llm_inference.sampling_params",
+    "StructuredOutputsParams": "llm_inference.sampling_params",
     "RequestOutput": "llm_inference.outputs",
     "CompletionOutput": "llm_inference.outputs",
 }

@@ -24,6 +24,35 @@ def _is_number(x: object) -> bool:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """vLLM's structured outputs. `choice`: the output is exactly one of these strings (then
+    EOS). The other kinds (`json`, `regex`, `grammar`, `json_object`) are not supported yet:
+    setting one raises ValueError."""
+
+    choice: list[str] | None = None
+    json: object | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("json", "regex", "grammar", "json_object"):
+            if getattr(self, name) not in (None, False):
+                raise ValueError(f"structured_outputs.{name} is not supported yet (choice is)")
+        if isinstance(self.choice, (list, tuple)):
+            self.choice = list(self.choice)
+        if not (
+            isinstance(self.choice, list)
+            and self.choice
+            and all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(
+                f"structured_outputs.choice must be a non-empty list of non-empty strings, got "
+                f"{self.choice!r}"
+            )
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -55,9 +84,12 @@ class SamplingParams:
     # Words the output may not contain (vLLM's): a word's last token is masked whenever the
     # tokens before it end the output (a one-token word: always).
     bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
     # bad_words as token id sequences, set by the engine from its tokenizer (`tokenize_bad_words`)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(init=False, repr=False, default=())
+    # structured_outputs.choice as token id sequences, set by the engine (`tokenize_choices`)
+    choice_token_ids: tuple[tuple[int, ...], ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -134,6 +166,11 @@ class SamplingParams:
             and all(isinstance(w, str) and w.strip() for w in self.bad_words)
         ):
             fail("bad_words", "None or a list of non-empty strings")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                fail("structured_outputs", "None or a StructuredOutputsParams")
+            if self.allowed_token_ids is not None:
+                fail("allowed_token_ids", "None with structured_outputs")
         if self.allowed_token_ids is not None and not (
             isinstance(self.allowed_token_ids, list)
             and self.allowed_token_ids
@@ -158,12 +195,20 @@ class SamplingParams:
 
     @property
     def has_logit_bias(self) -> bool:
-        """True when logit_bias, allowed_token_ids or bad_words change the logits before
-        sampling."""
+        """True when logit_bias, allowed_token_ids, bad_words or structured_outputs change the
+        logits before sampling."""
         return (
             self.logit_bias is not None
             or self.allowed_token_ids is not None
             or self.bad_words is not None
+            or self.structured_outputs is not None
+        )
+
+    def tokenize_choices(self, tokenizer) -> None:
+        """Set `choice_token_ids`: each structured_outputs choice as the tokenizer encodes it."""
+        choices = self.structured_outputs.choice if self.structured_outputs else ()
+        self.choice_token_ids = tuple(
+            tuple(tokenizer.encode(c, add_special_tokens=False)) for c in choices
         )
 
     def tokenize_bad_words(self, tokenizer) -> None:

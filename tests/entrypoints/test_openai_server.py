@@ -178,6 +178,22 @@ def test_echo_and_prompt_logprobs(client, offline_llm):
         )  # fmt: skip
 
 
+def test_structured_output_choice(client):
+    """vLLM's structured_outputs {"choice": [...]} and the older guided_choice: the answer is
+    one of the choices; the kinds not implemented are a 400 naming them."""
+    choices = ["red", "green", "blue sky"]
+    chat = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Color?"}], max_tokens=8)
+    r = client.chat.completions.create(extra_body={"structured_outputs": {"choice": choices}},
+                                       **chat)  # fmt: skip
+    assert r.choices[0].message.content in choices
+    r = client.completions.create(model=MODEL_NAME, prompt="Color:", max_tokens=8, n=3,
+                                  temperature=1.0, seed=5,
+                                  extra_body={"guided_choice": choices})  # fmt: skip
+    assert {c.text for c in r.choices} <= set(choices)
+    with pytest.raises(openai.BadRequestError, match="structured_outputs.json is not supported"):
+        client.chat.completions.create(extra_body={"structured_outputs": {"json": {}}}, **chat)
+
+
 def test_truncate_prompt_tokens(client):
     """vLLM's truncate_prompt_tokens: the prompt's last k tokens only, past max_model_len too."""
     r = client.completions.create(

@@ -31,9 +31,14 @@ class KVCacheTooSmallError(ValueError):
 
 
 def needs_sync(params: SamplingParams) -> bool:
-    """Penalties and bad words read every output token, and logprobs are built on the host
-    each step."""
-    return params.logprobs is not None or params.has_penalties or params.bad_words is not None
+    """Penalties, bad words and structured outputs read every output token, and logprobs are
+    built on the host each step."""
+    return (
+        params.logprobs is not None
+        or params.has_penalties
+        or params.bad_words is not None
+        or params.structured_outputs is not None
+    )
 
 
 class EngineCore:

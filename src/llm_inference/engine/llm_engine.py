@@ -103,9 +103,9 @@ class LLMEngine:
         # Every request gets a seed: its random stream never depends on its batch companions.
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
         children = [replace(params, n=1, seed=child_seed(seed, j)) for j in range(params.n)]
-        if params.bad_words:
-            for child in children:
-                child.tokenize_bad_words(self.tokenizer)
+        for child in children if params.bad_words or params.structured_outputs else ():
+            child.tokenize_bad_words(self.tokenizer)
+            child.tokenize_choices(self.tokenizer)
         kind = output_kind or (
             RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY
         )

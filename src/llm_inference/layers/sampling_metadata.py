@@ -99,11 +99,24 @@ def _min_tokens_pairs(
     return rows, cols
 
 
-def _bias_lists(params: list[SamplingParams], outputs: list[list[int]], V: int):
+def _choice_next(p: SamplingParams, output: list[int], eos: tuple[int, ...]) -> list[int]:
+    """The tokens that keep `output` on the way to one of the structured-output choices: their
+    next tokens, and EOS where a choice is complete (only EOS once none can go on)."""
+    n = len(output)
+    nxt = {s[n] for s in p.choice_token_ids if len(s) > n and list(s[:n]) == output}
+    if not nxt or any(len(s) == n and list(s) == output for s in p.choice_token_ids):
+        nxt.update(eos)
+    return sorted(nxt)
+
+
+def _bias_lists(
+    params: list[SamplingParams], outputs: list[list[int]], eos: tuple[int, ...], V: int
+):
     """(rows, token ids, biases) of logit_bias and of bad_words (-inf on a word's last token
     where the output ends with the tokens before it), and (rows with a list, rows, token ids)
-    of allowed_token_ids; None for either when no row uses it. Ids >= V are dropped (the
-    engine's validate_request refuses them before)."""
+    of allowed_token_ids or of the structured-output choices' next tokens; None for either
+    when no row uses it. Ids >= V are dropped (the engine's validate_request refuses them
+    before)."""
     rows, cols, values, lists, arows, acols = [], [], [], [], [], []
     for b, p in enumerate(params):
         for t, v in (p.logit_bias or {}).items():
@@ -117,9 +130,12 @@ def _bias_lists(params: list[SamplingParams], outputs: list[list[int]], V: int):
                 rows.append(b)
                 cols.append(last)
                 values.append(float("-inf"))
-        if p.allowed_token_ids is not None:
+        allowed = p.allowed_token_ids
+        if p.choice_token_ids:
+            allowed = _choice_next(p, outputs[b], eos)
+        if allowed is not None:
             lists.append(b)
-            ids = sorted({t for t in p.allowed_token_ids if t < V})
+            ids = sorted({t for t in allowed if t < V})
             arows += [b] * len(ids)
             acols += ids
     bias = (rows, cols, values) if rows else None
@@ -231,7 +247,7 @@ class SamplingMetadata:
         steps = num_output_tokens or [len(out) for out in output_token_ids]
         rows, cols = _min_tokens_pairs(params, steps, eos_token_ids, V)
         lp_rows = [b for b, p in enumerate(params) if p.logprobs is not None]
-        bias, allowed = _bias_lists(params, output_token_ids, V)
+        bias, allowed = _bias_lists(params, output_token_ids, eos_token_ids, V)
 
         def floats(values: list[float]) -> torch.Tensor:
             return to_device(torch.tensor(values, dtype=torch.float32), device)

@@ -3,10 +3,11 @@
 Field names and defaults follow OpenAI's API (`logit_bias` and completions' `echo` included);
 `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
 `skip_special_tokens`, `include_stop_str_in_output`, `allowed_token_ids`,
-`truncate_prompt_tokens`, `prompt_logprobs` and `bad_words` are extra fields, as vLLM accepts
-them. Fields of UNSUPPORTED (structured outputs, tools, beam search, ...) are refused with a
-400 naming them; other unknown fields are ignored. Values are range-checked by
-`SamplingParams`, whose errors name the field.
+`truncate_prompt_tokens`, `prompt_logprobs`, `bad_words` and `structured_outputs` (choice
+only; or the older `guided_choice`) are extra fields, as vLLM accepts them. Fields of
+UNSUPPORTED (other structured outputs, tools, beam search, ...) are refused with a 400 naming
+them; other unknown fields are ignored. Values are range-checked by `SamplingParams`, whose
+errors name the field.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class StreamOptions(BaseModel):
 # Fields of OpenAI's or vLLM's API that this server does not implement: a request that sets
 # one (to anything but an off value) gets a 400 naming it, not an answer that ignored it.
 UNSUPPORTED = ("response_format", "guided_json", "guided_regex",
-               "guided_choice", "guided_grammar", "structured_outputs", "tools", "tool_choice",
+               "guided_grammar", "tools", "tool_choice",
                "functions", "function_call", "use_beam_search", "best_of", "suffix",
                "logits_processors")  # fmt: skip
 
@@ -85,6 +86,10 @@ class _SamplingFields(BaseModel):
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
     bad_words: list[str] | None = None
+    # vLLM's structured outputs: {"choice": [...]} (other kinds are refused), or the older
+    # guided_choice
+    structured_outputs: dict[str, Any] | None = None
+    guided_choice: list[str] | None = None
 
     @property
     def include_usage(self) -> bool:

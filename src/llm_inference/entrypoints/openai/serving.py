@@ -30,7 +30,7 @@ from llm_inference.entrypoints.openai.streaming import (
     until_disconnected,
 )
 from llm_inference.outputs import RequestOutput, RequestOutputKind, accumulate
-from llm_inference.sampling_params import SamplingParams
+from llm_inference.sampling_params import SamplingParams, StructuredOutputsParams
 
 Prompt = tuple[str | None, list[int]]  # (text if given as text, token ids)
 
@@ -94,6 +94,15 @@ class OpenAIServing:
                 msg = f"logit_bias keys must be token ids (integers as strings), got {keys}"
                 raise APIError(400, msg, param="logit_bias") from e
         try:
+            structured = None
+            so = dict(req.structured_outputs or {})
+            if req.guided_choice is not None:
+                so.setdefault("choice", req.guided_choice)
+            if so:
+                unknown = sorted(set(so) - {"choice", "json", "regex", "grammar", "json_object"})
+                if unknown:
+                    raise ValueError(f"structured_outputs: unknown keys {unknown}")
+                structured = StructuredOutputsParams(**so)
             return SamplingParams(
                 n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                 min_p=req.min_p, repetition_penalty=req.repetition_penalty,
@@ -105,6 +114,7 @@ class OpenAIServing:
                 logit_bias=bias, allowed_token_ids=req.allowed_token_ids,
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
                 prompt_logprobs=prompt_logprobs, bad_words=req.bad_words,
+                structured_outputs=structured,
             )  # fmt: skip
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split()[0]) from e
