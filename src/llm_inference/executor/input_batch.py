@@ -206,8 +206,8 @@ class InputBatch:
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         # Sampling inputs per row. Arrays for every request (greedy rows hold neutral values;
         # top_k is vocab_size where off); Python lists for the rows that need token lists
-        # (penalties, min_tokens), logprobs or a logit bias (`needs_lists`): the sampler's slow
-        # path.
+        # (penalties, min_tokens), logprobs or logits processing (bias, allowed tokens, bad
+        # words, choices) (`needs_lists`): the sampler's slow path.
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.prompt_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
         self.output_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
