@@ -4,6 +4,8 @@ extra endpoints, and every error case with its status, after which the server st
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -194,6 +196,36 @@ def test_structured_output_choice(client):
         client.chat.completions.create(extra_body={"structured_outputs": {"json": {}}}, **chat)
 
 
+def test_tool_calls(client):
+    """With `tools`, an answer that is a Llama 3 tool call (forced here with guided_choice)
+    comes back as `tool_calls` with finish_reason "tool_calls"; a conversation with tool turns
+    is accepted; tool_choice "none" leaves the text alone; what is not supported is a 400."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+    call = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    chat = dict(model=MODEL_NAME, max_tokens=100, tools=[tool],
+                messages=[{"role": "user", "content": "Weather in Paris?"}])  # fmt: skip
+    r = client.chat.completions.create(extra_body={"guided_choice": [call]}, **chat)
+    message = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and message.content is None
+    (item,) = message.tool_calls
+    assert item.function.name == "get_weather"
+    assert json.loads(item.function.arguments) == {"city": "Paris"}
+    follow_up = chat["messages"] + [
+        {"role": "assistant", "content": None, "tool_calls": [item.model_dump()]},
+        {"role": "tool", "tool_call_id": item.id, "content": "sunny"},
+    ]
+    r = client.chat.completions.create(**{**chat, "messages": follow_up, "max_tokens": 3})
+    assert r.choices[0].message.tool_calls is None
+    r = client.chat.completions.create(tool_choice="none", extra_body={"guided_choice": [call]},
+                                       **chat)  # fmt: skip
+    assert r.choices[0].message.content == call and not r.choices[0].message.tool_calls
+    with pytest.raises(openai.BadRequestError, match="tool_choice 'required' is not supported"):
+        client.chat.completions.create(tool_choice="required", **chat)
+    with pytest.raises(openai.BadRequestError, match="tools are not supported with stream"):
+        client.chat.completions.create(stream=True, **chat)
+
+
 def test_truncate_prompt_tokens(client):
     """vLLM's truncate_prompt_tokens: the prompt's last k tokens only, past max_model_len too."""
     r = client.completions.create(
@@ -267,14 +299,14 @@ def test_bad_request_then_server_still_answers(client, name, kw, status, message
 
 
 def test_unsupported_chat_fields_are_refused_not_ignored(client):
-    """A request for structured output or tools gets a 400 naming the field (an answer that
-    ignored it would look valid); their off values, as clients send them, are accepted."""
+    """A request for structured output or functions gets a 400 naming the field (an answer
+    that ignored it would look valid); their off values, as clients send them, are accepted."""
     chat = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="response_format is not supported"):
         client.chat.completions.create(response_format={"type": "json_object"}, **chat)
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    with pytest.raises(openai.BadRequestError, match="tools is not supported"):
-        client.chat.completions.create(tools=[tool], **chat)
+    function = {"name": "f", "parameters": {"type": "object"}}
+    with pytest.raises(openai.BadRequestError, match="functions is not supported"):
+        client.chat.completions.create(functions=[function], **chat)
     ok = client.chat.completions.create(response_format={"type": "text"}, tool_choice="none",
                                         **chat)  # fmt: skip
     assert ok.choices[0].message.content is not None

@@ -4,8 +4,9 @@ Field names and defaults follow OpenAI's API (`logit_bias` and completions' `ech
 `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
 `skip_special_tokens`, `include_stop_str_in_output`, `allowed_token_ids`,
 `truncate_prompt_tokens`, `prompt_logprobs`, `bad_words` and `structured_outputs` (choice
-only; or the older `guided_choice`) are extra fields, as vLLM accepts them. Fields of
-UNSUPPORTED (other structured outputs, tools, beam search, ...) are refused with a 400 naming
+only; or the older `guided_choice`) are extra fields, as vLLM accepts them. Chat
+takes `tools` (parsed from the answer as Llama 3 writes calls: tool_parser.py). Fields of
+UNSUPPORTED (other structured outputs, beam search, ...) are refused with a 400 naming
 them; other unknown fields are ignored. Values are range-checked by `SamplingParams`, whose
 errors name the field.
 """
@@ -38,7 +39,7 @@ class StreamOptions(BaseModel):
 # Fields of OpenAI's or vLLM's API that this server does not implement: a request that sets
 # one (to anything but an off value) gets a 400 naming it, not an answer that ignored it.
 UNSUPPORTED = ("response_format", "guided_json", "guided_regex",
-               "guided_grammar", "tools", "tool_choice",
+               "guided_grammar",
                "functions", "function_call", "use_beam_search", "best_of", "suffix",
                "logits_processors")  # fmt: skip
 
@@ -127,6 +128,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: continue the last (assistant) message
+    tools: list[dict[str, Any]] | None = None  # given to the chat template
+    tool_choice: str | dict[str, Any] | None = None  # "auto" or "none" (tool_parser.py)
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra template variables
 
 

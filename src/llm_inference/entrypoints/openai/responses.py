@@ -13,6 +13,7 @@ import time
 import uuid
 from typing import Any
 
+from llm_inference.entrypoints.openai.tool_parser import parse_tool_calls, tool_call_items
 from llm_inference.outputs import CompletionOutput, Logprobs, RequestOutput
 
 
@@ -43,6 +44,7 @@ class ResponseBuilder:
         self.echo: list[str] | None = None  # completions with echo: each prompt's text
         self.echo_k = 0  # with echo and logprobs=k: the prompt tokens' top-k
         self.prompt_logprobs = False  # vLLM's prompt_logprobs field in the response
+        self.tools = False  # chat with tools: answers that are tool calls become tool_calls
 
     def _head(self, object_name: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created,
@@ -135,16 +137,22 @@ class ResponseBuilder:
         for i, out in enumerate(outputs):
             for c in out.outputs:
                 choice: dict[str, Any] = {"index": i * self.n + c.index}
+                calls = None
                 if self.kind == "completion":
                     choice["text"] = c.text if self.echo is None else self.echo[i] + c.text
                 else:
                     choice["message"] = {"role": "assistant", "content": c.text}
+                    calls = parse_tool_calls(c.text) if self.tools else None
                 if self.echo is not None and c.logprobs is not None:
                     choice["logprobs"] = self.echo_logprobs(out, c.logprobs)
                 else:
                     choice["logprobs"] = self.logprobs(c.logprobs)
                 choice["finish_reason"] = c.finish_reason
                 choice["stop_reason"] = c.stop_reason
+                if calls:
+                    choice["message"] = {"role": "assistant", "content": None,
+                                         "tool_calls": tool_call_items(calls)}  # fmt: skip
+                    choice["finish_reason"] = "tool_calls"
                 if self.prompt_logprobs and self.kind == "completion":
                     choice["prompt_logprobs"] = self.vllm_prompt_logprobs(out.prompt_logprobs)
                 choices.append(choice)

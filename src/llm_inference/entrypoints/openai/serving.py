@@ -60,14 +60,27 @@ class OpenAIServing:
 
     def chat_prompt(self, req: ChatCompletionRequest) -> Prompt:
         """The chat template applied to the messages, as `LLM.chat` does."""
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = []
+        for m in req.messages:
+            msg = {"role": m.role, "content": m.text()}
+            for key in ("tool_calls", "tool_call_id", "name"):  # tool turns, for the template
+                if (m.model_extra or {}).get(key) is not None:
+                    msg[key] = m.model_extra[key]
+            messages.append(msg)
+        tools = req.tools if req.tools and req.tool_choice != "none" else None
+        if tools is not None:
+            if req.tool_choice not in (None, "auto"):
+                raise APIError(400, f"tool_choice {req.tool_choice!r} is not supported (auto and "
+                               "none are)", param="tool_choice")  # fmt: skip
+            if req.stream:
+                raise APIError(400, "tools are not supported with stream", param="tools")
         if req.continue_final_message and req.add_generation_prompt:
             raise APIError(400, "continue_final_message needs add_generation_prompt=false",
                            param="continue_final_message")  # fmt: skip
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt, tokenize=False,
-                continue_final_message=req.continue_final_message,
+                continue_final_message=req.continue_final_message, tools=tools,
                 **(req.chat_template_kwargs or {}),
             )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - a template error is the request's problem
@@ -148,6 +161,7 @@ class OpenAIServing:
         params = self.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs)
         builder = ResponseBuilder("chat", self.model_name, self.tokenizer, req.n)
         builder.prompt_logprobs = req.prompt_logprobs is not None
+        builder.tools = bool(req.tools) and req.tool_choice != "none"
         return await self._run(raw, [self.chat_prompt(req)], params, builder, req)
 
     # ---- the shared flow ------------------------------------------------------------------
