@@ -122,6 +122,11 @@ def test_chat_continue_final_message_and_template_kwargs(tiny_ckpt, monkeypatch)
         (out,) = llm.chat(msgs[:1], max_new_tokens=2, use_tqdm=False,
                           chat_template_kwargs={"greeting": "Ahoy"})  # fmt: skip
         assert out.prompt == "Ahoy Hello\n"
+        names = "{% for t in tools %}{{ t['function']['name'] }};{% endfor %}"
+        monkeypatch.setattr(llm.tokenizer, "chat_template", names + "{{ messages[0]['content'] }}")
+        tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+        (out,) = llm.chat(msgs[:1], max_new_tokens=2, use_tqdm=False, tools=[tool])
+        assert out.prompt == "get_weather;Hello"
 
 
 BAD_INPUTS = [

@@ -159,12 +159,14 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate.
         `continue_final_message`: the last (assistant) message is left open for the model to
         continue, instead of a new turn (as vLLM's; not with `add_generation_prompt`).
         `chat_template_kwargs`: extra variables for the template (e.g. Llama 3's
-        `date_string`)."""
+        `date_string`); `tools`: tool definitions (OpenAI's format) for templates that take
+        them."""
         self._engine()
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
@@ -175,6 +177,7 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
                 continue_final_message=continue_final_message,
+                tools=tools,
                 **(chat_template_kwargs or {}),
             )  # fmt: skip
             for conv in conversations
