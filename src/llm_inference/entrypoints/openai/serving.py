@@ -67,13 +67,12 @@ class OpenAIServing:
                 if (m.model_extra or {}).get(key) is not None:
                     msg[key] = m.model_extra[key]
             messages.append(msg)
+        if req.tool_choice not in (None, "auto", "none"):
+            raise APIError(400, f"tool_choice {req.tool_choice!r} is not supported (auto and "
+                           "none are)", param="tool_choice")  # fmt: skip
         tools = req.tools if req.tools and req.tool_choice != "none" else None
-        if tools is not None:
-            if req.tool_choice not in (None, "auto"):
-                raise APIError(400, f"tool_choice {req.tool_choice!r} is not supported (auto and "
-                               "none are)", param="tool_choice")  # fmt: skip
-            if req.stream:
-                raise APIError(400, "tools are not supported with stream", param="tools")
+        if tools is not None and req.stream:
+            raise APIError(400, "tools are not supported with stream", param="tools")
         if req.continue_final_message and req.add_generation_prompt:
             raise APIError(400, "continue_final_message needs add_generation_prompt=false",
                            param="continue_final_message")  # fmt: skip
