@@ -38,9 +38,8 @@ class StreamOptions(BaseModel):
 
 # Fields of OpenAI's or vLLM's API that this server does not implement: a request that sets
 # one (to anything but an off value) gets a 400 naming it, not an answer that ignored it.
-UNSUPPORTED = ("response_format", "guided_json", "guided_regex",
-               "guided_grammar",
-               "functions", "function_call", "use_beam_search", "best_of", "suffix",
+UNSUPPORTED = ("response_format", "guided_json", "guided_regex", "guided_grammar", "functions",
+               "function_call", "use_beam_search", "best_of", "suffix",
                "logits_processors")  # fmt: skip
 
 
@@ -50,8 +49,6 @@ def _is_off(field: str, value: Any) -> bool:
         return True
     if field == "best_of":
         return type(value) is int and value == 1
-    if field == "tool_choice":
-        return value in ("none", "auto")  # with no tools (tools themselves are refused)
     return field == "response_format" and value == {"type": "text"}
 
 
