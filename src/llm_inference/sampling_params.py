@@ -231,7 +231,7 @@ class SamplingParams:
         if isinstance(kw["stop"], list):
             kw["stop"] = list(kw["stop"])
         kw["stop_token_ids"] = list(kw["stop_token_ids"] or [])
-        return SamplingParams(**kw)  # __post_init__ copies logit_bias and allowed_token_ids
+        return SamplingParams(**kw)  # __post_init__ copies logit_bias, allowed_token_ids, bad_words
 
     def clone(self) -> SamplingParams:
         return self.replace()
