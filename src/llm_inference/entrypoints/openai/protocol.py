@@ -127,6 +127,12 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False  # vLLM's: continue the last (assistant) message
     tools: list[dict[str, Any]] | None = None  # given to the chat template
     tool_choice: str | dict[str, Any] | None = None  # "auto" or "none" (tool_parser.py)
+
+    @property
+    def uses_tools(self) -> bool:
+        """Tools given and not turned off: they go to the template, calls are parsed."""
+        return bool(self.tools) and self.tool_choice != "none"
+
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra template variables
 
 

@@ -8,6 +8,7 @@ request with several prompts. Logprobs of -inf are sent as -9999.0 (JSON has no 
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 import uuid
@@ -31,6 +32,11 @@ def usage(outputs: list[RequestOutput]) -> dict[str, int]:
 
 def _lp(value: float) -> float:
     return value if math.isfinite(value) else -9999.0
+
+
+def _offsets(tokens: list[str], start: int) -> list[int]:
+    """Each token's text offset, the first at `start`."""
+    return list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=start))[: len(tokens)]
 
 
 class ResponseBuilder:
@@ -62,15 +68,11 @@ class ResponseBuilder:
     def completion_logprobs(self, lps: list[Logprobs], offset: int) -> dict[str, Any]:
         """OpenAI's completions format; `offset` is the text offset of the first token."""
         tokens = [self.token_text(lp.token_id) for lp in lps]
-        offsets = []
-        for tok in tokens:
-            offsets.append(offset)
-            offset += len(tok)
         return {
             "tokens": tokens,
             "token_logprobs": [_lp(lp.logprob) for lp in lps],
             "top_logprobs": [{self.token_text(t): _lp(v) for t, v in lp.top.items()} for lp in lps],
-            "text_offset": offsets,
+            "text_offset": _offsets(tokens, offset),
         }
 
     def chat_logprobs(self, lps: list[Logprobs]) -> dict[str, Any]:
@@ -91,10 +93,6 @@ class ResponseBuilder:
         prompt_lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
         tokens = [self.token_text(t) for t in out.prompt_token_ids]
         body = self.completion_logprobs(lps, sum(map(len, tokens)))
-        offsets, offset = [], 0
-        for tok in tokens:
-            offsets.append(offset)
-            offset += len(tok)
         top = [None if lp is None else {self.token_text(t): _lp(v)
                                         for t, v in list(lp.top.items())[: self.echo_k]}
                for lp in prompt_lps]  # fmt: skip
@@ -103,7 +101,7 @@ class ResponseBuilder:
             "token_logprobs": [None if lp is None else _lp(lp.logprob) for lp in prompt_lps]
             + body["token_logprobs"],
             "top_logprobs": top + body["top_logprobs"],
-            "text_offset": offsets + body["text_offset"],
+            "text_offset": _offsets(tokens, 0) + body["text_offset"],
         }
 
     def vllm_prompt_logprobs(self, lps: list[Logprobs | None] | None) -> list | None:

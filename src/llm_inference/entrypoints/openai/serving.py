@@ -70,7 +70,7 @@ class OpenAIServing:
         if req.tool_choice not in (None, "auto", "none"):
             raise APIError(400, f"tool_choice {req.tool_choice!r} is not supported (auto and "
                            "none are)", param="tool_choice")  # fmt: skip
-        tools = req.tools if req.tools and req.tool_choice != "none" else None
+        tools = req.tools if req.uses_tools else None
         if tools is not None and req.stream:
             raise APIError(400, "tools are not supported with stream", param="tools")
         if req.continue_final_message and req.add_generation_prompt:
@@ -160,7 +160,7 @@ class OpenAIServing:
         params = self.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs)
         builder = ResponseBuilder("chat", self.model_name, self.tokenizer, req.n)
         builder.prompt_logprobs = req.prompt_logprobs is not None
-        builder.tools = bool(req.tools) and req.tool_choice != "none"
+        builder.tools = req.uses_tools
         return await self._run(raw, [self.chat_prompt(req)], params, builder, req)
 
     # ---- the shared flow ------------------------------------------------------------------
