@@ -18,9 +18,18 @@ For row b, with l = logits[b] and x = l / temperature[b]:
     tokens the reference's sort order would split). The row maximum is always kept.
 
 Noise: u[b, v] is bit for bit `layers.sampler.uniform_noise(keys)[b, v]` (lowbias32 hash of the
-token id plus the row's 32-bit key from (seed, step)); only the logs and the race arithmetic
-round differently from the torch path. A row's token is a pure function of its own logits,
-parameters and (seed, step): never of its batch companions or its row.
+token id plus the row's 32-bit key from (seed, step)); only the logs and the race arithmetic round
+differently from the torch path. A row's token is a pure function of its own logits, parameters and
+(seed, step): never of its batch companions or its row. Of the two logs in x - log(E), E = -log u,
+the inner one stays accurate (libdevice's logf, and a series for u near 1, where log(u) is all
+cancellation). On NVIDIA GPUs the outer one is the hardware's lg2.approx.f32 times ln 2 (FAST_LOG):
+libdevice's logf costs ~24 more instructions per element (sm_90), and the race is bound by this
+arithmetic, not by reading the logits. That is safe: E is a normal float in about (3e-8, 17.3),
+where lg2.approx errs by at most 2**-22, absolute for E in (0.5, 2) and relative elsewhere (PTX
+ISA), i.e. by about an ulp of log(E): the size of the rounding of x - log(E) itself. A race value
+moved by d changes a token's odds by a factor of at most exp(d) (1 + 4e-6 here), and changes a
+token only where the row's two best values are that close. Triton's interpreter cannot run inline
+PTX: there (and off NVIDIA) both logs are accurate.
 
 Status instead of a token: -1 when the row holds a NaN or +inf logit, -2 when every logit is -inf.
 The caller (the Sampler) turns those into an error or a fallback.
@@ -57,6 +66,12 @@ _BAD = tl.constexpr(STATUS_BAD)  # kernels may read globals only as constexpr (T
 _EMPTY = tl.constexpr(STATUS_EMPTY)
 _C1 = tl.constexpr(0x7FEB352D)  # lowbias32's multipliers
 _C2 = tl.constexpr(0x846CA68B)
+_LN2 = tl.constexpr(0.6931471805599453)
+# The race's outer log: the hardware's lg2.approx (True) or libdevice's accurate logf (False;
+# module doc, "Noise"). Read at each launch, so set it before `warm_up` (a change afterwards
+# compiles the other variant at the next launch); benchmarks/sampler_race.py --accurate-log
+# sets it False for an A/B. Applies only to compiled kernels on CUDA devices (`_fast_log`).
+FAST_LOG = True
 
 
 @triton.jit
@@ -107,14 +122,15 @@ def _search(row_ptr, V, t, m, lo, up, target, MASS: tl.constexpr, BLOCK: tl.cons
 
 @triton.jit
 def _race(row_ptr, V, t, key, thr, min_p, m, NOISE: tl.constexpr, FILTER: tl.constexpr,
-          BLOCK: tl.constexpr, lo, id_offset):  # fmt: skip
+          FAST_LOG: tl.constexpr, BLOCK: tl.constexpr, lo, id_offset):  # fmt: skip
     """(argmax over the kept tokens in columns [lo, V) of x - log(-log u), or of x without
     NOISE; the best value; the max of x, +inf if a logit is NaN or +inf). u is uniform_noise's:
     (mix(mix(v) + key) >> 8 + 0.5) / 2**24 with mix = lowbias32, v = id_offset + column (a
     vocabulary shard's first token id; the returned index is the column). The lanes are
     reduced once, after the loop: a reduction per block (a cross-warp exchange through shared
     memory) took ~15% of the race at batch 64-256 on an H200 (benchmarks/sampler_race.py) and
-    ~1 ms each in the interpreter. The noise's hashing and logs take the rest."""
+    ~1 ms each in the interpreter. The noise's hashing and logs take the rest. FAST_LOG: the
+    outer log by lg2.approx (PTX inline asm: CUDA only, not the interpreter; module doc)."""
     # Per lane: the best value so far, its column (the first on ties: a later column must be
     # strictly better) and the max of x; reduced across lanes once, after the loop.
     best_l = tl.full((BLOCK,), float("-inf"), tl.float32)
@@ -141,7 +157,14 @@ def _race(row_ptr, V, t, key, thr, min_p, m, NOISE: tl.constexpr, FILTER: tl.con
             u = ((h >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08
             w = ((16777215 - (h >> 8)).to(tl.float32) + 0.5) * 5.9604644775390625e-08
             e = tl.where(w < 1e-3, w + w * w * (0.5 + w * 0.3333333333), -tl.log(u))
-            s = x - tl.log(e)
+            if FAST_LOG:  # one MUFU instruction instead of libdevice's logf (module doc)
+                lg2 = tl.inline_asm_elementwise(
+                    "lg2.approx.f32 $0, $1;", "=r,r", [e], dtype=tl.float32, is_pure=True,
+                    pack=1,
+                )  # fmt: skip
+                s = x - lg2 * _LN2
+            else:
+                s = x - tl.log(e)
         if FILTER:
             s = tl.where((x >= thr) & (tl.exp(x - m) >= min_p), s, float("-inf"))
         take = (s > best_l) & (cols < V)
@@ -158,8 +181,8 @@ def _race(row_ptr, V, t, key, thr, min_p, m, NOISE: tl.constexpr, FILTER: tl.con
 def _sample_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, top_k_ptr, top_p_ptr,
                    min_p_ptr, out_ptr, V,
                    HAS_GREEDY: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
-                   HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
-                   NP: tl.constexpr):  # fmt: skip
+                   HAS_MIN_P: tl.constexpr, FAST_LOG: tl.constexpr, BLOCK: tl.constexpr,
+                   SEARCH_BLOCK: tl.constexpr, NP: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
     t = tl.load(temp_ptr + row)
@@ -177,7 +200,7 @@ def _sample_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, top_k_ptr
     if HAS_MIN_P:
         min_p = tl.load(min_p_ptr + row)
     if greedy != 0:
-        idx, _, top = _race(row_ptr, V, 1.0, key, 0.0, 0.0, 0.0, False, False, BLOCK, 0, 0)
+        idx, _, top = _race(row_ptr, V, 1.0, key, 0.0, 0.0, 0.0, False, False, False, BLOCK, 0, 0)
     elif (k < V) | (p < 1.0) | (min_p > 0.0):
         m, fmin = _stats(row_ptr, V, t, BLOCK)
         ok = (m > float("-inf")) & (m < float("inf"))
@@ -188,9 +211,11 @@ def _sample_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, top_k_ptr
         if HAS_TOP_P:
             if ok & (p < 1.0):
                 thr = _search(row_ptr, V, t, m, thr, m, p, True, SEARCH_BLOCK, NP)
-        idx, _, top = _race(row_ptr, V, t, key, thr, min_p, m, True, True, BLOCK, 0, 0)
+        idx, _, top = _race(row_ptr, V, t, key, thr, min_p, m, True, True, FAST_LOG, BLOCK, 0,
+                            0)  # fmt: skip
     else:
-        idx, _, top = _race(row_ptr, V, t, key, 0.0, 0.0, 0.0, True, False, BLOCK, 0, 0)
+        idx, _, top = _race(row_ptr, V, t, key, 0.0, 0.0, 0.0, True, False, FAST_LOG, BLOCK, 0,
+                            0)  # fmt: skip
     _store_token(out_ptr + row, idx, top)
 
 
@@ -203,7 +228,7 @@ def _store_token(out_ptr, idx, top):
 
 @triton.jit(do_not_specialize=["id_offset"])
 def _split_race_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, part_ptr, idx_ptr,
-                       V, chunk, id_offset, HAS_GREEDY: tl.constexpr,
+                       V, chunk, id_offset, HAS_GREEDY: tl.constexpr, FAST_LOG: tl.constexpr,
                        BLOCK: tl.constexpr):  # fmt: skip
     """Program (row, s): the race over columns [s * chunk, (s + 1) * chunk) of the row (greedy
     rows: the plain argmax); column c is token id_offset + c. part [2, B, S] float32: best
@@ -218,12 +243,13 @@ def _split_race_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, part_
     if HAS_GREEDY:
         greedy = tl.load(greedy_ptr + row).to(tl.int32)
     if greedy != 0:
-        idx, best, top = _race(row_ptr, hi, 1.0, 0, 0.0, 0.0, 0.0, False, False, BLOCK, lo, 0)
+        idx, best, top = _race(row_ptr, hi, 1.0, 0, 0.0, 0.0, 0.0, False, False, False, BLOCK,
+                               lo, 0)  # fmt: skip
     else:
         t = tl.load(temp_ptr + row)
         key = tl.load(keys_ptr + row).to(tl.uint32)
-        idx, best, top = _race(row_ptr, hi, t, key, 0.0, 0.0, 0.0, True, False, BLOCK, lo,
-                               id_offset)  # fmt: skip
+        idx, best, top = _race(row_ptr, hi, t, key, 0.0, 0.0, 0.0, True, False, FAST_LOG, BLOCK,
+                               lo, id_offset)  # fmt: skip
     slot = row * num_splits + s
     tl.store(part_ptr + slot, best)
     tl.store(part_ptr + tl.num_programs(0) * num_splits + slot, top)
@@ -254,6 +280,11 @@ def _merge_kernel(part_ptr, idx_ptr, out_ptr, B, num_splits, id_offset, BLOCK_S:
         _store_token(out_ptr + row, idx, top)
 
 
+# Whether the kernels above are compiled (triton.jit returns an InterpretedFunction instead when
+# TRITON_INTERPRET=1 is set before triton is imported, as the CPU tests do).
+_COMPILED = isinstance(_split_race_kernel, triton.runtime.JITFunction)
+
+
 def _check_row_param(name: str, x: torch.Tensor | None, B: int, dtypes, device) -> None:
     dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
     if x is not None and (x.shape != (B,) or x.dtype not in dtypes or x.device != device):
@@ -272,6 +303,14 @@ def _check_race_args(logits, keys, temperature, greedy) -> tuple[int, int]:
     _check_row_param("temperature", temperature, B, torch.float32, dev)
     _check_row_param("greedy", greedy, B, (torch.bool, torch.int32), dev)
     return B, V
+
+
+def _fast_log(logits: torch.Tensor) -> bool:
+    """The race's FAST_LOG for a launch on `logits`: the module switch, where the kernels are
+    compiled (not Triton's interpreter, which cannot run inline asm and, with TRITON_INTERPRET=1
+    set at import, also takes CUDA tensors) for an NVIDIA GPU (lg2.approx is PTX; ROCm's torch
+    also calls its devices cuda)."""
+    return FAST_LOG and _COMPILED and logits.is_cuda and torch.version.hip is None
 
 
 def _greedy_arg(greedy: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
@@ -318,7 +357,7 @@ def sample(
         dummy if top_k is None else top_k, dummy if top_p is None else top_p,
         dummy if min_p is None else min_p, out, V,
         HAS_GREEDY=greedy is not None, HAS_TOP_K=top_k is not None,
-        HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None,
+        HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None, FAST_LOG=_fast_log(logits),
         BLOCK=block, SEARCH_BLOCK=search_block, NP=NP,
         num_warps=8,
     )  # fmt: skip
@@ -344,7 +383,8 @@ def _split_race(
     idx = torch.empty(B * splits, dtype=torch.int32, device=logits.device)
     _split_race_kernel[(B, splits)](
         logits, logits.stride(0), keys, temperature, _greedy_arg(greedy, dummy), part, idx,
-        V, chunk, id_offset, HAS_GREEDY=greedy is not None, BLOCK=block, num_warps=8,
+        V, chunk, id_offset, HAS_GREEDY=greedy is not None, FAST_LOG=_fast_log(logits),
+        BLOCK=block, num_warps=8,
     )  # fmt: skip
     # BLOCK_S from the most splits V allows, not this launch's: one compiled merge serves
     # every batch (per-step sizes are not specialized either: module doc, "Compiles")
