@@ -79,7 +79,10 @@ def test_first_requests_compile_nothing(tmp_path):
 
 def test_prompt_logprobs_with_graphs_equal_reference(tmp_path):
     """prompt_logprobs on CUDA from the graphs' hidden states (a prompt chunked over mixed
-    graphs) equal the reference kernels' up to float16 rounding."""
+    graphs) equal the reference kernels' up to float16 rounding, and the most likely token
+    too wherever the reference's top two are not close. Tolerance: 0.1 nats, twice the largest
+    difference seen on the GPU (0.053, at -23.99 against -23.94: this sharpened model's logits
+    are large, so their float16 rounding is too); a wrong position or row is off by nats."""
     folder = make_sharp_checkpoint(tmp_path, head_dim=64)
     prompt = _prompts()[4]  # 250 tokens
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
@@ -90,6 +93,45 @@ def test_prompt_logprobs_with_graphs_equal_reference(tmp_path):
             (runs[backend],) = llm.generate([prompt], params, use_tqdm=False)
     fast, ref = runs["auto"].prompt_logprobs, runs["reference"].prompt_logprobs
     assert len(fast) == len(ref) == len(prompt) and fast[0] is None
-    for a, b in zip(fast[1:], ref[1:]):
+    far, flips = [], []
+    for pos, (a, b) in enumerate(zip(fast[1:], ref[1:]), 1):
         assert a.token_id == b.token_id and len(a.top) == 2
-        assert a.logprob == pytest.approx(b.logprob, abs=0.05)
+        if abs(a.logprob - b.logprob) > 0.1:
+            far.append((pos, a.logprob, b.logprob))
+        (best, p1), (_, p2) = b.top.items()
+        if p1 - p2 > 0.2 and next(iter(a.top)) != best:
+            flips.append((pos, a.top, b.top))
+    assert not far and not flips, f"logprobs off: {far[:5]}; top token changed: {flips[:5]}"
+
+
+def test_biased_and_constrained_rows_on_the_triton_sampler(tiny_ckpt):
+    """The slow path's float32 logits (allowed_token_ids, logit_bias, choice) through the Triton
+    sampler, in one batch with plain greedy and seeded rows: each constraint holds, and the
+    plain rows run to their length. (Their tokens are not compared with a run alone: this
+    random model's logits are nearly flat, and another batch shape may round them apart.)"""
+    from llm_inference import StructuredOutputsParams
+
+    prompts = ["The quick brown", "Paris is the capital", "Hello world! How are", "One two"]
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True)
+    with LLM(str(tiny_ckpt), device="cuda", dtype="bfloat16", kv_cache_memory_bytes=64 << 20,
+             max_num_seqs=8) as llm:  # fmt: skip
+        alone = llm.generate(prompts[:2], [plain, seeded], use_tqdm=False)
+        allowed = sorted(set(alone[0].token_ids))[:3]
+        favourite = alone[1].token_ids[0]
+        choices = ["yes please", "no", "maybe later"]
+        params = [
+            plain,
+            seeded,
+            SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True,
+                           allowed_token_ids=allowed),
+            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                           logit_bias={favourite: 100.0}),
+            SamplingParams(temperature=1.0, seed=2, max_tokens=20, n=3,
+                           structured_outputs=StructuredOutputsParams(choice=choices)),
+        ]  # fmt: skip
+        outs = llm.generate(prompts[:2] + prompts[2:] + prompts[:1], params, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs[:2]] == [12, 12]
+    assert set(outs[2].token_ids) <= set(allowed) and len(outs[2].token_ids) == 12
+    assert outs[3].token_ids == [favourite] * 6
+    assert {c.text for c in outs[4].outputs} <= set(choices)
