@@ -21,7 +21,11 @@ the merge; each split count runs in batch order and with the programs dispatched
 context first (`seq_order`, as the engine does from ORDER_MIN_SEQS sequences). The head
 shapes include a TP=2 rank's (half the heads).
 
-    PYTHONPATH=src python benchmarks/paged_attention.py [--diagnose] [--mixed] [--json PATH]
+`--mixed --tiles 128,4,3;256,4,3` times instead, at the same contexts, the engine's split rule
+(longest first) with each (tokens per K/V tile, warps, pipeline stages).
+
+    PYTHONPATH=src python benchmarks/paged_attention.py [--diagnose] [--mixed [--tiles T]]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -242,11 +246,59 @@ def mixed_rows(gen, copy_bw) -> list[dict]:
     return rows
 
 
+def tile_rows(gen, copy_bw, tiles: list[tuple[int, int, int]]) -> list[dict]:
+    """Contexts uniform in MIXED_RANGE, longest first, the split count by the engine's rule
+    (ORDERED_WAVES) for each tile's size: graph-timed ms per (block_n, warps, stages)."""
+    rows = []
+    for name, shape in MIXED_SHAPES.items():
+        for batch in MIXED_BATCHES:
+            lens = torch.randint(*MIXED_RANGE, (batch,), generator=gen).tolist()
+            q, k_cache, v_cache, tables, lens_t = make_case(batch, max(lens), shape, gen, lens)
+            scale = shape[2] ** -0.5
+            ref = reference.paged_attention_decode(q, k_cache, v_cache, tables, lens_t, scale)
+            out = torch.empty_like(q)
+            nbytes = sum(kv_bytes(1, n, shape) for n in lens)
+            sms = pa._num_sms(q.device)
+            order = torch.argsort(lens_t, descending=True).to(torch.int32)
+            default = pa.default_block_n(shape[2], BLOCK_SIZE)
+            for block_n, warps, stages in tiles:
+                splits = pa.choose_splits(batch, shape[1], 4096, block_n, sms, pa.ORDERED_WAVES)
+                fn = functools.partial(pa.launch, q, k_cache, v_cache, tables, lens_t, scale, out,
+                                       splits, block_n, num_warps=warps, num_stages=stages,
+                                       seq_order=order)  # fmt: skip
+                out.fill_(float("nan"))
+                try:
+                    graph = capture(fn)
+                    graph.replay()
+                    ms = median_ms(graph.replay)
+                except Exception as e:  # e.g. out of shared memory: report, go on
+                    print(f"| {name} | {batch} | {block_n}, {warps}, {stages} | failed: "
+                          f"{type(e).__name__} |", flush=True)  # fmt: skip
+                    continue
+                is_default = (block_n, warps, stages) == (default, 4, 3)
+                rows.append(dict(shape=name, batch=batch, block_n=block_n, num_warps=warps,
+                                 num_stages=stages, splits=splits, default=is_default, ms=ms,
+                                 bw_frac=nbytes / (ms * 1e-3) / copy_bw,
+                                 err=rel_error(out, ref)))  # fmt: skip
+                r = rows[-1]
+                print(
+                    f"| {name} | {batch} | {block_n}, {warps}, {stages}"
+                    f"{' (default)' if is_default else ''} | {splits} | {ms:.4f} "
+                    f"| {r['bw_frac']:.0%} | {r['err']:.1e} |",
+                    flush=True,
+                )
+            torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--diagnose", action="store_true")
     parser.add_argument(
         "--mixed", action="store_true", help="only: mixed context lengths by split count"
+    )
+    parser.add_argument(
+        "--tiles", default="", help="with --mixed: block_n,warps,stages;... to time instead"
     )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -288,7 +340,15 @@ def main() -> None:
                           f"| {r['bw_frac']:.0%} | {r['err']:.1e} |", flush=True)  # fmt: skip
                 torch.cuda.empty_cache()
             print()
-    if args.mixed:
+    if args.mixed and args.tiles:
+        tiles = [tuple(int(v) for v in t.split(",")) for t in args.tiles.split(";")]
+        print(f"### contexts uniform in {MIXED_RANGE}, longest first, by tile\n")
+        print("| heads | batch | tokens, warps, stages | splits | Triton ms | of copy BW "
+              "| rel err |")  # fmt: skip
+        print("|---|---:|---|---:|---:|---:|---:|")
+        report["mixed_tiles"] = tile_rows(gen, copy_bw, tiles)
+        print()
+    elif args.mixed:
         print(f"### contexts uniform in {MIXED_RANGE}, by split count\n")
         print("| heads | batch | splits | program order | Triton ms | of copy BW | rel err |")
         print("|---|---:|---:|---|---:|---:|---:|")
