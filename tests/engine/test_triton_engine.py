@@ -80,9 +80,10 @@ def test_first_requests_compile_nothing(tmp_path):
 def test_prompt_logprobs_with_graphs_equal_reference(tmp_path):
     """prompt_logprobs on CUDA from the graphs' hidden states (a prompt chunked over mixed
     graphs) equal the reference kernels' up to float16 rounding, and the most likely token
-    too wherever the reference's top two are not close. Tolerance: 0.1 nats, twice the largest
-    difference seen on the GPU (0.053, at -23.99 against -23.94: this sharpened model's logits
-    are large, so their float16 rounding is too); a wrong position or row is off by nats."""
+    too wherever the reference's top two are not close. Tolerance: 0.05 nats + 1% of the
+    logprob. This sharpened model's logits are large, and so is their float16 rounding, which
+    reaches unlikely tokens' logprobs whole: on the GPU, 0.053 off at -23.94 and 0.109 at
+    -19.65, every other position within 0.05. A wrong position or row is off by nats."""
     folder = make_sharp_checkpoint(tmp_path, head_dim=64)
     prompt = _prompts()[4]  # 250 tokens
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
@@ -96,7 +97,7 @@ def test_prompt_logprobs_with_graphs_equal_reference(tmp_path):
     far, flips = [], []
     for pos, (a, b) in enumerate(zip(fast[1:], ref[1:]), 1):
         assert a.token_id == b.token_id and len(a.top) == 2
-        if abs(a.logprob - b.logprob) > 0.1:
+        if abs(a.logprob - b.logprob) > 0.05 + 0.01 * abs(b.logprob):
             far.append((pos, a.logprob, b.logprob))
         (best, p1), (_, p2) = b.top.items()
         if p1 - p2 > 0.2 and next(iter(a.top)) != best:
