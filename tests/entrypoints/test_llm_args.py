@@ -165,6 +165,21 @@ def test_bad_prompt_or_params_fails_before_any_step(llm, prompts, params, kw, ex
     assert len(llm.generate([[5, 6, 7]], max_new_tokens=2, use_tqdm=False)[0].token_ids) == 2
 
 
+def test_each_prompt_is_checked_once(llm, monkeypatch):
+    """LLM.generate checks every prompt before adding any, so add_request does not check them
+    again (each check is three passes over the prompt); add_request alone still checks."""
+    calls = []
+    check = llm.engine.validate_request
+    monkeypatch.setattr(
+        llm.engine, "validate_request", lambda ids, p: (calls.append(len(ids)), check(ids, p))
+    )
+    llm.generate([[5, 6, 7], [8] * 40], max_new_tokens=2, use_tqdm=False)
+    assert calls == [3, 40]
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        llm.engine.add_request("direct", [5, -1], SamplingParams(max_tokens=2))
+    assert calls[2:] == [2] and llm.stats()["num_unfinished_requests"] == 0
+
+
 def test_vllm_prompt_dicts(llm):
     """vLLM's TextPrompt and TokensPrompt dicts work as its users pass them: alone, in a list,
     mixed with plain prompts; outputs equal those of the plain prompts."""

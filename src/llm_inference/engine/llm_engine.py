@@ -89,16 +89,20 @@ class LLMEngine:
         prompt: str | None = None,
         stream: bool = True,
         output_kind: RequestOutputKind | None = None,
+        validated: bool = False,
     ) -> list[str]:
         """Queue a request (n > 1 becomes n core requests, one per completion; their ids are
         returned). `step()` reports it every step it advances, or with `stream=False` only when
         it finishes. `output_kind` (default CUMULATIVE, or FINAL_ONLY with `stream=False`):
-        DELTA reports only what each step added (see output_processor)."""
+        DELTA reports only what each step added (see output_processor). `validated`: the caller
+        has just passed these to `validate_request` (LLM.generate checks every prompt before
+        adding any), so their checks, three passes over the prompt, are not run again."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, not {type(request_id).__name__}")
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already running")
-        self.validate_request(prompt_token_ids, params)
+        if not validated:
+            self.validate_request(prompt_token_ids, params)
         prompt_token_ids = self.truncated(prompt_token_ids, params)
         # Every request gets a seed: its random stream never depends on its batch companions.
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)

@@ -271,7 +271,9 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
         try:
             for rid, text, prompt_ids, p in zip(ids, texts, token_ids, params):
-                self.engine.add_request(rid, prompt_ids, p, prompt=text, stream=False)
+                self.engine.add_request(
+                    rid, prompt_ids, p, prompt=text, stream=False, validated=True
+                )  # checked by _validate, every prompt before any is added
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:
