@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # On the GPU machine (nvidia-h200-x2), from the repository root: the next session's first calls
-# (benchmarks/NOTES.md, eighth session, "For the next GPU session"), each under 10 minutes.
-#   PART=1: first the CUDA tests of the eighth session's last commits; then TP=2 at batch 64, where vLLM's step was faster (2.722 against 2.838 ms, seventh
-#     session): our step profile at TP=2, batch 64 (`bench latency --profile 64`), to set
-#     beside vLLM's (`profile_decode.py vllm llama-3.2-3b 64` with TP=2, after the four vLLM
-#     carry calls); then the TP=2 throughput run's kernels, rank 0 (all-reduces 1.1 s per rank
-#     in the sixth session's profile).
-#   PART=2: decode attention over the throughput run's mixed contexts (1B at 84% of its bytes
-#     over the run, 3B at 91%): `paged_attention.py --mixed`, splits x order, both shapes.
-# The eighth session's calls (the 1B throughput profile, first_run.py, the sampler fix) are in
-# benchmarks/results/session8_2026-11-30_h200/README.md with their commands.
-# Everything lands in $OUT; the tables print.
+# (benchmarks/NOTES.md, ninth session, "For the next GPU session"), each under 10 minutes. The
+# ninth session had no two-GPU machine, so the TP=2 items of the eighth are still open.
+#   PART=1: first the CUDA tests (the TP=2 engine tests have not run on GPUs since the
+#     eighth session's slice race, logit_bias and prompt logprobs at TP=2; the single-GPU
+#     ones passed in the ninth); then TP=2 at batch 64, where vLLM's step was faster (2.722
+#     against 2.838 ms, seventh session): our step profile at TP=2, batch 64
+#     (`bench latency --profile 64`), to set beside vLLM's (`profile_decode.py vllm
+#     llama-3.2-3b 64` with TP=2, after the four vLLM carry calls); then the TP=2 throughput
+#     run's kernels, rank 0 (all-reduces 1.1 s per rank in the sixth session's profile).
+#   PART=2: decode attention over the throughput run's mixed contexts by split count
+#     (`paged_attention.py --mixed`; the ninth session's `--tiles` found the tiles optimal).
+# Then the TP=2 pair with vLLM: `TP=2 SHAPE=llama-3.2-3b bash scripts/gpu_vs_vllm.sh`.
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"  # $OUT, $R, the environment, $B
 if [ "${PART:-1}" = 1 ]; then
