@@ -13,6 +13,9 @@
 #   PART=profile: the 1B batch-1 decode step's kernels, with PDL and without (issue 10's
 #     0.87 ms target: what limits it).
 # The vLLM pairs then run as scripts/gpu_vs_vllm.sh says, after the carry calls.
+#   PART=reduce: the skinny GEMM's split-K sum in the GEMM's last program (no reduce kernel):
+#     its CUDA tests, then bench latency at batch 1 / 8 / 16, 1B and 3B, alternating the code
+#     before (.ab_x/src, `git archive e4da4fd src`) and after.
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"  # $OUT, $R, the environment, $B
 if [ "${PART:-1}" = 1 ]; then
@@ -30,6 +33,18 @@ timeout 200 python3 -m pytest -q -p no:cacheprovider -rA \
   "tests/engine/test_triton_engine.py::test_prompt_logprobs_with_graphs_equal_reference" \
   "tests/engine/test_triton_engine.py::test_biased_and_constrained_rows_on_the_triton_sampler" \
   tests/kernels/test_sampling_fast_log.py 2>&1 | tail -30 | tee "$OUT/pytest_cuda_tests.log"
+elif [ "$PART" = reduce ]; then
+timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_skinny_gemm.py \
+  tests/kernels/test_pdl.py tests/engine/test_triton_engine.py 2>&1 | tail -6 \
+  | tee "$OUT/pytest_reduce.log"
+for model in llama-3.2-1b llama-3.2-3b; do
+  for tree in .ab_x/src src .ab_x/src src; do
+    tag=$([ $tree = src ] && echo new || echo old)
+    PYTHONPATH=$tree timeout 100 $B latency --model $model --batches 1,8,16 \
+      --json "$R/${model}_${tag}_$RANDOM.json" 2>&1 | grep "^| [0-9]" | sed "s/^/$model $tag /"
+  done
+done
+tar -cf "$OUT/reduce_ab.tar" -C "$R" .
 else
 timeout 100 python3 -m pytest -q -p no:cacheprovider \
   "tests/engine/test_triton_engine.py::test_prompt_logprobs_with_graphs_equal_reference" \
