@@ -32,11 +32,11 @@ import argparse
 import datetime
 import json
 import math
-import statistics
 
 import torch
 import triton
 import triton.language as tl
+from skinny_gemm import time_calls  # benchmarks/skinny_gemm.py, beside this script
 
 from llm_inference.kernels import pdl
 from llm_inference.kernels import skinny_gemm as sg
@@ -98,24 +98,9 @@ def copies(n: int, k: int, count: int) -> list[torch.Tensor]:
 
 
 def time_graph(body, calls: int) -> float:
-    """Microseconds per call of body(i), i = 0..calls-1, captured in one CUDA graph."""
-    body(0)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            body(i)
-    graph.replay()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times) * 1e3 / calls
+    """Microseconds per call of body(i), i = 0..calls-1, in one CUDA graph (skinny_gemm.py's
+    timing: median of its replays)."""
+    return time_calls(body, list(range(calls)))
 
 
 def cycles_per_us() -> float:

@@ -207,42 +207,57 @@ MIXED_SPLITS = (1, 2, 3, 4, 8)
 MIXED_RANGE = (100, 2048)
 
 
-def mixed_rows(gen, copy_bw) -> list[dict]:
-    """Contexts uniform in MIXED_RANGE: graph-timed ms at each split count."""
-    rows = []
+def mixed_cases(gen):
+    """(heads name, shape, batch, case) for each MIXED_SHAPES x MIXED_BATCHES, contexts uniform
+    in MIXED_RANGE; case: the inputs, the reference output, a NaN-filled `out`, the K/V bytes
+    and the longest-first order."""
     for name, shape in MIXED_SHAPES.items():
         for batch in MIXED_BATCHES:
             lens = torch.randint(*MIXED_RANGE, (batch,), generator=gen).tolist()
             q, k_cache, v_cache, tables, lens_t = make_case(batch, max(lens), shape, gen, lens)
             scale = shape[2] ** -0.5
-            ref = reference.paged_attention_decode(q, k_cache, v_cache, tables, lens_t, scale)
-            out = torch.empty_like(q)
-            block_n = pa.default_block_n(shape[2], BLOCK_SIZE)
-            nbytes = sum(kv_bytes(1, n, shape) for n in lens)
-            sms = pa._num_sms(q.device)
-            defaults = {"batch": pa.choose_splits(batch, shape[1], 4096, block_n, sms),
-                        "longest first": pa.choose_splits(batch, shape[1], 4096, block_n, sms,
-                                                          pa.ORDERED_WAVES)}  # fmt: skip
-            longest_first = torch.argsort(lens_t, descending=True).to(torch.int32)
-            for splits, order in itertools.product(MIXED_SPLITS, ("batch", "longest first")):
-                seq_order = longest_first if order != "batch" else None
-                fn = functools.partial(pa.launch, q, k_cache, v_cache, tables, lens_t, scale, out,
-                                       splits, block_n, seq_order=seq_order)  # fmt: skip
-                out.fill_(float("nan"))
-                graph = capture(fn)
-                graph.replay()
-                ms = median_ms(graph.replay)
-                default = defaults[order]
-                rows.append(dict(shape=name, batch=batch, splits=splits, default=default,
-                                 order=order, ms=ms, bw_frac=nbytes / (ms * 1e-3) / copy_bw,
-                                 err=rel_error(out, ref)))  # fmt: skip
-                r = rows[-1]
-                print(
-                    f"| {name} | {batch} | {splits}{' (default)' if splits == default else ''} "
-                    f"| {order} | {ms:.4f} | {r['bw_frac']:.0%} | {r['err']:.1e} |",
-                    flush=True,
-                )
+            case = dict(
+                inputs=(q, k_cache, v_cache, tables, lens_t, scale),
+                ref=reference.paged_attention_decode(q, k_cache, v_cache, tables, lens_t, scale),
+                out=torch.empty_like(q),
+                nbytes=sum(kv_bytes(1, n, shape) for n in lens),
+                longest_first=torch.argsort(lens_t, descending=True).to(torch.int32),
+            )
+            yield name, shape, batch, case
             torch.cuda.empty_cache()
+
+
+def graph_ms(case: dict, *args, **kwargs) -> float:
+    """Graph-timed ms of pa.launch(*case inputs, out, *args, **kwargs), out NaN-poisoned."""
+    fn = functools.partial(pa.launch, *case["inputs"], case["out"], *args, **kwargs)
+    case["out"].fill_(float("nan"))
+    graph = capture(fn)
+    graph.replay()
+    return median_ms(graph.replay)
+
+
+def mixed_rows(gen, copy_bw) -> list[dict]:
+    """Contexts uniform in MIXED_RANGE: graph-timed ms at each split count."""
+    rows = []
+    for name, shape, batch, case in mixed_cases(gen):
+        block_n = pa.default_block_n(shape[2], BLOCK_SIZE)
+        sms = pa._num_sms(case["out"].device)
+        defaults = {"batch": pa.choose_splits(batch, shape[1], 4096, block_n, sms),
+                    "longest first": pa.choose_splits(batch, shape[1], 4096, block_n, sms,
+                                                      pa.ORDERED_WAVES)}  # fmt: skip
+        for splits, order in itertools.product(MIXED_SPLITS, ("batch", "longest first")):
+            seq_order = case["longest_first"] if order != "batch" else None
+            ms = graph_ms(case, splits, block_n, seq_order=seq_order)
+            default = defaults[order]
+            rows.append(dict(shape=name, batch=batch, splits=splits, default=default,
+                             order=order, ms=ms, bw_frac=case["nbytes"] / (ms * 1e-3) / copy_bw,
+                             err=rel_error(case["out"], case["ref"])))  # fmt: skip
+            r = rows[-1]
+            print(
+                f"| {name} | {batch} | {splits}{' (default)' if splits == default else ''} "
+                f"| {order} | {ms:.4f} | {r['bw_frac']:.0%} | {r['err']:.1e} |",
+                flush=True,
+            )
     return rows
 
 
@@ -250,44 +265,30 @@ def tile_rows(gen, copy_bw, tiles: list[tuple[int, int, int]]) -> list[dict]:
     """Contexts uniform in MIXED_RANGE, longest first, the split count by the engine's rule
     (ORDERED_WAVES) for each tile's size: graph-timed ms per (block_n, warps, stages)."""
     rows = []
-    for name, shape in MIXED_SHAPES.items():
-        for batch in MIXED_BATCHES:
-            lens = torch.randint(*MIXED_RANGE, (batch,), generator=gen).tolist()
-            q, k_cache, v_cache, tables, lens_t = make_case(batch, max(lens), shape, gen, lens)
-            scale = shape[2] ** -0.5
-            ref = reference.paged_attention_decode(q, k_cache, v_cache, tables, lens_t, scale)
-            out = torch.empty_like(q)
-            nbytes = sum(kv_bytes(1, n, shape) for n in lens)
-            sms = pa._num_sms(q.device)
-            order = torch.argsort(lens_t, descending=True).to(torch.int32)
-            default = pa.default_block_n(shape[2], BLOCK_SIZE)
-            for block_n, warps, stages in tiles:
-                splits = pa.choose_splits(batch, shape[1], 4096, block_n, sms, pa.ORDERED_WAVES)
-                fn = functools.partial(pa.launch, q, k_cache, v_cache, tables, lens_t, scale, out,
-                                       splits, block_n, num_warps=warps, num_stages=stages,
-                                       seq_order=order)  # fmt: skip
-                out.fill_(float("nan"))
-                try:
-                    graph = capture(fn)
-                    graph.replay()
-                    ms = median_ms(graph.replay)
-                except Exception as e:  # e.g. out of shared memory: report, go on
-                    print(f"| {name} | {batch} | {block_n}, {warps}, {stages} | failed: "
-                          f"{type(e).__name__} |", flush=True)  # fmt: skip
-                    continue
-                is_default = (block_n, warps, stages) == (default, 4, 3)
-                rows.append(dict(shape=name, batch=batch, block_n=block_n, num_warps=warps,
-                                 num_stages=stages, splits=splits, default=is_default, ms=ms,
-                                 bw_frac=nbytes / (ms * 1e-3) / copy_bw,
-                                 err=rel_error(out, ref)))  # fmt: skip
-                r = rows[-1]
-                print(
-                    f"| {name} | {batch} | {block_n}, {warps}, {stages}"
-                    f"{' (default)' if is_default else ''} | {splits} | {ms:.4f} "
-                    f"| {r['bw_frac']:.0%} | {r['err']:.1e} |",
-                    flush=True,
-                )
-            torch.cuda.empty_cache()
+    for name, shape, batch, case in mixed_cases(gen):
+        sms = pa._num_sms(case["out"].device)
+        default = pa.default_block_n(shape[2], BLOCK_SIZE)
+        for block_n, warps, stages in tiles:
+            splits = pa.choose_splits(batch, shape[1], 4096, block_n, sms, pa.ORDERED_WAVES)
+            try:
+                ms = graph_ms(case, splits, block_n, num_warps=warps, num_stages=stages,
+                              seq_order=case["longest_first"])  # fmt: skip
+            except Exception as e:  # e.g. out of shared memory: report, go on
+                print(f"| {name} | {batch} | {block_n}, {warps}, {stages} | failed: "
+                      f"{type(e).__name__} |", flush=True)  # fmt: skip
+                continue
+            is_default = (block_n, warps, stages) == (default, 4, 3)
+            rows.append(dict(shape=name, batch=batch, block_n=block_n, num_warps=warps,
+                             num_stages=stages, splits=splits, default=is_default, ms=ms,
+                             bw_frac=case["nbytes"] / (ms * 1e-3) / copy_bw,
+                             err=rel_error(case["out"], case["ref"])))  # fmt: skip
+            r = rows[-1]
+            print(
+                f"| {name} | {batch} | {block_n}, {warps}, {stages}"
+                f"{' (default)' if is_default else ''} | {splits} | {ms:.4f} "
+                f"| {r['bw_frac']:.0%} | {r['err']:.1e} |",
+                flush=True,
+            )
     return rows
 
 
