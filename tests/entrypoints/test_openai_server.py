@@ -199,7 +199,8 @@ def test_structured_output_choice(client):
 def test_tool_calls(client):
     """With `tools`, an answer that is a Llama 3 tool call (forced here with guided_choice)
     comes back as `tool_calls` with finish_reason "tool_calls"; a conversation with tool turns
-    is accepted; tool_choice "none" leaves the text alone; what is not supported is a 400."""
+    is accepted; tool_choice "none" leaves the text alone; streamed alike; what is not
+    supported is a 400."""
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
     call = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
@@ -222,8 +223,20 @@ def test_tool_calls(client):
     assert r.choices[0].message.content == call and not r.choices[0].message.tool_calls
     with pytest.raises(openai.BadRequestError, match="tool_choice 'required' is not supported"):
         client.chat.completions.create(tool_choice="required", **chat)
-    with pytest.raises(openai.BadRequestError, match="tools are not supported with stream"):
-        client.chat.completions.create(stream=True, **chat)
+    # streamed: the call as one tool_calls delta, never as content; plain answers as text
+    chunks = list(client.chat.completions.create(stream=True, extra_body={"guided_choice": [call]},
+                                                 **chat))  # fmt: skip
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant" and not any(d.content for d in deltas)
+    (streamed,) = [t for d in deltas for t in d.tool_calls or []]
+    assert streamed.index == 0 and streamed.id and streamed.function.name == "get_weather"
+    assert json.loads(streamed.function.arguments) == {"city": "Paris"}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    for text in ("Sunny in Paris", '{"forecast": "sunny"}'):
+        chunks = client.chat.completions.create(
+            stream=True, extra_body={"guided_choice": [text]}, **chat
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
 
 
 def test_truncate_prompt_tokens(client):

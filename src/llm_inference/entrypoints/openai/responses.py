@@ -14,7 +14,11 @@ import time
 import uuid
 from typing import Any
 
-from llm_inference.entrypoints.openai.tool_parser import parse_tool_calls, tool_call_items
+from llm_inference.entrypoints.openai.tool_parser import (
+    may_be_tool_call,
+    parse_tool_calls,
+    tool_call_items,
+)
 from llm_inference.outputs import CompletionOutput, Logprobs, RequestOutput
 
 
@@ -176,6 +180,16 @@ class ResponseBuilder:
         choice["finish_reason"] = finish_reason
         return {**self._head(name), "choices": [choice]}
 
+    def tool_calls_chunk(self, index: int, calls: list[tuple[str, dict]], first: bool):
+        """A chat choice's last chunk when its answer was tool calls: all of them in one
+        delta (each whole, with its index), finish_reason "tool_calls"."""
+        items = [{"index": k, **item} for k, item in enumerate(tool_call_items(calls))]
+        delta = {"role": "assistant"} if first else {}
+        delta |= {"content": None, "tool_calls": items}
+        choice = {"index": index, "delta": delta, "logprobs": None,
+                  "finish_reason": "tool_calls"}  # fmt: skip
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+
     def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
         name = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
         return {**self._head(name), "choices": [], "usage": counts}
@@ -184,7 +198,14 @@ class ResponseBuilder:
 class DeltaTracker:
     """Stream chunks from DELTA outputs (`AsyncLLM.generate(output_kind=DELTA)`): each
     delta's new text and logprobs become one chunk per choice; the concatenated chunks equal
-    the final text. Counts every prompt's and completion's tokens for the usage chunk."""
+    the final text. Counts every prompt's and completion's tokens for the usage chunk.
+
+    Chat with tools: while a choice's text may still be a tool call (tool_parser's
+    `may_be_tool_call`) it is held back, after a first chunk with the role alone. At the
+    choice's end a held text that parses as tool calls goes out as one `tool_calls` chunk
+    (finish_reason "tool_calls", as the non-streamed response); otherwise, as soon as it is
+    plain text, the held text and logprobs go out as one chunk and the rest streams as
+    usual."""
 
     def __init__(self, builder: ResponseBuilder) -> None:
         self.builder = builder
@@ -192,6 +213,9 @@ class DeltaTracker:
         self.offsets: dict[tuple[int, int], int] = {}  # choices sent so far: text offset
         self.prompt_tokens: dict[int, int] = {}  # prompt index -> its tokens
         self.completion_tokens = 0
+        # chat with tools: choices whose text is held back, (text, logprobs) so far
+        self.held: dict[tuple[int, int], tuple[str, list[Logprobs]]] = {}
+        self.plain: set[tuple[int, int]] = set()  # ... and those known to be plain text
 
     def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict[str, Any]]:
         self.prompt_tokens[prompt_index] = len(out.prompt_token_ids)
@@ -213,6 +237,24 @@ class DeltaTracker:
         offset = self.offsets.get(key)
         first = offset is None
         text, new_lps = c.text, c.logprobs
+        if self.builder.tools and key not in self.plain:
+            held_text, held_lps = self.held.get(key, ("", []))
+            text, new_lps = held_text + text, held_lps + (new_lps or [])
+            index = i * self.builder.n + c.index
+            if may_be_tool_call(text):
+                calls = parse_tool_calls(text) if c.finish_reason is not None else None
+                if calls:
+                    self.held.pop(key, None)
+                    return self.builder.tool_calls_chunk(index, calls, first)
+                if c.finish_reason is None:
+                    self.held[key] = (text, new_lps)
+                    if first:  # the role now, the text once it is known not to be a call
+                        self.offsets[key] = 0
+                        return self.builder.chunk(index, "", None, None, True)
+                    return None
+            self.held.pop(key, None)
+            self.plain.add(key)
+            new_lps = new_lps or c.logprobs  # None when logprobs were not asked for
         if not ((first and self.chat) or text or new_lps or c.finish_reason is not None):
             return None
         offset = offset or 0

@@ -71,8 +71,6 @@ class OpenAIServing:
             raise APIError(400, f"tool_choice {req.tool_choice!r} is not supported (auto and "
                            "none are)", param="tool_choice")  # fmt: skip
         tools = req.tools if req.uses_tools else None
-        if tools is not None and req.stream:
-            raise APIError(400, "tools are not supported with stream", param="tools")
         if req.continue_final_message and req.add_generation_prompt:
             raise APIError(400, "continue_final_message needs add_generation_prompt=false",
                            param="continue_final_message")  # fmt: skip

@@ -1,6 +1,10 @@
 """Tool calls in a chat completion, as Llama 3 writes them (vLLM's `llama3_json` parser): the
 whole answer is one JSON object, or several separated by `;`, each {"name": ..., "parameters"
-(or "arguments"): {...}}, optionally after `<|python_tag|>`. Anything else is plain text."""
+(or "arguments"): {...}}, optionally after `<|python_tag|>`. Anything else is plain text.
+
+Streaming: a text can still become a tool call while, past leading whitespace, it is empty,
+starts with `{` or `<|python_tag|>`, or is the start of `<|python_tag|>`
+(`may_be_tool_call`); the server holds such text back and decides at the end."""
 
 from __future__ import annotations
 
@@ -32,6 +36,12 @@ def parse_tool_calls(text: str) -> list[tuple[str, dict]] | None:
         while i < len(s) and (s[i].isspace() or s[i] == ";"):
             i += 1
     return calls or None
+
+
+def may_be_tool_call(text: str) -> bool:
+    """Whether `text` may be the start of an answer that `parse_tool_calls` accepts."""
+    s = text.lstrip()
+    return s.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(s)
 
 
 def tool_call_items(calls: list[tuple[str, dict]]) -> list[dict]:
