@@ -25,15 +25,17 @@ inter-token latency against request rate, both engines) and server_logs.txt (eac
 log, last lines).
 
 vLLM runs as `python3 -m vllm.entrypoints.openai.api_server` with `--vllm-site` (/tmp/site)
-first on PYTHONPATH and VLLM_USE_FLASHINFER_SAMPLER=0; our server runs without that folder.
-The GPU machine's image lacks fastapi, uvicorn and pydantic: when they do not import, our
-server's PYTHONPATH gets a folder of links to only those packages (and their few needs) in
-`--vllm-site`, never vLLM. Servers are stopped (SIGTERM, then SIGKILL to them and every
-process they started) after their runs, on errors, SIGTERM and Ctrl-C; a server's first
-process dies with this script even on SIGKILL (PR_SET_PDEATHSIG), and what a killed run left
-behind is killed at the next start (the pids are kept in a file). `--time-budget` (seconds,
-from this script's start) skips the runs that would not fit, keeping the time later engines
-need.
+first on PYTHONPATH and VLLM_USE_FLASHINFER_SAMPLER=0; our server runs without that folder. The
+GPU machine's image lacks fastapi, uvicorn and pydantic: when they do not import, our server's
+PYTHONPATH gets a folder of links to only those packages (and their few needs) in `--vllm-site`,
+never vLLM. Without vLLM, carry the web stack alone as wheels and install them into a folder
+given as `--vllm-site` (fastapi 0.115.12 and starlette 0.46.2: fastapi 0.165 imports
+opentelemetry; session9_2026-12-01_h200/README.md lists the fourteen). Servers are stopped
+(SIGTERM, then SIGKILL to them and every process they started) after their runs, on errors,
+SIGTERM and Ctrl-C; a server's first process dies with this script even on SIGKILL
+(PR_SET_PDEATHSIG), and what a killed run left behind is killed at the next start (the pids are
+kept in a file). `--time-budget` (seconds, from this script's start) skips the runs that would
+not fit, keeping the time later engines need.
 
 A flow check on the CPU: --engines ours --device cpu --dtype float32 --model TINY_CKPT
 --rates 2,4,inf --num-prompts 6 --input-len 16 --output-len 8 --max-model-len 256.
