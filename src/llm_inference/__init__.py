@@ -13,10 +13,14 @@ if TYPE_CHECKING:
     from llm_inference.engine.async_llm import AsyncLLM
     from llm_inference.entrypoints.llm import LLM
     from llm_inference.outputs import CompletionOutput, RequestOutput
-    from llm_inference.sampling_params import SamplingParams, StructuredOutputsParams
+    from llm_inference.sampling_params import (
+        BeamSearchParams,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-           "CompletionOutput"]  # fmt: skip
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams",
+           "RequestOutput", "CompletionOutput"]  # fmt: skip
 __version__ = "0.1.0"
 
 _WHERE = {
@@ -24,6 +28,7 @@ _WHERE = {
     "AsyncLLM": "llm_inference.engine.async_llm",
     "SamplingParams": "llm_inference.sampling_params",
     "StructuredOutputsParams": "llm_inference.sampling_params",
+    "BeamSearchParams": "llm_inference.sampling_params",
     "RequestOutput": "llm_inference.outputs",
     "CompletionOutput": "llm_inference.outputs",
 }

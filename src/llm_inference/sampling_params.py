@@ -53,6 +53,37 @@ class StructuredOutputsParams:
 
 
 @dataclass
+class BeamSearchParams:
+    """vLLM's beam search parameters (`LLM.beam_search`): keep the `beam_width` best
+    sequences by cumulative log-probability / length ** `length_penalty`, for at most
+    `max_tokens` new tokens; a beam that samples EOS is complete unless `ignore_eos`.
+    `temperature` is accepted as vLLM accepts it; the scores are the raw log-probabilities,
+    so it does not change them. `include_stop_str_in_output`: vLLM's field, accepted (beam
+    search has no stop strings)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.beam_width) or not 1 <= 2 * self.beam_width <= MAX_LOGPROBS:
+            raise ValueError(
+                f"beam_width must be an integer in [1, {MAX_LOGPROBS // 2}], got "
+                f"{self.beam_width!r}"
+            )
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        for name, low in (("temperature", 0.0), ("length_penalty", -math.inf)):
+            value = getattr(self, name)
+            if not (_is_number(value) and math.isfinite(value) and value >= low):
+                allowed = "a finite number" + (" >= 0" if low == 0 else "")
+                raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0

@@ -10,12 +10,13 @@ from dataclasses import replace
 
 from tqdm.auto import tqdm
 
+from llm_inference.beam_search import BeamSearchOutput, beam_search
 from llm_inference.config import create_engine_config
 from llm_inference.engine.llm_engine import LLMEngine
 from llm_inference.gc_heap import freeze_startup_heap, thaw_heap
 from llm_inference.models.loader import load_tokenizer
 from llm_inference.outputs import RequestOutput
-from llm_inference.sampling_params import SamplingParams
+from llm_inference.sampling_params import BeamSearchParams, SamplingParams
 
 Prompt = str | list[int]
 # vLLM's prompt dicts (its TextPrompt and TokensPrompt) are taken too: {"prompt": text} or
@@ -148,6 +149,20 @@ class LLM:
         self._validate(token_ids, params)
         texts = [p if isinstance(p, str) else None for p in prompt_list]
         return self._run(texts, token_ids, params, use_tqdm)
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (text, token ids or vLLM's prompt dicts), as vLLM's
+        `LLM.beam_search`: each output's `sequences` are the `params.beam_width` best, best
+        first (beam_search.py says how they are found and scored)."""
+        self._engine()
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, not {type(params).__name__}")
+        prompt_list = self._normalize_prompts(prompts)
+        token_ids = [p if isinstance(p, list) else self.tokenizer(p).input_ids for p in prompt_list]
+        self._validate(token_ids, [SamplingParams(max_tokens=1)] * len(token_ids))
+        return beam_search(self, token_ids, params, use_tqdm)
 
     def chat(
         self,
