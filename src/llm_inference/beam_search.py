@@ -1,4 +1,5 @@
-"""Beam search over the engine, as vLLM's `LLM.beam_search` does it.
+"""Beam search over the engine, as vLLM's `LLM.beam_search` (and its server's
+`use_beam_search`) does it.
 
 Each round asks the engine for one token of every live beam (a prompt of the beam's tokens,
 `max_tokens=1`) with the 2 x beam_width most likely next tokens and their log-probabilities
@@ -11,12 +12,16 @@ not a final EOS (vLLM's `get_beam_search_score`).
 
 Rounds re-send each beam's tokens: prefix caching (on by default) finds their full blocks
 cached, so a round computes about a block's worth of tokens per beam, not the whole beam.
+`BeamSearch` holds the beams; `beam_search` drives it with `LLM.generate`,
+`async_beam_search` with `AsyncLLM.generate` (the server).
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
+from llm_inference.outputs import CompletionOutput, RequestOutput
 from llm_inference.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -46,53 +51,115 @@ def beam_search_score(tokens: list[int], cum_logprob: float, eos_ids, length_pen
     return cum_logprob / (length**length_penalty)
 
 
+class BeamSearch:
+    """The beams of several prompts. Each round: `batch()` (the live beams, to run one token
+    each with `step_params`), then `advance(tops)` with each one's candidates ({token:
+    logprob}, in batch order); `best()` at the end."""
+
+    def __init__(self, prompt_ids: list[list[int]], params: BeamSearchParams, eos_ids,
+                 max_model_len: int) -> None:  # fmt: skip
+        self.params, self.max_len = params, max_model_len
+        self.eos = () if params.ignore_eos else tuple(eos_ids)
+        self.live = [[BeamSearchSequence(list(ids))] for ids in prompt_ids]
+        self.done: list[list[BeamSearchSequence]] = [[] for _ in prompt_ids]
+        self.step_params = SamplingParams(
+            temperature=params.temperature, max_tokens=1, ignore_eos=True,
+            logprobs=2 * params.beam_width, detokenize=False,
+        )  # fmt: skip
+
+    def _score(self, beam: BeamSearchSequence) -> float:
+        return beam_search_score(
+            beam.tokens, beam.cum_logprob, self.eos, self.params.length_penalty
+        )
+
+    def batch(self) -> list[BeamSearchSequence]:
+        """The live beams to extend this round (beams that fill the context complete first)."""
+        for i, beams in enumerate(self.live):
+            for b in beams:
+                if len(b.tokens) >= self.max_len:
+                    b.finish_reason = "length"
+                    self.done[i].append(b)
+            self.live[i] = [b for b in beams if len(b.tokens) < self.max_len]
+        return [b for beams in self.live for b in beams]
+
+    def advance(self, tops: list[dict[int, float]]) -> None:
+        """Extend the beams of `batch()` by their candidates; keep each prompt's best."""
+        tops_iter = iter(tops)
+        for i, beams in enumerate(self.live):
+            candidates = []
+            for beam in beams:
+                top = next(tops_iter)
+                for token, logprob in top.items():
+                    new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [top],
+                                             beam.cum_logprob + logprob)  # fmt: skip
+                    if token in self.eos:
+                        new.finish_reason = "stop"
+                        self.done[i].append(new)
+                    else:
+                        candidates.append(new)
+            candidates.sort(key=self._score, reverse=True)
+            self.live[i] = candidates[: self.params.beam_width]
+
+    def best(self) -> list[list[BeamSearchSequence]]:
+        """Each prompt's beam_width best of its complete and live beams, best first."""
+        out = []
+        for beams, complete in zip(self.live, self.done):
+            for b in beams:
+                b.finish_reason = b.finish_reason or "length"
+            ranked = sorted(complete + beams, key=self._score, reverse=True)
+            out.append(ranked[: self.params.beam_width])
+        return out
+
+
 def beam_search(
     llm, prompt_ids: list[list[int]], params: BeamSearchParams, use_tqdm: bool = False
 ) -> list[BeamSearchOutput]:
     """Beam search for each prompt (token ids) on an open `LLM`."""
     from tqdm.auto import tqdm
 
-    eos = () if params.ignore_eos else tuple(llm.config.model.eos_token_ids)
-    max_len = llm.config.scheduler.max_model_len
-    width = params.beam_width
-
-    def score(beam: BeamSearchSequence) -> float:
-        return beam_search_score(beam.tokens, beam.cum_logprob, eos, params.length_penalty)
-
-    live = [[BeamSearchSequence(list(ids))] for ids in prompt_ids]
-    done: list[list[BeamSearchSequence]] = [[] for _ in prompt_ids]
-    step = SamplingParams(temperature=params.temperature, max_tokens=1, ignore_eos=True,
-                          logprobs=2 * width, detokenize=False)  # fmt: skip
+    search = BeamSearch(prompt_ids, params, llm.config.model.eos_token_ids,
+                        llm.config.scheduler.max_model_len)  # fmt: skip
     for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm):
-        for i, beams in enumerate(live):  # a beam that fills the context is complete
-            full = [b for b in beams if len(b.tokens) >= max_len]
-            for b in full:
-                b.finish_reason = "length"
-            done[i] += full
-            live[i] = [b for b in beams if len(b.tokens) < max_len]
-        batch = [b for beams in live for b in beams]
+        batch = search.batch()
         if not batch:
             break
-        outs = iter(llm.generate([b.tokens for b in batch], step, use_tqdm=False))
-        for i, beams in enumerate(live):
-            candidates = []
-            for beam in beams:
-                top = next(outs).outputs[0].logprobs[0].top
-                for token, logprob in top.items():
-                    new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [top],
-                                             beam.cum_logprob + logprob)  # fmt: skip
-                    if token in eos:
-                        new.finish_reason = "stop"
-                        done[i].append(new)
-                    else:
-                        candidates.append(new)
-            live[i] = sorted(candidates, key=score, reverse=True)[:width]
+        outs = llm.generate([b.tokens for b in batch], search.step_params, use_tqdm=False)
+        search.advance([o.outputs[0].logprobs[0].top for o in outs])
     results = []
-    for beams, complete in zip(live, done):
-        for b in beams:
-            b.finish_reason = b.finish_reason or "length"
-        best = sorted(complete + beams, key=score, reverse=True)[:width]
+    for best in search.best():
         for b in best:
             b.text = llm.tokenizer.decode(b.tokens)
         results.append(BeamSearchOutput(best))
     return results
+
+
+async def async_beam_search(
+    llm, prompt_ids: list[int], params: BeamSearchParams, request_id: str
+) -> RequestOutput:
+    """Beam search for one prompt on an `AsyncLLM`, as one finished RequestOutput whose
+    `outputs` are the beams, best first (the generated part of each: tokens and text, the
+    cumulative log-probability), as vLLM's server answers `use_beam_search`."""
+    config = llm.config
+    search = BeamSearch([prompt_ids], params, config.model.eos_token_ids,
+                        config.scheduler.max_model_len)  # fmt: skip
+
+    async def one(k: int, tokens: list[int], round_: int) -> dict[int, float]:
+        final = None
+        async for out in llm.generate(tokens, search.step_params, f"{request_id}-{round_}-{k}"):
+            final = out
+        return final.outputs[0].logprobs[0].top
+
+    for round_ in range(params.max_tokens):
+        batch = search.batch()
+        if not batch:
+            break
+        tops = await asyncio.gather(*(one(k, b.tokens, round_) for k, b in enumerate(batch)))
+        search.advance(list(tops))
+    (best,) = search.best()
+    n = len(prompt_ids)
+    outputs = [
+        CompletionOutput(i, llm.tokenizer.decode(b.tokens[n:], skip_special_tokens=True),
+                         b.tokens[n:], b.finish_reason, cumulative_logprob=b.cum_logprob)
+        for i, b in enumerate(best)
+    ]  # fmt: skip
+    return RequestOutput(request_id, None, list(prompt_ids), outputs, True)

@@ -290,13 +290,48 @@ BAD = [
         400,
         "guided_json is not supported",
     ),
+    ("best_of", dict(extra_body={"best_of": 3}), 400, "best_of is not supported"),
     (
-        "beam search",
-        dict(extra_body={"use_beam_search": True}),
+        "beam search with logprobs",
+        dict(logprobs=2, extra_body={"use_beam_search": True}),
         400,
-        "use_beam_search is not supported",
+        "use_beam_search does not take logprobs",
+    ),
+    (
+        "beam search, prompt too long",
+        dict(prompt="Hello " * 600, extra_body={"use_beam_search": True}),
+        400,
+        "max_model_len=512",
     ),
 ]
+
+
+def test_beam_search(client, offline_llm):
+    """vLLM's use_beam_search: the n best beams of LLM.beam_search on the same model, best
+    first, streamed or not (the stream sends them when the search ends)."""
+    from llm_inference import BeamSearchParams
+
+    prompt = "The quick brown fox"
+    kw = dict(model=MODEL_NAME, prompt=prompt, max_tokens=4, n=3, temperature=0.0,
+              extra_body={"use_beam_search": True, "ignore_eos": True})  # fmt: skip
+    (want,) = offline_llm.beam_search(prompt, BeamSearchParams(3, 4, ignore_eos=True))
+    start = len(offline_llm.tokenizer(prompt).input_ids)
+    texts = [offline_llm.tokenizer.decode(b.tokens[start:], skip_special_tokens=True)
+             for b in want.sequences]  # fmt: skip
+    r = client.completions.create(**kw)
+    got = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    assert got == texts and all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 12
+    streamed = ["", "", ""]
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == texts
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Hi"}],
+        **{k: v for k, v in kw.items() if k != "prompt"},
+    )
+    assert len(chat.choices) == 3 and len({c.message.content for c in chat.choices}) == 3
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -3,12 +3,12 @@
 Field names and defaults follow OpenAI's API (`logit_bias` and completions' `echo` included);
 `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
 `skip_special_tokens`, `include_stop_str_in_output`, `allowed_token_ids`,
-`truncate_prompt_tokens`, `prompt_logprobs`, `bad_words` and `structured_outputs` (choice
-only; or the older `guided_choice`) are extra fields, as vLLM accepts them. Chat
-takes `tools` (parsed from the answer as Llama 3 writes calls: tool_parser.py). Fields of
-UNSUPPORTED (other structured outputs, beam search, ...) are refused with a 400 naming
-them; other unknown fields are ignored. Values are range-checked by `SamplingParams`, whose
-errors name the field.
+`truncate_prompt_tokens`, `prompt_logprobs`, `bad_words`, `structured_outputs` (choice
+only; or the older `guided_choice`), `use_beam_search` and `length_penalty` are extra fields,
+as vLLM accepts them. Chat takes `tools` (parsed from the answer as Llama 3 writes calls:
+tool_parser.py). Fields of UNSUPPORTED (other structured outputs, `best_of`, ...) are refused
+with a 400 naming them; other unknown fields are ignored. Values are range-checked by
+`SamplingParams` (and `BeamSearchParams`), whose errors name the field.
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ class StreamOptions(BaseModel):
 # Fields of OpenAI's or vLLM's API that this server does not implement: a request that sets
 # one (to anything but an off value) gets a 400 naming it, not an answer that ignored it.
 UNSUPPORTED = ("response_format", "guided_json", "guided_regex", "guided_grammar", "functions",
-               "function_call", "use_beam_search", "best_of", "suffix",
-               "logits_processors")  # fmt: skip
+               "function_call", "best_of", "suffix", "logits_processors")  # fmt: skip
 
 
 def _is_off(field: str, value: Any) -> bool:
@@ -88,6 +87,9 @@ class _SamplingFields(BaseModel):
     # guided_choice
     structured_outputs: dict[str, Any] | None = None
     guided_choice: list[str] | None = None
+    # vLLM's beam search: the n best beams (beam_search.py), scored with length_penalty
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     @property
     def include_usage(self) -> bool:

@@ -14,6 +14,8 @@ from typing import Any
 
 from starlette.requests import Request
 
+from llm_inference.beam_search import async_beam_search
+from llm_inference.core.scheduler import check_request_length
 from llm_inference.engine.async_llm import AsyncLLM, EngineDeadError
 from llm_inference.entrypoints.openai.protocol import (
     APIError,
@@ -30,7 +32,11 @@ from llm_inference.entrypoints.openai.streaming import (
     until_disconnected,
 )
 from llm_inference.outputs import RequestOutput, RequestOutputKind, accumulate
-from llm_inference.sampling_params import SamplingParams, StructuredOutputsParams
+from llm_inference.sampling_params import (
+    BeamSearchParams,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 Prompt = tuple[str | None, list[int]]  # (text if given as text, token ids)
 
@@ -164,7 +170,10 @@ class OpenAIServing:
     # ---- the shared flow ------------------------------------------------------------------
 
     async def _run(self, raw, prompts: list[Prompt], params, builder, req: _SamplingFields):
-        streams = await self._start(raw, prompts, params, builder.id)
+        if req.use_beam_search:
+            streams = await self._beam_search(raw, prompts, params, builder, req)
+        else:
+            streams = await self._start(raw, prompts, params, builder.id)
         if req.stream:
             return SSEResponse(self._stream(streams, builder, req.include_usage))
         finals = await until_disconnected(raw, _collect(streams, params.n))
@@ -187,6 +196,36 @@ class OpenAIServing:
             raise _api_error(errors[0], len(prompts))
         return [prepend(first, g) for first, g in zip(firsts, gens)]
 
+    async def _beam_search(self, raw, prompts: list[Prompt], params, builder, req):
+        """vLLM's `use_beam_search`: the n best beams of each prompt (beam_search.py), all at
+        once when the search ends, as one-output streams for `_run`. Takes the plain request
+        only: logprobs, echo, stop strings, tools and the rest are 400s."""
+        asked = {"logprobs": params.logprobs is not None, "echo": builder.echo is not None,
+                 "prompt_logprobs": params.prompt_logprobs is not None,
+                 "stop": bool(params.stop_strings), "tools": builder.tools,
+                 "structured_outputs": params.structured_outputs is not None}  # fmt: skip
+        for name, on in asked.items():
+            if on:
+                raise APIError(400, f"use_beam_search does not take {name}", param=name)
+        max_len = self.llm.max_model_len
+        try:
+            for _, ids in prompts:
+                check_request_length(max_len, len(ids), 1)
+            search = BeamSearchParams(
+                beam_width=req.n, max_tokens=params.max_tokens or max_len,
+                ignore_eos=req.ignore_eos, temperature=req.temperature,
+                length_penalty=req.length_penalty,
+            )  # fmt: skip
+        except ValueError as e:
+            raise _api_error(e, len(prompts)) from e
+        work = asyncio.gather(*(async_beam_search(self.llm, ids, search, f"{builder.id}-{i}")
+                                for i, (_, ids) in enumerate(prompts)))  # fmt: skip
+        try:
+            finals = await until_disconnected(raw, work)
+        except (ValueError, TypeError) as e:
+            raise _api_error(e, len(prompts)) from e
+        return [_once(out) for out in finals]
+
     async def _stream(self, streams, builder: ResponseBuilder, include_usage: bool):
         tracker = DeltaTracker(builder)
         try:
@@ -198,6 +237,11 @@ class OpenAIServing:
         except Exception as e:  # noqa: BLE001 - the status is sent already: report in-band
             yield sse(_api_error(e, len(streams)).body())
         yield sse("[DONE]")
+
+
+async def _once(out: RequestOutput) -> AsyncIterator[RequestOutput]:
+    """A stream of one finished output."""
+    yield out
 
 
 async def _collect(streams: list[AsyncIterator[RequestOutput]], n: int) -> list[RequestOutput]:
