@@ -145,7 +145,7 @@ class LLM:
         self._engine()
         prompt_list = self._normalize_prompts(prompts)
         params = self._normalize_params(sampling_params, len(prompt_list), max_new_tokens)
-        token_ids = [p if isinstance(p, list) else self.tokenizer(p).input_ids for p in prompt_list]
+        token_ids = self._token_ids(prompt_list)
         self._validate(token_ids, params)
         texts = [p if isinstance(p, str) else None for p in prompt_list]
         return self._run(texts, token_ids, params, use_tqdm)
@@ -160,7 +160,7 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, not {type(params).__name__}")
         prompt_list = self._normalize_prompts(prompts)
-        token_ids = [p if isinstance(p, list) else self.tokenizer(p).input_ids for p in prompt_list]
+        token_ids = self._token_ids(prompt_list)
         self._validate(token_ids, [SamplingParams(max_tokens=1)] * len(token_ids))
         return beam_search(self, token_ids, params, use_tqdm)
 
@@ -201,6 +201,10 @@ class LLM:
         params = self._normalize_params(sampling_params, len(prompts), max_new_tokens)
         self._validate(token_ids, params)
         return self._run(prompts, token_ids, params, use_tqdm)
+
+    def _token_ids(self, prompt_list: list[Prompt]) -> list[list[int]]:
+        """Each prompt's token ids: text tokenized, token ids as they are."""
+        return [p if isinstance(p, list) else self.tokenizer(p).input_ids for p in prompt_list]
 
     @staticmethod
     def _normalize_prompts(prompts) -> list[Prompt]:

@@ -234,13 +234,13 @@ class DeltaTracker:
 
     def _chunk(self, i: int, c: CompletionOutput) -> dict[str, Any] | None:
         key = (i, c.index)
+        index = i * self.builder.n + c.index
         offset = self.offsets.get(key)
         first = offset is None
         text, new_lps = c.text, c.logprobs
         if self.builder.tools and key not in self.plain:
             held_text, held_lps = self.held.get(key, ("", []))
             text, new_lps = held_text + text, held_lps + (new_lps or [])
-            index = i * self.builder.n + c.index
             if may_be_tool_call(text):
                 calls = parse_tool_calls(text) if c.finish_reason is not None else None
                 if calls:
@@ -262,5 +262,4 @@ class DeltaTracker:
         if new_lps:
             offset += sum(len(self.builder.token_text(lp.token_id)) for lp in new_lps)
         self.offsets[key] = offset
-        index = i * self.builder.n + c.index
         return self.builder.chunk(index, text, lps, c.finish_reason, first)
