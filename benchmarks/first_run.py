@@ -11,7 +11,10 @@ took and the specialization that caused it. Run with a fresh TRITON_CACHE_DIR to
 new machine pays (the default cache on disk would hide the compile time, not the misses).
 
     PYTHONPATH=src TRITON_CACHE_DIR=$(mktemp -d) python3 benchmarks/first_run.py \
-        [--model llama-3.2-1b] [--runs 3] [--json PATH]
+        [--model llama-3.2-1b] [--runs 3] [--enforce-eager] [--json PATH]
+
+With --enforce-eager no graph capture compiles the model's kernels at start: what the runs
+compile is what an eager engine's steps meet for the first time.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     import torch
@@ -66,7 +70,8 @@ def main() -> None:
     log = CompileLog()
     log.install()
     folder = random_checkpoint(args.model)
-    kw = dict(max_model_len=4096, gpu_memory_utilization=0.85, max_num_seqs=256)
+    kw = dict(max_model_len=4096, gpu_memory_utilization=0.85, max_num_seqs=256,
+              enforce_eager=args.enforce_eager)  # fmt: skip
     t = time.perf_counter()
     with LLM(str(folder), dtype="bfloat16", enable_prefix_caching=False, **kw) as llm:
         start = {"s": time.perf_counter() - t, "compiles": log.take()}
@@ -76,8 +81,9 @@ def main() -> None:
         runs = []
         for _ in range(args.runs):
             runs.append({"s": _timed_generate(llm, prompts, params), "compiles": log.take()})
-    out = {"model": args.model, "device": torch.cuda.get_device_name(), "start": start,
-           "warmup_compiles": warm, "runs": runs}  # fmt: skip
+    out = {"model": args.model, "enforce_eager": args.enforce_eager,
+           "device": torch.cuda.get_device_name(), "start": start, "warmup_compiles": warm,
+           "runs": runs}  # fmt: skip
     n_out = sum(sp.max_tokens for sp in params)
     print(f"{args.model}: engine start {start['s']:.1f} s with {len(start['compiles'])} "
           f"compiles; warm-up on 8 requests: {len(warm)} compiles")  # fmt: skip

@@ -52,17 +52,25 @@ def test_triton_greedy_equals_reference(tmp_path, head_dim, block_size, eager):
     assert_greedy_close(runs["auto"], runs["reference"], NEAR_TIE, "Triton")
 
 
-def test_first_requests_compile_nothing(tmp_path):
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_first_requests_compile_nothing(tmp_path, eager):
     """Engine start compiles every Triton kernel its steps launch (graph capture for the model,
-    a warm-up for the sampler), so requests of any batch size, sampled or greedy, wait for no
-    compile: before, a run's first steps at each new batch size compiled the sampler's merge,
-    and the first step too long for a graph (here 6 x 400 prompt tokens, eager) compiled the
-    attention kernel for its sequence count."""
+    or without graphs an all-padding forward per attention variant; a warm-up for the
+    sampler), so requests of any batch size, sampled or greedy, wait for no compile: before, a
+    run's first steps at each new batch size compiled the sampler's merge, the first step too
+    long for a graph (here 6 x 400 prompt tokens, eager) compiled the attention kernel for its
+    sequence count, and an eager engine compiled attention variants in its first steps and
+    whenever the batch or the longest context changed the decode split count (the eager case
+    failed on the code before the warm-up: paged decode and tiled attention variants). Up to
+    12 requests at once in an engine of 32, so the sampler's warm-up at all rows does not run
+    the small batches' LM head (on the 1B shape its skinny GEMM variant is its own:
+    benchmarks/first_run.py --enforce-eager compiled it in the first requests until the
+    warm-up ran the LM head at one row too)."""
     from helpers import triton_compiles
 
     folder = make_sharp_checkpoint(tmp_path, head_dim=64)
     with LLM(str(folder), device="cuda", dtype="bfloat16", kv_cache_memory_bytes=64 << 20,
-             max_num_seqs=16) as llm:  # fmt: skip
+             max_num_seqs=32, enforce_eager=eager) as llm:  # fmt: skip
         prompts = _prompts()
         with triton_compiles() as compiled:
             for n in (1, 3, 6, 6 * 2):

@@ -115,20 +115,40 @@ class ModelRunner:
                 self.mixed_graph_sizes(),
             )  # fmt: skip
             self.graphs.capture()
+        elif self.device.type == "cuda" and self.config.kernel_backend == "triton":
+            self._warm_up_eager()
         if self.device.type == "cuda" and self.sampler.uses_triton(self.device):
             self._warm_up_sampler()
 
+    def _warm_up_eager(self) -> None:
+        """Without graphs, compile what steps of any size launch before the first request:
+        an all-padding forward per attention variant (executor/warm_up.py)."""
+        from llm_inference.executor.warm_up import run_warm_up, warm_up_steps
+        from llm_inference.kernels.skinny_gemm import num_sms
+
+        attn, sched = self.model.attention_layers()[0], self.config.scheduler
+        steps = warm_up_steps(
+            attn.num_kv_heads, attn.num_heads // attn.num_kv_heads, attn.head_dim,
+            self.block_size, sched.max_num_seqs, sched.max_model_len,
+            sched.max_num_batched_tokens, num_sms(self.device),
+        )  # fmt: skip
+        run_warm_up(self.model, self.buffers, sched.max_num_seqs, steps)
+        torch.cuda.synchronize(self.device)
+
     @torch.inference_mode()
     def _warm_up_sampler(self) -> None:
-        """Compile the fused sampler's kernels for the staged sampling inputs before the first
-        request, as the graph capture does the model's (kernels/sampling.py, "Compiles")."""
+        """Compile the fused sampler's kernels for the staged sampling inputs, and the LM head
+        at one row and at all, before the first request, as the graph capture does the model's
+        (kernels/sampling.py, "Compiles")."""
         from llm_inference.kernels import sampling
 
         rows, views = self.config.scheduler.max_num_seqs, self.buffers.views
         lm_head = self.model.lm_head
         hidden = torch.zeros(rows, lm_head.weight.shape[1], dtype=self.dtype, device=self.device)
         tp = get_tp_size() > 1  # no collective: each rank its own slice
-        logits = lm_head.compute_local_logits(hidden) if tp else self.model.compute_logits(hidden)
+        head = lm_head.compute_local_logits if tp else self.model.compute_logits
+        head(hidden[:1])  # the LM head of a small batch: the skinny GEMM, where it applies
+        logits = head(hidden)
         sampling.warm_up(
             logits, views["sample_keys"], views["sample_temperature"], views["sample_greedy"],
             lm_head.vocab_start if tp else None,

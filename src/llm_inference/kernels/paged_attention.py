@@ -30,6 +30,10 @@ short ones, not a long one running alone.
   Python int that defaults to the block-table capacity), the number of SMs and the head shape,
   never on the values in `seq_lens`: no host synchronization, and a fixed grid for CUDA graphs.
   Splits that start past a sequence's length write log-sum-exp -inf and exit.
+- Compiles: `num_splits` is not specialized (`do_not_specialize`), so what a launch compiles
+  follows from whether it splits, the merge's tile (BLOCK_S, the split count rounded up to a
+  power of two; the decode kernel's own only with the fused merge) and the order; see
+  unified_attention.compile_key, which an eager engine's start-up warm-up enumerates.
 - With `cu_seqlens` (HAS_CU; unified_attention's decode path, at most one query row per
   sequence) sequence b reads q row cu[b] and writes that out row, or does nothing when
   cu[b + 1] == cu[b]; without it row b, and the compiled kernel is the one above.
@@ -112,7 +116,7 @@ def _attend(q, k_head, v_head, bt_row, start, end, scale_log2,
     return m_i, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, count_ptr, cu_ptr, order_ptr,
     scale_log2,
@@ -190,7 +194,7 @@ def _paged_decode_kernel(
                 tl.store(counter, 0)  # ready for the next launch (and graph replay)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(part_ptr, out_ptr, cu_ptr, stride_ob, stride_oh, num_splits,
                   BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
                   HAS_CU: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
@@ -361,7 +365,7 @@ def launch(
         num_splits,
         GROUP=group, BLOCK_G=max(16, 1 << (group - 1).bit_length()), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        SPLIT=num_splits > 1, FUSED_MERGE=fused_merge, BLOCK_S=block_s,
+        SPLIT=num_splits > 1, FUSED_MERGE=fused_merge, BLOCK_S=block_s if fused_merge else 1,
         HAS_CU=cu_seqlens is not None, HAS_ORDER=seq_order is not None, PDL=pdl.enabled(),
         num_warps=num_warps,
         num_stages=num_stages, **pdl.launch_kwargs(),

@@ -220,21 +220,43 @@ def unified_attention(
     if num_seqs == 0 or max_query_len < 1:
         return out
     head_dim, block_size, num_kv_heads = q.shape[2], k_cache.shape[1], k_cache.shape[2]
-    if max_query_len == 1:
-        if max_seq_len is None:
-            max_seq_len = block_table.shape[1] * block_size
-        block_n = pa.default_block_n(head_dim, block_size)
-        waves = pa.ORDERED_WAVES if seq_order is not None else 0  # 0: the default
-        splits = pa.choose_splits(
-            num_seqs, num_kv_heads, max_seq_len, block_n, pa._num_sms(q.device), waves
-        )
+    if max_seq_len is None:
+        max_seq_len = block_table.shape[1] * block_size
+    kind, *config = plan(
+        num_seqs, num_kv_heads, q.shape[1] // num_kv_heads, head_dim, block_size,
+        max_query_len, max_seq_len, pa._num_sms(q.device), seq_order is not None,
+    )  # fmt: skip
+    if kind == "decode":
         return pa.launch(
-            q, k_cache, v_cache, block_table, seq_lens, scale, out, splits, block_n,
+            q, k_cache, v_cache, block_table, seq_lens, scale, out, *config,
             fused_merge=False, cu_seqlens=cu_seqlens_q, seq_order=seq_order,
         )  # fmt: skip
-    group = q.shape[1] // num_kv_heads
-    tiles = default_tiles(group, head_dim, max_query_len)
-    return launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out, *tiles)
+    return launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out, *config)
+
+
+def plan(
+    num_seqs: int, num_kv_heads: int, group: int, head_dim: int, block_size: int,
+    max_query_len: int, max_seq_len: int, num_sms: int, ordered: bool,
+) -> tuple:  # fmt: skip
+    """The launch `unified_attention` makes, from sizes only: ("decode", splits, BLOCK_N) for
+    max_query_len 1 (`ordered`: with a dispatch order), else ("tiled", *default_tiles)."""
+    if max_query_len == 1:
+        block_n = pa.default_block_n(head_dim, block_size)
+        waves = pa.ORDERED_WAVES if ordered else 0  # 0: the default
+        splits = pa.choose_splits(num_seqs, num_kv_heads, max_seq_len, block_n, num_sms, waves)
+        return "decode", splits, block_n
+    return "tiled", *default_tiles(group, head_dim, max_query_len)
+
+
+def compile_key(launch_plan: tuple, ordered: bool) -> tuple:
+    """What of a `plan` selects a compiled kernel (besides the model's fixed shapes, dtypes and
+    strides): calls with equal keys run kernels compiled once. The decode kernels' split count
+    is not specialized; whether they split, the merge's tile and the order are."""
+    kind, *config = launch_plan
+    if kind == "decode":
+        splits = config[0]
+        return kind, splits > 1, 1 << (splits - 1).bit_length(), ordered
+    return launch_plan
 
 
 def launch(
