@@ -47,7 +47,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort" or None while running
     logprobs: list[Logprobs] | None = None  # one per token in token_ids when requested
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    stop_reason: int | str | None = None  # the stop_token_ids entry or stop string (EOS: None)
     cumulative_logprob: float | None = None
 
     @property

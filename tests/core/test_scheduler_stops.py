@@ -49,7 +49,7 @@ def test_finishes_on_eos_and_frees_its_blocks():
     req = request(SamplingParams(max_tokens=10))
     assert run(sched, req, [5, 6, EOS, 7]) == 3
     assert req.status is RequestStatus.FINISHED_STOPPED
-    assert req.finish_reason == "stop" and req.stop_reason == EOS
+    assert req.finish_reason == "stop" and req.stop_reason is None  # natural end, as vLLM
     assert req.output_token_ids == [5, 6, EOS]
     assert req.block_ids == []
     assert_freed(sched)
@@ -61,6 +61,17 @@ def test_eos_before_min_tokens_does_not_stop():
     assert run(sched, req, [EOS, EOS, EOS, EOS]) == 3
     assert req.output_token_ids == [EOS, EOS, EOS]
     assert req.finish_reason == "stop"
+
+
+def test_stop_reason_names_a_stop_token_not_eos():
+    """EOS listed in stop_token_ids too is still EOS (vLLM checks EOS first); with ignore_eos
+    it is only a stop token, and named."""
+    for ignore_eos, reason in ((False, None), (True, EOS)):
+        sched = make_scheduler()
+        params = SamplingParams(max_tokens=10, stop_token_ids=[9, EOS], ignore_eos=ignore_eos)
+        req = request(params)
+        assert run(sched, req, [5, EOS, 9]) == 2
+        assert req.finish_reason == "stop" and req.stop_reason == reason
 
 
 def test_ignore_eos_runs_to_max_tokens():

@@ -91,7 +91,8 @@ class EngineCoreOutput:
 
     `new_token_ids` are the tokens appended in this step (a request that finishes on a stop
     token includes it). `finish_reason` is "stop", "length" or None while it runs;
-    `stop_reason` is the stop token id when a stop token ended it. `prompt_logprobs` (a request
+    `stop_reason` is the stop token id when one of the request's stop_token_ids ended it
+    (None for an EOS token, as in vLLM). `prompt_logprobs` (a request
     that asked for them, in its first record): None, then one Logprobs per prompt token after
     the first.
     """

@@ -334,8 +334,12 @@ class Scheduler:
         """Stop tokens win over length limits when both hold on the same token."""
         num_output = request.num_output_tokens
         # (stop_token_set: the EOS ids unless ignore_eos, and the stop_token_ids)
-        if num_output >= request.sampling_params.min_tokens and token_id in request.stop_token_set:
-            request.stop_reason = token_id
+        params = request.sampling_params
+        if num_output >= params.min_tokens and token_id in request.stop_token_set:
+            # As vLLM: an EOS token is a natural end (stop_reason None); one of the request's
+            # stop_token_ids is named, so a client can tell the two apart.
+            eos = not params.ignore_eos and token_id in request.eos_token_ids
+            request.stop_reason = None if eos else token_id
             return RequestStatus.FINISHED_STOPPED
         if num_output >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH
