@@ -236,11 +236,20 @@ class SamplingParams:
         )
 
     def tokenize_choices(self, tokenizer) -> None:
-        """Set `choice_token_ids`: each structured_outputs choice as the tokenizer encodes it."""
+        """Set `choice_token_ids`: each structured_outputs choice as the tokenizer encodes it.
+        A choice shorter than `min_tokens` could never end (EOS stays masked while the choice
+        allows nothing else), so that combination is refused here, naming both."""
         choices = self.structured_outputs.choice if self.structured_outputs else ()
-        self.choice_token_ids = tuple(
-            tuple(tokenizer.encode(c, add_special_tokens=False)) for c in choices
-        )
+        ids = tuple(tuple(tokenizer.encode(c, add_special_tokens=False)) for c in choices)
+        shortest = min(ids, key=len, default=None)
+        if shortest is not None and len(shortest) < self.min_tokens:
+            i = ids.index(shortest)
+            raise ValueError(
+                f"min_tokens={self.min_tokens} is more than structured_outputs.choice "
+                f"{choices[i]!r} has tokens ({len(shortest)}): the output must be one of the "
+                "choices"
+            )
+        self.choice_token_ids = ids
 
     def tokenize_bad_words(self, tokenizer) -> None:
         """Set `bad_words_token_ids`: each word as tokenized alone and after a space (as vLLM

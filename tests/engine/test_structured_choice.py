@@ -43,3 +43,22 @@ def test_structured_outputs_validated():
         SamplingParams(structured_outputs=so, allowed_token_ids=[1])
     with pytest.raises(ValueError, match="structured_outputs must be None or a Structured"):
         SamplingParams(structured_outputs={"choice": ["a"]})
+
+
+def test_choice_shorter_than_min_tokens_refused(tiny_ckpt):
+    """min_tokens beyond a choice's length would leave that choice no way to end (its EOS
+    masked, nothing else allowed): refused when the request is added, naming the choice; the
+    engine keeps serving (a fitting min_tokens gives one of the choices)."""
+    with LLM(str(tiny_ckpt), device="cpu") as llm:
+        tok = llm.get_tokenizer()
+        lengths = {c: len(tok.encode(c, add_special_tokens=False)) for c in CHOICES}
+        shortest = min(CHOICES, key=lengths.get)
+        so = StructuredOutputsParams(choice=CHOICES)
+        too_many = SamplingParams(max_tokens=20, min_tokens=lengths[shortest] + 1,
+                                  structured_outputs=so)  # fmt: skip
+        with pytest.raises(ValueError, match=f"min_tokens=.*choice {shortest!r} has tokens"):
+            llm.generate(PROMPTS[:1], too_many, use_tqdm=False)
+        fits = SamplingParams(max_tokens=20, min_tokens=lengths[shortest], structured_outputs=so)
+        (out,) = llm.generate(PROMPTS[:1], fits, use_tqdm=False)
+        assert out.outputs[0].text in CHOICES
+        assert not llm.engine.has_unfinished_requests()
