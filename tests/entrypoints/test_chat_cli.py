@@ -73,6 +73,11 @@ def test_long_history_drops_oldest_turns(small_llm, capsys):
     assert (
         fit_history(small_llm.tokenizer, [{"role": "user", "content": "x " * 200}], 96, 8) is None
     )
+    # A message too long even alone leaves the conversation before it as it was.
+    kept = history + [{"role": "assistant", "content": "ok"}]  # "last" answered
+    before = list(kept) + [{"role": "user", "content": "x " * 200}]
+    attempt = list(before)
+    assert fit_history(small_llm.tokenizer, attempt, 96, 8) is None and attempt == before
 
 
 def test_ctrl_c_mid_answer_returns_130_and_aborts(small_llm):

@@ -21,18 +21,21 @@ _ids = itertools.count()
 def fit_history(tokenizer, history: list[dict], max_model_len: int, reserve: int):
     """Token ids of the templated history, after dropping its oldest turns (never the system
     prompt nor the last message) until `reserve` more tokens fit; None if even that fails.
-    Dropped turns are removed from `history`."""
+    Dropped turns are removed from `history` only when it fits: a message too long to send
+    leaves the conversation as it was."""
     first = 1 if history and history[0]["role"] == "system" else 0
+    trial = list(history)
     while True:
-        text = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(trial, add_generation_prompt=True, tokenize=False)
         ids = tokenizer(text, add_special_tokens=False).input_ids
         if len(ids) + reserve <= max_model_len:
+            history[:] = trial
             return ids
-        if len(history) - first <= 1:
+        if len(trial) - first <= 1:
             return None
-        del history[first]  # the oldest message; its answer goes with it
-        while len(history) - first > 1 and history[first]["role"] != "user":
-            del history[first]
+        del trial[first]  # the oldest message; its answer goes with it
+        while len(trial) - first > 1 and trial[first]["role"] != "user":
+            del trial[first]
 
 
 def stream_reply(llm: LLM, prompt_ids: list[int], params: SamplingParams, out: TextIO) -> str:
