@@ -3,11 +3,13 @@
 Routes: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health,
 /metrics. Every error is answered in OpenAI's format with its status: 400 bad parameters or a
 prompt the engine refuses, 401 a missing or wrong API key (when one is set; /health and
-/metrics stay open), 404 an unknown model, 413 a body over the size limit.
+/metrics stay open), 404 an unknown model, 413 a body over the size limit, 500 anything
+unexpected (a bug: logged with its traceback).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from contextlib import asynccontextmanager
@@ -97,11 +99,17 @@ class GuardMiddleware:
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """The errors' message, and the first field they name as the param: a location's first
+    string (an integer is a list index, or where the JSON that could not be parsed broke)."""
     parts, param = [], None
     for err in exc.errors():
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        param = param or (loc[0] if loc else None)
-        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
+        loc = [x for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            where = f" at character {loc[0]}" if loc else ""
+            parts.append(f"body: not valid JSON{where}: {err.get('ctx', {}).get('error')}")
+            continue
+        param = param or next((x for x in loc if isinstance(x, str)), None)
+        parts.append(f"{'.'.join(map(str, loc)) or 'body'}: {err.get('msg')}")
     return "invalid request: " + "; ".join(parts), param
 
 
@@ -123,6 +131,14 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ClientDisconnected)
     async def gone(_: Request, exc: ClientDisconnected):
         return Response(status_code=499)  # nobody reads it: the client has gone
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception):
+        """Anything else is a bug, answered as a JSON 500 in the same format (not starlette's
+        text/plain one). Starlette raises the exception again once this answer is sent, so
+        the server (uvicorn) logs it with its traceback."""
+        err = APIError(500, f"internal error: {exc!r}", type="server_error")
+        return JSONResponse(err.body(), err.status)
 
 
 def build_app(
@@ -192,10 +208,11 @@ def build_app(
             chat = ChatCompletionRequest(
                 messages=req.messages, add_generation_prompt=req.add_generation_prompt
             )
-            tokens = serving.chat_prompt(chat)[1]
+            tokens = (await asyncio.to_thread(serving.chat_prompt, chat))[1]
         else:
-            tokens = serving.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)
-            tokens = tokens.input_ids
+            tokens = await asyncio.to_thread(
+                serving.tokenize, req.prompt, "prompt", add_special_tokens=req.add_special_tokens
+            )
         return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.max_model_len}
 
     @app.post("/detokenize")
@@ -205,7 +222,7 @@ def build_app(
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens")
-        return {"prompt": serving.tokenizer.decode(req.tokens)}
+        return {"prompt": await asyncio.to_thread(serving.tokenizer.decode, req.tokens)}
 
     return app
 

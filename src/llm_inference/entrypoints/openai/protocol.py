@@ -7,15 +7,21 @@ Field names and defaults follow OpenAI's API (`logit_bias` and completions' `ech
 only; or the older `guided_choice`), `use_beam_search` and `length_penalty` are extra fields,
 as vLLM accepts them. Chat takes `tools` (parsed from the answer as Llama 3 writes calls:
 tool_parser.py). Fields of UNSUPPORTED (other structured outputs, `best_of`, ...) are refused
-with a 400 naming them; other unknown fields are ignored. Values are range-checked by
-`SamplingParams` (and `BeamSearchParams`), whose errors name the field.
+with a 400 naming them; other unknown fields are ignored. An explicit null means the field's
+default, as OpenAI and vLLM read it. `n` is bounded here (OpenAI's 1..128); other values are
+range-checked by `SamplingParams` (and `BeamSearchParams`), whose errors name the field.
+Chat content is text only (`content_text`): other content parts are a 400 naming them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# OpenAI's limit on `n`. Each of the n completions is a sequence the engine fans out on its
+# one front-end thread, so an unbounded n would stall every request (and grow memory).
+MAX_N = 128
 
 
 class APIError(Exception):
@@ -23,6 +29,9 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
                  code: str | None = None, type: str = "invalid_request_error") -> None:  # fmt: skip
+        # a lone surrogate (JSON's \ud800 escapes carry them) quoted from the request would
+        # make the body unencodable as UTF-8: it is kept as its escape
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = (
             status, message, param, code, type)  # fmt: skip
@@ -32,7 +41,22 @@ class APIError(Exception):
                           "code": self.code}}  # fmt: skip
 
 
-class StreamOptions(BaseModel):
+class _NullIsDefault(BaseModel):
+    """A request model where an explicit null means the field's default, as OpenAI and vLLM
+    read it: clients send `"temperature": null` for a value they leave unset. Required fields
+    and fields whose default is None are left to validation as they are."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_defaulted_nulls(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        defaulted = {k for k, f in cls.model_fields.items()
+                     if not f.is_required() and f.default is not None}  # fmt: skip
+        return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+
+
+class StreamOptions(_NullIsDefault):
     include_usage: bool = False
 
 
@@ -51,7 +75,7 @@ def _is_off(field: str, value: Any) -> bool:
     return field == "response_format" and value == {"type": "text"}
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_NullIsDefault):
     """The sampling fields both endpoints share. Other fields are kept (`model_extra`) only to
     refuse the UNSUPPORTED ones; the rest are ignored."""
 
@@ -91,6 +115,18 @@ class _SamplingFields(BaseModel):
     use_beam_search: bool = False
     length_penalty: float = 1.0
 
+    @field_validator("n")
+    @classmethod
+    def _n_in_range(cls, n: int) -> int:
+        if not 1 <= n <= MAX_N:
+            raise ValueError(f"n must be an integer >= 1 and <= {MAX_N}, got {n}")
+        return n
+
+    def field_name(self, param: str) -> str:
+        """The request field a `SamplingParams` or `BeamSearchParams` parameter came from, to
+        name it in that parameter's error."""
+        return "n" if param == "beam_width" else param
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -107,6 +143,30 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
 
 
+def content_text(content: str | list[dict[str, Any]] | None) -> str:
+    """The text of an OpenAI message's content: a string (None: ""), or a list of
+    {"type": "text", "text": ...} parts, concatenated. Any other part (an image, audio, a part
+    without a type) raises ValueError naming it: dropping it would answer as if it had not
+    been sent."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise ValueError(f"content must be a string or a list, not {type(content).__name__}")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict):
+            raise ValueError(f"a content part must be an object, not {type(part).__name__}")
+        kind = part.get("type")
+        if kind is None:
+            raise ValueError("a content part has no type (text parts only are supported)")
+        if kind != "text":
+            raise ValueError(f"{kind!r} content parts are not supported (text only)")
+        if not isinstance(part.get("text"), str):
+            raise ValueError("a text content part needs a string `text`")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -114,10 +174,11 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
-        """The message's text: a string, or the concatenated text parts of a list."""
-        if isinstance(self.content, list):
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
-        return self.content or ""
+        """The message's text (`content_text`); content that is not text is a 400."""
+        try:
+            return content_text(self.content)
+        except ValueError as e:
+            raise APIError(400, f"messages: {e}", param="messages") from e
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -129,16 +190,24 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False  # vLLM's: continue the last (assistant) message
     tools: list[dict[str, Any]] | None = None  # given to the chat template
     tool_choice: str | dict[str, Any] | None = None  # "auto" or "none" (tool_parser.py)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra template variables
 
     @property
     def uses_tools(self) -> bool:
         """Tools given and not turned off: they go to the template, calls are parsed."""
         return bool(self.tools) and self.tool_choice != "none"
 
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra template variables
+    def field_name(self, param: str) -> str:
+        """Chat's own names: top_logprobs is SamplingParams' logprobs, and
+        max_completion_tokens (when given) its max_tokens."""
+        if param == "logprobs":
+            return "top_logprobs"
+        if param == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return super().field_name(param)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_NullIsDefault):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None

@@ -4,11 +4,16 @@ A request is answered only after each of its prompts has produced its first outp
 a prompt the engine refuses (too long, bad token ids) is a 400 even for a streamed request;
 the refusal concerns that request alone. A client that goes away, before or during the
 stream, aborts its requests.
+
+Tokenizing and chat templating run in worker threads (`asyncio.to_thread`), not on the event
+loop: a prompt of megabytes takes seconds to tokenize, and on the loop it would stall /health
+and every stream for that long.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -40,12 +45,29 @@ from llm_inference.sampling_params import (
 
 Prompt = tuple[str | None, list[int]]  # (text if given as text, token ids)
 
+# Arguments of apply_chat_template itself (transformers 5's, and those chat_prompt passes),
+# which a request's chat_template_kwargs may not set: it adds template variables only.
+# `chat_template` would replace the operator's template with the request's (vLLM refuses that
+# unless the operator passes --trust-request-chat-template), and a template is code whose
+# loops run on the server's threads.
+TEMPLATE_ARGUMENTS = frozenset({
+    "chat_template", "tokenize", "conversation", "conversations", "messages", "tools",
+    "documents", "add_generation_prompt", "continue_final_message", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens", "padding",
+    "truncation", "max_length", "return_tensors",
+})  # fmt: skip
+
 
 class OpenAIServing:
     def __init__(self, llm: AsyncLLM, model_name: str) -> None:
         self.llm = llm
         self.model_name = model_name
         self.tokenizer = llm.tokenizer
+        # and whatever named arguments this tokenizer's apply_chat_template has besides
+        named = inspect.signature(self.tokenizer.apply_chat_template).parameters.values()
+        self.template_arguments = TEMPLATE_ARGUMENTS | {
+            p.name for p in named if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        }
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -54,18 +76,44 @@ class OpenAIServing:
 
     # ---- prompts and parameters -----------------------------------------------------------
 
+    def tokenize(self, text: str, param: str, **kwargs) -> list[int]:
+        """`text`'s token ids. Text the tokenizer refuses is a 400 naming `param`: JSON's
+        \\ud800 escapes carry lone surrogates, which the tokenizer raises TypeError for."""
+        try:
+            return self.tokenizer(text, **kwargs).input_ids
+        except (TypeError, ValueError) as e:
+            try:
+                text.encode("utf-8")
+                reason = str(e)
+            except UnicodeEncodeError:
+                reason = "it is not valid Unicode (it has a lone surrogate)"
+            raise APIError(400, f"cannot tokenize the {param}: {reason}", param=param) from e
+
     def completion_prompts(self, prompt: Any) -> list[Prompt]:
+        """Each prompt's (text, token ids); CPU work: run it in a thread."""
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and all(isinstance(t, int) for t in prompt):
             prompt = [prompt]
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
-        return [(p, self.tokenizer(p).input_ids) if isinstance(p, str) else (None, list(p))
+        return [(p, self.tokenize(p, "prompt")) if isinstance(p, str) else (None, list(p))
                 for p in prompt]  # fmt: skip
 
+    def prompt_texts(self, prompts: list[Prompt]) -> list[str]:
+        """Each prompt's text, token ids decoded (for echo); CPU work: run it in a thread."""
+        return [text if text is not None else self.tokenizer.decode(ids)
+                for text, ids in prompts]  # fmt: skip
+
     def chat_prompt(self, req: ChatCompletionRequest) -> Prompt:
-        """The chat template applied to the messages, as `LLM.chat` does."""
+        """The chat template applied to the messages, as `LLM.chat` does; CPU work (the
+        template is a program): run it in a thread."""
+        kwargs = req.chat_template_kwargs or {}
+        if reserved := sorted(self.template_arguments.intersection(kwargs)):
+            raise APIError(400, f"chat_template_kwargs may not set {reserved}: they are the "
+                           "server's arguments to apply_chat_template, not template variables "
+                           "(a request's own chat_template is not accepted)",
+                           param="chat_template_kwargs")  # fmt: skip
         messages = []
         for m in req.messages:
             msg = {"role": m.role, "content": m.text()}
@@ -83,12 +131,11 @@ class OpenAIServing:
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt, tokenize=False,
-                continue_final_message=req.continue_final_message, tools=tools,
-                **(req.chat_template_kwargs or {}),
+                continue_final_message=req.continue_final_message, tools=tools, **kwargs,
             )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - a template error is the request's problem
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
-        return text, self.tokenizer(text, add_special_tokens=False).input_ids
+        return text, self.tokenize(text, "messages", add_special_tokens=False)
 
     @staticmethod
     def sampling_params(
@@ -101,6 +148,9 @@ class OpenAIServing:
         if req.stream and req.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not supported with stream",
                            param="prompt_logprobs")  # fmt: skip
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options can only be given with stream=true",
+                           param="stream_options")  # fmt: skip
         bias = None
         if req.logit_bias is not None:
             try:
@@ -133,7 +183,7 @@ class OpenAIServing:
                 structured_outputs=structured,
             )  # fmt: skip
         except ValueError as e:
-            raise APIError(400, str(e), param=str(e).split()[0]) from e
+            raise _field_error(e, req) from e
 
     # ---- endpoints ------------------------------------------------------------------------
 
@@ -141,7 +191,7 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.echo and req.stream:
             raise APIError(400, "echo is not supported with stream", param="echo")
-        prompts = self.completion_prompts(req.prompt)
+        prompts = await asyncio.to_thread(self.completion_prompts, req.prompt)
         # echo with logprobs: the prompt's tokens get theirs too
         prompt_lps = req.prompt_logprobs
         if req.echo and req.logprobs is not None:
@@ -149,8 +199,7 @@ class OpenAIServing:
         params = self.sampling_params(req, req.max_tokens, req.logprobs, prompt_lps)
         builder = ResponseBuilder("completion", self.model_name, self.tokenizer, req.n)
         if req.echo:
-            builder.echo = [text if text is not None else self.tokenizer.decode(ids)
-                            for text, ids in prompts]  # fmt: skip
+            builder.echo = await asyncio.to_thread(self.prompt_texts, prompts)
             builder.echo_k = req.logprobs or 0
         builder.prompt_logprobs = req.prompt_logprobs is not None
         return await self._run(raw, prompts, params, builder, req)
@@ -160,12 +209,15 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        max_tokens = req.max_completion_tokens or req.max_tokens
+        max_tokens = req.max_tokens
+        if req.max_completion_tokens is not None:  # 0 is refused, as max_tokens 0 is
+            max_tokens = req.max_completion_tokens
         params = self.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs)
         builder = ResponseBuilder("chat", self.model_name, self.tokenizer, req.n)
         builder.prompt_logprobs = req.prompt_logprobs is not None
         builder.tools = req.uses_tools
-        return await self._run(raw, [self.chat_prompt(req)], params, builder, req)
+        prompt = await asyncio.to_thread(self.chat_prompt, req)
+        return await self._run(raw, [prompt], params, builder, req)
 
     # ---- the shared flow ------------------------------------------------------------------
 
@@ -209,13 +261,16 @@ class OpenAIServing:
                 raise APIError(400, f"use_beam_search does not take {name}", param=name)
         max_len = self.llm.max_model_len
         try:
-            for _, ids in prompts:
-                check_request_length(max_len, len(ids), 1)
             search = BeamSearchParams(
                 beam_width=req.n, max_tokens=params.max_tokens or max_len,
                 ignore_eos=req.ignore_eos, temperature=req.temperature,
                 length_penalty=req.length_penalty,
             )  # fmt: skip
+        except ValueError as e:
+            raise _field_error(e, req) from e
+        try:  # the engine's check of a plain request, with its max_tokens
+            for _, ids in prompts:
+                check_request_length(max_len, len(ids), params.max_tokens)
         except ValueError as e:
             raise _api_error(e, len(prompts)) from e
         work = asyncio.gather(*(async_beam_search(self.llm, ids, search, f"{builder.id}-{i}")
@@ -250,6 +305,15 @@ async def _collect(streams: list[AsyncIterator[RequestOutput]], n: int) -> list[
     async for i, out in merge(streams):
         finals[i] = accumulate(finals[i], out, n)
     return finals
+
+
+def _field_error(e: ValueError, req: _SamplingFields) -> APIError:
+    """A 400 for a `SamplingParams` or `BeamSearchParams` error, whose message starts with the
+    parameter, named as the request's field (chat's top_logprobs, not logprobs)."""
+    message = str(e)
+    param = message.split()[0].rstrip(":")
+    field = req.field_name(param)
+    return APIError(400, field + message[len(param) :], param=field)
 
 
 def _api_error(e: BaseException, num_prompts: int) -> APIError:
