@@ -107,6 +107,23 @@ def test_chat_applies_template(tiny_ckpt):
         assert out.token_ids == direct.token_ids
 
 
+def test_chat_takes_openai_content_parts(tiny_ckpt):
+    """Content as OpenAI's list of text parts is the same prompt as the joined string (before,
+    the part list itself was templated, as its Python repr); other parts are refused, naming
+    the conversation and the part."""
+    with LLM(str(tiny_ckpt), device="cpu") as llm:
+        plain = [{"role": "user", "content": "Hello there"}]
+        parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"},
+                                              {"type": "text", "text": " there"}]}]  # fmt: skip
+        a, b = llm.chat([plain, parts], max_new_tokens=3, use_tqdm=False)
+        assert a.prompt == b.prompt and "type" not in b.prompt and a.token_ids == b.token_ids
+        image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+        bad = [{"role": "user", "content": [{"type": "text", "text": "what is"}, image]}]
+        with pytest.raises(ValueError, match="conversation 1: 'image_url' content parts"):
+            llm.chat([plain, bad], max_new_tokens=3, use_tqdm=False)
+        assert not llm.engine.has_unfinished_requests()
+
+
 def test_chat_continue_final_message_and_template_kwargs(tiny_ckpt, monkeypatch):
     """vLLM's chat options: the last assistant message left open for the model to continue,
     and extra template variables."""

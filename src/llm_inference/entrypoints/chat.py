@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import TextIO
 
+from llm_inference.entrypoints.chat_template import render_chat
 from llm_inference.entrypoints.llm import LLM
 from llm_inference.sampling_params import SamplingParams
 
@@ -26,7 +27,7 @@ def fit_history(tokenizer, history: list[dict], max_model_len: int, reserve: int
     first = 1 if history and history[0]["role"] == "system" else 0
     trial = list(history)
     while True:
-        text = tokenizer.apply_chat_template(trial, add_generation_prompt=True, tokenize=False)
+        text = render_chat(tokenizer, trial)
         ids = tokenizer(text, add_special_tokens=False).input_ids
         if len(ids) + reserve <= max_model_len:
             history[:] = trial

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from llm_inference.beam_search import BeamSearchOutput, beam_search
 from llm_inference.config import create_engine_config
 from llm_inference.engine.llm_engine import LLMEngine
+from llm_inference.entrypoints.chat_template import render_chat
 from llm_inference.gc_heap import freeze_startup_heap, thaw_heap
 from llm_inference.models.loader import load_tokenizer
 from llm_inference.outputs import RequestOutput
@@ -181,22 +182,22 @@ class LLM:
         continue, instead of a new turn (as vLLM's; not with `add_generation_prompt`).
         `chat_template_kwargs`: extra variables for the template (e.g. Llama 3's
         `date_string`); `tools`: tool definitions (OpenAI's format) for templates that take
-        them."""
+        them. A message's content is a string or OpenAI's list of text parts, as the server
+        takes it (entrypoints/chat_template.py; other parts: ValueError naming them)."""
         self._engine()
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            self.tokenizer.apply_chat_template(
-                conv,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=False,
-                continue_final_message=continue_final_message,
-                tools=tools,
-                **(chat_template_kwargs or {}),
-            )  # fmt: skip
-            for conv in conversations
-        ]
+        prompts = []
+        for i, conv in enumerate(conversations):
+            try:  # the server's rendering: content parts flattened, the same template call
+                prompts.append(render_chat(
+                    self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, tools=tools,
+                    chat_template_kwargs=chat_template_kwargs,
+                ))  # fmt: skip
+            except ValueError as e:
+                raise ValueError(f"conversation {i}: {e}") from e
         token_ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
         params = self._normalize_params(sampling_params, len(prompts), max_new_tokens)
         self._validate(token_ids, params)

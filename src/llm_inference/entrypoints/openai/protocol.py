@@ -19,6 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from llm_inference.entrypoints.chat_template import content_text
+
 # OpenAI's limit on `n`. Each of the n completions is a sequence the engine fans out on its
 # one front-end thread, so an unbounded n would stall every request (and grow memory).
 MAX_N = 128
@@ -141,30 +143,6 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
-
-
-def content_text(content: str | list[dict[str, Any]] | None) -> str:
-    """The text of an OpenAI message's content: a string (None: ""), or a list of
-    {"type": "text", "text": ...} parts, concatenated. Any other part (an image, audio, a part
-    without a type) raises ValueError naming it: dropping it would answer as if it had not
-    been sent."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if not isinstance(content, list):
-        raise ValueError(f"content must be a string or a list, not {type(content).__name__}")
-    texts = []
-    for part in content:
-        if not isinstance(part, dict):
-            raise ValueError(f"a content part must be an object, not {type(part).__name__}")
-        kind = part.get("type")
-        if kind is None:
-            raise ValueError("a content part has no type (text parts only are supported)")
-        if kind != "text":
-            raise ValueError(f"{kind!r} content parts are not supported (text only)")
-        if not isinstance(part.get("text"), str):
-            raise ValueError("a text content part needs a string `text`")
-        texts.append(part["text"])
-    return "".join(texts)
 
 
 class ChatMessage(BaseModel):

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from llm_inference.beam_search import async_beam_search
 from llm_inference.core.scheduler import check_request_length
 from llm_inference.engine.async_llm import AsyncLLM, EngineDeadError
+from llm_inference.entrypoints.chat_template import render_chat
 from llm_inference.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -129,9 +130,10 @@ class OpenAIServing:
             raise APIError(400, "continue_final_message needs add_generation_prompt=false",
                            param="continue_final_message")  # fmt: skip
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, tokenize=False,
-                continue_final_message=req.continue_final_message, tools=tools, **kwargs,
+            text = render_chat(
+                self.tokenizer, messages, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, tools=tools,
+                chat_template_kwargs=kwargs,
             )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - a template error is the request's problem
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
