@@ -68,6 +68,19 @@ def test_chat_stream_equals_non_stream_and_usage(client, offline_llm):
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
 
+def test_logprobs_zero_gives_the_sampled_token(client):
+    """logprobs=0 (the sampled token's logprob only): each top_logprobs entry is that token,
+    as OpenAI's completions and vLLM give it; before, empty dicts."""
+    r = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=4,
+                                  temperature=0.0, logprobs=0,
+                                  extra_body={"ignore_eos": True})  # fmt: skip
+    lp = r.choices[0].logprobs
+    assert len(lp.top_logprobs) == len(lp.tokens) == 4
+    assert [list(t.items()) for t in lp.top_logprobs] == [
+        [(tok, v)] for tok, v in zip(lp.tokens, lp.token_logprobs)
+    ]
+
+
 def test_n_stop_seed_and_logprobs(client):
     r = client.completions.create(
         model=MODEL_NAME,
@@ -81,7 +94,10 @@ def test_n_stop_seed_and_logprobs(client):
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset)
-    assert all(len(t) <= 2 for t in lp.top_logprobs)
+    # the sampled token first, then the 2 most likely (OpenAI: up to logprobs + 1 entries;
+    # fewer where tokens read the same text)
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3 and list(top.items())[0] == (token, logprob)
     again = client.completions.create(
         model=MODEL_NAME, prompt=["Hello", "Paris is"], n=2, max_tokens=5, temperature=0.8, seed=7
     )
@@ -155,7 +171,8 @@ def test_echo_and_prompt_logprobs(client, offline_llm):
     assert lp.token_logprobs[1:n] == pytest.approx(
         [x.logprob for x in want.prompt_logprobs[1:]], abs=1e-4
     )
-    assert all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert 1 <= len(top) <= 3 and list(top.items())[0] == (token, logprob)
     assert lp.text_offset == sorted(lp.text_offset)
     r = client.completions.create(
         prompt="Hello world", extra_body={"prompt_logprobs": 1, "ignore_eos": True},

@@ -69,13 +69,23 @@ class ResponseBuilder:
 
     # ---- logprobs -------------------------------------------------------------------------
 
+    def completion_top(self, lp: Logprobs, k: int | None = None) -> dict[str, float]:
+        """A completions `top_logprobs` entry: the token itself first, then the `k` (all)
+        most likely, as OpenAI's completions ("up to logprobs + 1 elements") and vLLM give it:
+        with logprobs=0 the token alone, never an empty entry. Keys are texts: where two
+        tokens read the same (pieces of one character), the first keeps its entry."""
+        out = {self.token_text(lp.token_id): _lp(lp.logprob)}
+        for t, v in list(lp.top.items())[:k]:
+            out.setdefault(self.token_text(t), _lp(v))
+        return out
+
     def completion_logprobs(self, lps: list[Logprobs], offset: int) -> dict[str, Any]:
         """OpenAI's completions format; `offset` is the text offset of the first token."""
         tokens = [self.token_text(lp.token_id) for lp in lps]
         return {
             "tokens": tokens,
             "token_logprobs": [_lp(lp.logprob) for lp in lps],
-            "top_logprobs": [{self.token_text(t): _lp(v) for t, v in lp.top.items()} for lp in lps],
+            "top_logprobs": [self.completion_top(lp) for lp in lps],
             "text_offset": _offsets(tokens, offset),
         }
 
@@ -97,9 +107,7 @@ class ResponseBuilder:
         prompt_lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
         tokens = [self.token_text(t) for t in out.prompt_token_ids]
         body = self.completion_logprobs(lps, sum(map(len, tokens)))
-        top = [None if lp is None else {self.token_text(t): _lp(v)
-                                        for t, v in list(lp.top.items())[: self.echo_k]}
-               for lp in prompt_lps]  # fmt: skip
+        top = [None if lp is None else self.completion_top(lp, self.echo_k) for lp in prompt_lps]
         return {
             "tokens": tokens + body["tokens"],
             "token_logprobs": [None if lp is None else _lp(lp.logprob) for lp in prompt_lps]
