@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine (nvidia-h200-x2), from the repository root: the next session's first calls
-# (benchmarks/NOTES.md, ninth session, "For the next GPU session"), each under 10 minutes. The
-# ninth session had no two-GPU machine, so the TP=2 items of the eighth are still open.
+# (benchmarks/NOTES.md, ninth and tenth sessions, "For the next GPU session"), each under 10
+# minutes. Neither the ninth nor the tenth session had a two-GPU machine, so the TP=2 items of
+# the eighth are still open (the tenth's eager warm-up also runs at TP > 1: its all-padding
+# forwards all-reduce on every rank in the same order; untested on GPUs).
 #   PART=1: first the CUDA tests (the TP=2 engine tests have not run on GPUs since the
 #     eighth session's slice race, logit_bias and prompt logprobs at TP=2; the single-GPU
 #     ones passed in the ninth); then TP=2 at batch 64, where vLLM's step was faster (2.722
