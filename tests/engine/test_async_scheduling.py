@@ -48,11 +48,24 @@ def test_async_equals_sync(tiny_ckpt, engine_kw):
             runs[mode] = llm.generate(_prompts(), _params(), use_tqdm=False)
             stats = llm.stats()
             assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+            # No step's record outlives it: an empty step (every request waiting on samples
+            # that end it) once left one per request, for good.
+            assert llm.engine.scheduler._in_flight == {}
             if engine_kw.get("kv_cache_memory_bytes"):
                 assert stats["num_preemptions"] > 0
     for sync, overlap in zip(runs[False], runs[True]):
         for a, b in zip(sync.outputs, overlap.outputs):
             assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+
+
+def test_one_request_at_a_time_leaves_no_step_records(tiny_ckpt):
+    """A long-running engine fed one request at a time: with async scheduling each request's
+    last step was an empty one, whose in-flight record nothing popped (one per request)."""
+    with LLM(str(tiny_ckpt), device="cpu") as llm:
+        for i in range(20):
+            params = SamplingParams(max_tokens=3, ignore_eos=True)
+            llm.generate([[5, 6, 7, i + 3]], params, use_tqdm=False)
+        assert llm.engine.scheduler._in_flight == {}
 
 
 def test_penalties_and_logprobs_run_synchronously_and_match(tiny_ckpt):

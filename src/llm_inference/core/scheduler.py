@@ -214,7 +214,8 @@ class Scheduler:
                 request.num_output_placeholders += 1
             in_flight.append((request, samples, computed))
         self._step_id += 1
-        self._in_flight[self._step_id] = in_flight
+        if in_flight:  # an empty step is never executed, so nothing would pop its entry
+            self._in_flight[self._step_id] = in_flight
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             step_id=self._step_id,
