@@ -294,6 +294,22 @@ def test_tokenize_detokenize_health_metrics(live_server):
         assert f"vllm:{name}" in page
 
 
+def _counter(live_server, name: str) -> float:
+    page = httpx.get(live_server.url + "/metrics").text
+    line = next(x for x in page.splitlines() if x.startswith(f"vllm:{name}{{"))
+    return float(line.split()[-1])
+
+
+def test_prompt_tokens_counted_per_sequence(client, live_server):
+    """vllm:prompt_tokens_total counts a prompt of n sequences n times, as vLLM does (each
+    sequence runs it); usage counts it once, as OpenAI does."""
+    before = _counter(live_server, "prompt_tokens_total")
+    r = client.completions.create(model=MODEL_NAME, prompt="Hello world", n=3, max_tokens=2,
+                                  temperature=0.8, seed=1)  # fmt: skip
+    after = _counter(live_server, "prompt_tokens_total")
+    assert after - before == 3 * r.usage.prompt_tokens > 0
+
+
 BAD = [
     ("temperature", dict(temperature=-1.0), 400, "temperature must be"),
     ("n", dict(n=0), 400, "n must be an integer >= 1"),

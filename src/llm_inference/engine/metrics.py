@@ -111,7 +111,8 @@ class ServingMetrics:
                     if times.first_token is None:
                         times.first_token = now
                         self.ttft.observe(now - times.arrival)
-                        self.prompt_tokens += len(out.prompt_token_ids)
+                        # each of the n sequences runs the prompt, as vLLM counts it
+                        self.prompt_tokens += len(out.prompt_token_ids) * times.n
                     else:
                         self.itl.observe(now - times.last_token)
                     times.last_token = now

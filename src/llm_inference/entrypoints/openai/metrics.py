@@ -75,7 +75,8 @@ def render(metrics: ServingMetrics, model_name: str) -> str:
              stats.get("prefix_cache_queries", 0))  # fmt: skip
     w.metric("prefix_cache_hits_total", "counter", "Of those, tokens found in the prefix cache.",
              stats.get("prefix_cache_hits", 0))  # fmt: skip
-    w.metric("prompt_tokens_total", "counter", "Prefilled prompt tokens.", m.prompt_tokens)
+    w.metric("prompt_tokens_total", "counter",
+             "Prefilled prompt tokens (n per prompt of n sequences).", m.prompt_tokens)  # fmt: skip
     w.metric("generation_tokens_total", "counter", "Generated tokens.", m.generation_tokens)
     w.header("request_success_total", "counter", "Finished requests by finish reason.")
     for reason in sorted(set(m.finished) | {"stop", "length", "abort"}):
