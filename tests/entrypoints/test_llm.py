@@ -221,4 +221,7 @@ def test_startup_heap_frozen_while_open(tiny_ckpt):
     assert gc.get_freeze_count() > 10_000
     del llm  # never closed: collected, the heap is thawed all the same
     gc.collect()
-    assert gc.get_freeze_count() == 0
+    # CPython 3.12.3 (the GPU machine's) reports a few hundred (375) after the collection
+    # with no gc.freeze() call in between (seen with gc.freeze wrapped); 3.11 reports 0. The
+    # ~10^5 objects of the frozen heap are what must be gone.
+    assert gc.get_freeze_count() < 1_000
