@@ -245,9 +245,9 @@ class SamplingParams:
         if shortest is not None and len(shortest) < self.min_tokens:
             i = ids.index(shortest)
             raise ValueError(
-                f"min_tokens={self.min_tokens} is more than structured_outputs.choice "
-                f"{choices[i]!r} has tokens ({len(shortest)}): the output must be one of the "
-                "choices"
+                f"min_tokens={self.min_tokens} exceeds the {len(shortest)} token(s) of "
+                f"structured_outputs.choice {choices[i]!r}: that choice could never end, and "
+                "the output must be one of the choices"
             )
         self.choice_token_ids = ids
 

@@ -56,7 +56,8 @@ def test_choice_shorter_than_min_tokens_refused(tiny_ckpt):
         so = StructuredOutputsParams(choice=CHOICES)
         too_many = SamplingParams(max_tokens=20, min_tokens=lengths[shortest] + 1,
                                   structured_outputs=so)  # fmt: skip
-        with pytest.raises(ValueError, match=f"min_tokens=.*choice {shortest!r} has tokens"):
+        named = f"min_tokens=.* exceeds .*choice {shortest!r}: that choice could never"
+        with pytest.raises(ValueError, match=named):
             llm.generate(PROMPTS[:1], too_many, use_tqdm=False)
         fits = SamplingParams(max_tokens=20, min_tokens=lengths[shortest], structured_outputs=so)
         (out,) = llm.generate(PROMPTS[:1], fits, use_tqdm=False)
