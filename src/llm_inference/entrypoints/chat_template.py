@@ -1,6 +1,6 @@
 """Chat prompts: OpenAI-style messages through the model's chat template, one way for
-`LLM.chat` and the server's chat completions (so both send the same prompt for the same
-conversation)."""
+`LLM.chat`, `llm-inference chat` and the server's chat completions (so all send the same
+prompt for the same conversation)."""
 
 from __future__ import annotations
 

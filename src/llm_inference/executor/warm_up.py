@@ -20,7 +20,8 @@ Finding the decode variants: the split count grows with the context and falls wi
 so every context length in whole tiles at one sequence, and every batch size at power-of-two
 contexts and at the longest, reach every variant that some (batch, context) pair reaches
 (tests/executor/test_warm_up.py checks that against all pairs, with shapes where each sweep is
-needed). That is a few thousand calls of pure Python (~10-50 ms) and a few dozen forwards.
+needed). That is a few thousand calls of pure Python (26-64 ms on the development CPU for
+the 1B and 3B shapes at 256-1,024 sequences and 131,072 tokens) and a few dozen forwards.
 """
 
 from __future__ import annotations
