@@ -263,6 +263,13 @@ class SamplingParams:
             if spaced and alone and spaced[0] != alone[0] and len(spaced) == len(alone):
                 seqs.append(spaced)
         self.bad_words_token_ids = tuple(s for s in seqs if s)
+        banned = {s[0] for s in self.bad_words_token_ids if len(s) == 1}
+        if self.allowed_token_ids is not None and set(self.allowed_token_ids) <= banned:
+            # every token masked at the first step: refused here rather than sampled anyway
+            raise ValueError(
+                f"every token of allowed_token_ids {sorted(set(self.allowed_token_ids))} is a "
+                "bad word: nothing could be generated"
+            )
 
     def replace(self, **changes) -> SamplingParams:
         """A validated copy with some fields changed (lists are copied, never shared)."""

@@ -71,3 +71,25 @@ def test_bad_words_token_sequences(tiny_ckpt):
 def test_bad_words_validated(bad):
     with pytest.raises(ValueError, match="bad_words must be None or a list of non-empty"):
         SamplingParams(bad_words=bad)
+
+
+def test_allowed_tokens_all_banned_refused(tiny_ckpt):
+    """allowed_token_ids whose every token is a one-token bad word leave nothing to sample:
+    refused when the request is added (before, the sampler warned and took the argmax of the
+    masked row); one allowed token left unbanned is fine."""
+    with LLM(str(tiny_ckpt), device="cpu") as llm:
+        tok = llm.get_tokenizer()
+        one = [
+            w
+            for w in ("the", "a", "is", "of", "and")
+            if len(tok.encode(w, add_special_tokens=False)) == 1
+        ]
+        assert len(one) >= 2, "need two one-token words"
+        ids = [tok.encode(w, add_special_tokens=False)[0] for w in one[:2]]
+        both = greedy(allowed_token_ids=ids, bad_words=one[:2])
+        with pytest.raises(ValueError, match="every token of allowed_token_ids .* is a bad word"):
+            llm.generate(PROMPTS[:1], both, use_tqdm=False)
+        (out,) = llm.generate(PROMPTS[:1], greedy(allowed_token_ids=ids, bad_words=one[:1]),
+                              use_tqdm=False)  # fmt: skip
+        assert set(out.token_ids) == {ids[1]}
+        assert not llm.engine.has_unfinished_requests()
