@@ -87,12 +87,13 @@ def run_warm_up(model, buffers, max_num_seqs: int, steps: list[WarmStep]) -> Non
     width = buffers.attention.block_table.shape[1]
     for step in steps:
         n = step.num_tokens
-        if step.max_query_len == 1:
+        if step.max_query_len == 1:  # n decode rows
             buffers.pad_decode(0, n)
-        else:
+            seqs = n
+        else:  # n tokens in no sequence's rows
             buffers.pad_mixed(0, 0, n)
+            seqs = max_num_seqs
         buffers.to_device(0, 0)
-        seqs = n if step.max_query_len == 1 else max_num_seqs
         md = backend.metadata(
             buffers.attention, n, seqs, step.max_query_len, step.max_seq_len, width
         )
