@@ -1,23 +1,37 @@
 #!/usr/bin/env bash
-# On the GPU machine, from the repository root: every CUDA test, then (BENCH=1) the decode
-# latency of this tree and, when OLD_SRC names another checkout's src/ (carried), of that one,
-# back to back on one machine. Logs and results go to $OUT (or /tmp/gpu_out).
+# On the GPU machine, from the repository root: the CUDA tests, then (BENCH=1) an A/B of this
+# tree against another on one machine start, the check that a change made nothing slower.
+#   RUN_TESTS=1 (default): pytest on TESTS (default: the folders that hold CUDA tests, their
+#     CPU tests included; -k "not interpreter", whose cases need the CPU machine's Triton) into
+#     $OUT/pytest_cuda.log. About 8 minutes on one H200; the TP=2 tests skip on one GPU.
+#   BENCH=1: for each shape in SHAPES, `bench latency` (decode ms per step at BATCHES) and
+#     `bench throughput` (the 256-request run, token ids only as vLLM's is measured), of this
+#     tree and, when OLD_SRC names another checkout's src/ (for example
+#     `git archive REV src | tar -x -C .ab_old`, then carried), of that one, alternating for
+#     ROUNDS rounds: figures move between machine starts, so compare within one call only.
+#     One shape and two rounds fit a 10-minute call. JSON lands in $OUT; the tables print.
+#   RUN_TESTS=0 BENCH=1 OLD_SRC=.ab_old/src SHAPES=llama-3.2-3b OUT=$OUT bash scripts/gpu_check.sh
 set -uo pipefail
-OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
-PYTHONPATH=src python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/entrypoints/test_llm.py \
-  tests/engine/test_triton_engine.py tests/kernels tests/layers tests/executor} \
-  -k "${TESTS_K:-not interpreter}" 2>&1 | tee "$OUT/pytest_cuda.log" | tail -25
-if [ "${BENCH:-1}" = 1 ]; then
+. "$(dirname "$0")/gpu_env.sh"  # $OUT, $R, the environment, $B
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv \
+  | tee "$OUT/gpu.txt"
+if [ "${RUN_TESTS:-1}" = 1 ]; then
+  timeout "${TEST_TIMEOUT:-560}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/engine \
+    tests/kernels tests/layers tests/executor tests/distributed tests/entrypoints/test_llm.py} \
+    -k "${TESTS_K:-not interpreter}" 2>&1 | tee "$OUT/pytest_cuda.log" | tail -25
+fi
+if [ "${BENCH:-0}" = 1 ]; then
   for shape in ${SHAPES:-llama-3.2-1b}; do
-    if [ -n "${OLD_SRC:-}" ]; then
-      PYTHONPATH="$OLD_SRC" python3 src/llm_inference/entrypoints/bench.py latency \
-        --model "$shape" --batches "${BATCHES:-1,8,64,256}" --json "$OUT/latency_old_$shape.json" \
-        2>&1 | grep -v "it/s\]" | tail -8
-    fi
-    PYTHONPATH=src python3 src/llm_inference/entrypoints/bench.py latency --model "$shape" \
-      --batches "${BATCHES:-1,8,64,256}" --json "$OUT/latency_new_$shape.json" 2>&1 \
-      | grep -v "it/s\]" | tail -8
+    for round in $(seq "${ROUNDS:-2}"); do
+      for side in ${OLD_SRC:+old} new; do
+        src=src; [ "$side" = old ] && src=$OLD_SRC
+        bench="env PYTHONPATH=$src python3 $src/llm_inference/entrypoints/bench.py"  # that tree's
+        echo "== $shape round $round $side ($src)"
+        timeout 200 $bench latency --model "$shape" --batches "${BATCHES:-1,8,64,256}" \
+          --json "$OUT/latency_${shape}_${side}_$round.json" 2>&1 | grep -v "it/s" | tail -7
+        timeout 150 $bench throughput --model "$shape" --disable-detokenize \
+          --json "$OUT/throughput_${shape}_${side}_$round.json" 2>&1 | tail -1
+      done
+    done
   done
 fi
