@@ -1,4 +1,5 @@
-"""Cyclic-GC pauses inside `LLM.generate` (CPU, the model's forward stubbed as in host_step.py):
+"""Cyclic-GC pauses inside `LLM.generate` (CPU, the model's forward stubbed to zeros, so that a
+step is the engine's own host work and the LM head and sampler on a tiny vocabulary):
 256 prompts of 128 tokens, 8 and 136 new tokens, three runs each; per run the wall time, the
 collections of each generation and how long each full (generation 2) collection took, timed
 with `gc.callbacks`. Shows what freezing the startup heap (gc_heap.py) changes.
@@ -18,13 +19,17 @@ from pathlib import Path
 import torch
 import transformers  # noqa: F401  (bench.py imports it too: part of the startup heap)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from helpers import make_checkpoint  # noqa: E402
-from host_step import stub_forward  # noqa: E402
 
 from llm_inference import LLM, SamplingParams  # noqa: E402
+
+
+def stub_forward(runner) -> None:
+    """The model's forward -> zeros (the LM head and the sampler still run)."""
+    hidden = runner.model.config.hidden_size
+    runner._forward = lambda step: torch.zeros(step.num_tokens, hidden)
 
 
 def main() -> None:
