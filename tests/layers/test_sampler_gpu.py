@@ -1,7 +1,7 @@
 """The Triton sampling path on the GPU at the real vocab (128,256) and batch 256: distributions
 against Sampler.probs in float64, seed independence, agreement with the torch path on the
 same uniforms; the split race equal to the single program. Skipped without CUDA; no timing
-here (see benchmarks/sampler.py)."""
+here (benchmarks/sampler_race.py times the race)."""
 
 from __future__ import annotations
 
