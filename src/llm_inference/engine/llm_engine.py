@@ -145,10 +145,10 @@ class LLMEngine:
         ids = self.output_processor.add_request(
             request_id, prompt, prompt_token_ids, children, output_kind=kind
         )
-        max_tokens = self.max_model_len - len(prompt_token_ids)
+        room = self.max_model_len - len(prompt_token_ids)  # max_tokens when unset
         eos = self.config.model.eos_token_ids
         requests = [
-            Request(cid, list(prompt_token_ids), child, eos, child.max_tokens or max_tokens)
+            Request(cid, list(prompt_token_ids), child, eos, child.max_tokens or room)
             for cid, child in zip(ids, children)
         ]
         self.core.add_requests(requests)
