@@ -129,3 +129,88 @@ def test_closed_llm_says_so(tiny_ckpt):
     llm.close()
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate("hello")
+
+
+def test_workers_get_the_final_max_model_len_with_the_kv_cache(tiny_ckpt, monkeypatch, capsys):
+    """The model's 512 positions do not fit in a 10-block cache: the core lowers max_model_len
+    once, and the workers receive that value with the allocation, so the runner's view (its
+    CUDA graphs and warm-up are built for it) equals the scheduler's and the front end's."""
+    from llm_inference.executor.worker import Worker
+
+    calls = []
+    allocate = Worker.allocate_kv_cache
+
+    def spy(self, num_blocks, max_model_len):
+        calls.append((num_blocks, max_model_len))
+        return allocate(self, num_blocks, max_model_len)
+
+    monkeypatch.setattr(Worker, "allocate_kv_cache", spy)
+    with LLM(str(tiny_ckpt), device="cpu", kv_cache_memory_bytes=10 * 8192) as llm:
+        runner = llm.engine.executor.workers[0].model_runner
+        assert calls == [(10, 160)]
+        assert runner.max_model_len == llm.engine.scheduler.config.max_model_len == 160
+        assert llm.config.scheduler.max_model_len == llm.engine.max_model_len == 160
+        assert runner.config.scheduler.max_model_len == 512  # the bound its buffers have
+    assert capsys.readouterr().out.count("max_model_len lowered from 512 to 160") == 1
+
+
+def test_a_prompt_too_long_is_refused_once_by_llm_and_async_llm(tiny_ckpt, monkeypatch):
+    """One length check, where the request enters (LLMEngine.add_request): LLM and AsyncLLM
+    (its core in a process of its own) refuse a prompt longer than the context once, with a
+    message naming the lengths; nothing reaches the core."""
+    import asyncio
+
+    from llm_inference import AsyncLLM
+    from llm_inference.engine import llm_engine
+
+    checks = []
+    check = llm_engine.check_request_length
+
+    def counted(*args):
+        checks.append(args)
+        return check(*args)
+
+    monkeypatch.setattr(llm_engine, "check_request_length", counted)
+    message = "the prompt has 600 tokens, which leaves no room to generate within max_model_len=512"
+    with LLM(str(tiny_ckpt), device="cpu") as llm:
+        with pytest.raises(ValueError, match=f"^prompt 1: {message}$"):
+            llm.generate([[5, 6], [5] * 600], max_new_tokens=2, use_tqdm=False)
+        assert checks == [(512, 2, 2), (512, 600, 2)]
+        assert not llm.engine.has_unfinished_requests()
+        assert not llm.engine.output_processor.requests
+    checks.clear()
+
+    async def refused(llm):
+        async for _ in llm.generate([5] * 600, SamplingParams(max_tokens=2)):
+            pass
+
+    with AsyncLLM(str(tiny_ckpt), device="cpu", kv_cache_memory_bytes=2 << 20) as allm:
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            asyncio.run(refused(allm))
+        assert checks == [(512, 600, 2)]
+        assert allm.stats()["num_unfinished_requests"] == 0
+
+
+def test_final_only_requests_are_filtered_by_the_output_processor(llm, monkeypatch):
+    """The core reports a token of every request every step; a FINAL_ONLY request
+    (`stream=False`, as LLM.generate adds them) gets one output, at the end, the same as the
+    streamed one's last."""
+    engine = llm.engine
+    records = []
+    step = engine.core.step
+
+    def counted_step():
+        out = step()
+        records.extend(r.request_id for r in out)
+        return out
+
+    monkeypatch.setattr(engine.core, "step", counted_step)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("final", [5, 6, 7], params, stream=False)
+    engine.add_request("streamed", [5, 6, 7], params)
+    seen = drain(engine)
+    assert records.count("final") == records.count("streamed") == 6
+    assert len(seen["final"]) == 1 and len(seen["streamed"]) == 6
+    final, streamed = seen["final"][0], seen["streamed"][-1]
+    assert final.finished and final.outputs[0].text == streamed.outputs[0].text
+    assert final.outputs[0].token_ids == streamed.outputs[0].token_ids

@@ -166,8 +166,8 @@ def test_bad_prompt_or_params_fails_before_any_step(llm, prompts, params, kw, ex
 
 
 def test_each_prompt_is_checked_once(llm, monkeypatch):
-    """LLM.generate checks every prompt before adding any, so add_request does not check them
-    again (each check is three passes over the prompt); add_request alone still checks."""
+    """Each prompt is checked once (each check is three passes over the prompt), where it
+    enters: LLMEngine.add_request, which LLM.generate calls; add_request alone checks too."""
     calls = []
     check = llm.engine.validate_request
     monkeypatch.setattr(

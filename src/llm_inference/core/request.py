@@ -2,6 +2,8 @@
 
 Invariants (kept by the scheduler and the KV cache manager):
 
+- The prompt is not empty and shorter than max_model_len (the front end's one length check,
+  engine/llm_engine.py, refuses other requests before they reach the core).
 - `all_token_ids == prompt_token_ids + output_token_ids`; the first `num_computed_tokens` of
   them (of them plus `num_output_placeholders` samples still in flight) have their K/V written
   in the paged cache once the scheduled steps ran, in `block_ids` (logical block i -> physical
@@ -53,7 +55,6 @@ class Request:
     `max_tokens` is the resolved limit of new tokens: the engine passes it (for example
     derived from max_model_len when `sampling_params.max_tokens` is None); otherwise it is
     `sampling_params.max_tokens`, or unlimited (the scheduler still stops at max_model_len).
-    `final_only`: see `Scheduler.update_from_output`.
     """
 
     def __init__(
@@ -63,10 +64,7 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
         max_tokens: int | None = None,
-        final_only: bool = False,
     ) -> None:
-        if not prompt_token_ids:
-            raise ValueError(f"request {request_id!r}: the prompt has no tokens")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -81,9 +79,6 @@ class Request:
             max_tokens = sampling_params.max_tokens
         self.max_tokens: int = sys.maxsize if max_tokens is None else int(max_tokens)
         self.status = RequestStatus.WAITING
-        # Reported once, when finished, with every output token (no per-step record): for a
-        # front end that reads nothing before the end (an offline batch without stop strings).
-        self.final_only = final_only
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []

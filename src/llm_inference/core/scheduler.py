@@ -37,23 +37,6 @@ from llm_inference.core.outputs import (
 from llm_inference.core.request import Request, RequestStatus
 
 
-def check_request_length(max_len: int, num_prompt_tokens: int, max_tokens: int | None) -> None:
-    """The one prompt-length check: raise ValueError unless the prompt is non-empty, shorter
-    than max_model_len (room for one output token), and prompt + max_tokens fits."""
-    if num_prompt_tokens < 1:
-        raise ValueError("the prompt is empty")
-    if num_prompt_tokens >= max_len:
-        raise ValueError(
-            f"the prompt has {num_prompt_tokens} tokens, which leaves no room to generate "
-            f"within max_model_len={max_len}"
-        )
-    if max_tokens is not None and num_prompt_tokens + max_tokens > max_len:
-        raise ValueError(
-            f"{num_prompt_tokens} prompt tokens + max_tokens={max_tokens} = "
-            f"{num_prompt_tokens + max_tokens} exceeds max_model_len={max_len}"
-        )
-
-
 class Scheduler:
     def __init__(
         self,
@@ -76,16 +59,13 @@ class Scheduler:
         # Ids the workers hold state for that finished since the last SchedulerOutput.
         self._finished_ids: list[str] = []
 
-    def check_request_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        check_request_length(self.config.max_model_len, num_prompt_tokens, max_tokens)
-
     def add_request(self, request: Request) -> None:
-        """Queue a new request. Its prompt must leave room for output within max_model_len (so
-        `num_tokens <= max_model_len` always holds) and fit in the whole KV cache."""
+        """Queue a new request. The front end has checked its length (engine/llm_engine.py):
+        its prompt is not empty and leaves room for output within max_model_len, so
+        `num_tokens <= max_model_len` always holds. It must also fit in the whole KV cache."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
-        if request.num_tokens >= self.config.max_model_len:
-            self.check_request_length(request.num_tokens, None)
+        assert 0 < request.num_tokens < self.config.max_model_len, request
         self._check_fits(request, request.num_tokens)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
@@ -254,10 +234,10 @@ class Scheduler:
         """Append sampled tokens, finish and free stopped requests.
 
         Returns one plain record per request that received tokens this step, finished ones
-        included; a `final_only` request gets one record only, when it finishes, with all its
-        output tokens. Requests finished (aborted) since `schedule`, or whose id now names another
-        request, are skipped. A request preempted since still gets its token (it is valid:
-        computed from the whole sequence) and recomputes it with the rest when readmitted.
+        included (what reaches the caller is the front end's choice). Requests finished
+        (aborted) since `schedule`, or whose id now names another request, are skipped. A
+        request preempted since still gets its token (it is valid: computed from the whole
+        sequence) and recomputes it with the rest when readmitted.
         """
         out = model_runner_output
         scheduled = self._in_flight.pop(scheduler_output.step_id, [])
@@ -292,7 +272,6 @@ class Scheduler:
             if request.num_output_placeholders:  # zero once preempted
                 request.num_output_placeholders -= 1
             appended = new_tokens
-            finished = False
             outputs, stop_set, max_tokens = (
                 request.output_token_ids,
                 request.stop_token_set,
@@ -310,12 +289,8 @@ class Scheduler:
                     if status is not None:
                         self._finish(request, status)
                         appended = new_tokens[: k + 1]
-                        finished = any_finished = True
+                        any_finished = True
                         break
-            if request.final_only:
-                if not finished:
-                    continue  # nothing to report before the end
-                appended = list(outputs)
             results.append(
                 EngineCoreOutput(
                     rid,

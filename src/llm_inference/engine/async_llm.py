@@ -40,7 +40,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for
 
-from llm_inference.config import create_engine_config
+from llm_inference.config import EngineConfig, create_engine_config
 from llm_inference.engine.core_process import CoreClient
 from llm_inference.engine.llm_engine import LLMEngine
 from llm_inference.engine.metrics import RequestTimes, ServingMetrics
@@ -107,7 +107,6 @@ class AsyncLLM:
             if self.core_process is not None:
                 self.core_process.shutdown()
             raise
-        self.config = self.engine.config  # max_model_len may have been fitted to the cache
         self.metrics = ServingMetrics(engine=self.engine.stats())
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
@@ -132,8 +131,13 @@ class AsyncLLM:
         self.shutdown()
 
     @property
+    def config(self) -> EngineConfig:
+        """The engine core's config (max_model_len as fitted to the KV cache at start)."""
+        return self.engine.config
+
+    @property
     def max_model_len(self) -> int:
-        return self.config.scheduler.max_model_len
+        return self.engine.max_model_len
 
     def stats(self) -> dict[str, int]:
         """The engine's stats() as of the end of the engine thread's last loop."""

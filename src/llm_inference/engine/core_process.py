@@ -8,8 +8,9 @@ as fast as the device allows, while the parent's front end works on the steps al
 - `CoreClient` (parent) has the methods of `EngineCore` that the front end calls
   (`add_requests`, `finish_requests`, `stats`, `shutdown`), plus `recv()` for the results of
   the core's steps. It is not thread-safe: one thread (AsyncLLM's) uses it.
-- The child (`_core_main`) builds an `EngineCore` and reports `("ready", config)` (its
-  max_model_len may have been fitted to the cache) or the error that stopped it. Then it loops:
+- The child (`_core_main`) builds an `EngineCore` and reports `("ready", (config, stats))`
+  (the core's config: max_model_len as fitted to the cache, which the parent's front end
+  reads as `CoreClient.config`) or the error that stopped it. Then it loops:
   apply every pending command (waiting for one when nothing is left to run), run a step, hand
   its results to a sender thread. The sender sends everything that waits as one message, so
   the step loop never waits on the pipe, and a parent that lags gets several steps at once.

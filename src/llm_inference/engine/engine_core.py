@@ -3,7 +3,13 @@
 One step is schedule -> execute -> update. The core takes whole `Request`s (the front end,
 `LLMEngine`, builds them: seeds, n fan-out) and reports plain `EngineCoreOutput` records, so
 it can run in the caller's thread (`LLM`) or in a process of its own (`core_process`, the
-server's default) with the front end on the other side of a pipe.
+server's default) with the front end on the other side of a pipe. Every step reports the new
+tokens of every request that got some; what a caller sees of them (each step, or only the end)
+is the front end's choice (engine/output_processor.py).
+
+Start: the workers load the model and report how many KV-cache blocks fit (their config's
+max_model_len only bounds their buffers); the core decides the final max_model_len from that,
+once, and sends it to every worker with the block count in `allocate_kv_cache`.
 
 Async scheduling (`EngineConfig.async_scheduling`, on by default): `step()` schedules and
 launches step n+1 before it waits for step n's tokens, so the host work of one step (schedule,
@@ -19,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from llm_inference.config import EngineConfig, cdiv
-from llm_inference.core.outputs import EngineCoreOutput
+from llm_inference.core.outputs import EngineCoreOutput, SchedulerOutput
 from llm_inference.core.request import Request, RequestStatus
 from llm_inference.core.scheduler import Scheduler
 from llm_inference.executor.executor import Executor
@@ -42,15 +48,22 @@ def needs_sync(params: SamplingParams) -> bool:
 
 
 class EngineCore:
+    """Owns the scheduler and the executor. `config` is the engine's one resolved config: its
+    `scheduler.max_model_len` is final (fitted to the KV cache once, at start), and it is the
+    value the scheduler, the workers and the front end all use."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.executor = Executor(config)
         try:
             num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
-            self.config = self._fit_max_model_len(config, num_blocks)
-            self.executor.collective_rpc("allocate_kv_cache", num_blocks)
+            max_model_len = self._fit_max_model_len(config, num_blocks)
+            self.executor.collective_rpc("allocate_kv_cache", num_blocks, max_model_len)
         except BaseException:  # stop the worker processes of a half-built engine
             self.executor.shutdown()
             raise
+        self.config = replace(
+            config, scheduler=replace(config.scheduler, max_model_len=max_model_len)
+        )
         self.scheduler = Scheduler(
             self.config.scheduler,
             num_blocks,
@@ -60,19 +73,21 @@ class EngineCore:
         self._pending = None  # (SchedulerOutput, PendingOutput) of the step in flight
         self._sync_ids: set[str] = set()  # live requests that need synchronous steps
 
-    def _fit_max_model_len(self, config: EngineConfig, num_blocks: int) -> EngineConfig:
-        """The one KV-fits check: a request of max_model_len tokens must fit in the cache. When
-        the user did not set max_model_len, it is capped to what the cache holds instead."""
+    def _fit_max_model_len(self, config: EngineConfig, num_blocks: int) -> int:
+        """The final max_model_len, decided once: a request of max_model_len tokens must fit in
+        the `num_blocks` the workers found room for. The config's value came from the model
+        (lowered to what the cache holds, said in one line) or from the user (an error if it
+        does not fit)."""
         block_size, max_len = config.cache.block_size, config.scheduler.max_model_len
         if num_blocks * block_size >= max_len:
-            return config
+            return max_len
         if config.scheduler.max_model_len_is_default and num_blocks >= 1:
             fit = num_blocks * block_size
             print(
                 f"llm_inference: max_model_len lowered from {max_len} to {fit} tokens, all "
                 f"that the KV cache ({num_blocks} blocks) holds"
             )
-            return replace(config, scheduler=replace(config.scheduler, max_model_len=fit))
+            return fit
         per_block = self.executor.collective_rpc("kv_bytes_per_block")[0]
         need = cdiv(max_len, block_size)
         raise KVCacheTooSmallError(
@@ -98,28 +113,35 @@ class EngineCore:
         self.scheduler.finish_requests(ids, status)
         self._sync_ids.difference_update(ids)
         if self._pending is not None and not self.scheduler.has_unfinished_requests():
-            self._finish_pending()  # only finished requests were in flight: nothing to report
+            self._update()  # only finished requests were in flight: nothing to report
 
     # ---- stepping --------------------------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
-        """Run one step; return the records of every request that advanced in it (with async
-        scheduling: in the step launched before, whose tokens this one waited for)."""
-        overlap = self.config.async_scheduling and not self._sync_ids
-        outputs = [] if overlap else self._finish_pending()
-        so = self.scheduler.schedule()
-        launched = None
-        if not so.is_empty:
-            launched = (so, self.executor.execute_model(so, sync=not overlap))
-        elif so.finished_request_ids or so.preempted_request_ids:
-            self.executor.execute_model(so)  # nothing to run: the workers only drop states
-        outputs += self._finish_pending()
+        """Schedule, execute, update: return the records of every request that advanced.
+
+        Overlapped (async scheduling, no synchronous request live): step n+1 is scheduled and
+        launched first, then step n's tokens are awaited and applied, so the records are those
+        of the step launched before. Otherwise the step runs to its end before returning."""
+        if not self.config.async_scheduling or self._sync_ids:
+            outputs = self._update()  # the step an overlapped step left in flight
+            self._pending = self._execute(self.scheduler.schedule(), sync=True)
+            return outputs + self._update()
+        launched = self._execute(self.scheduler.schedule(), sync=False)
+        outputs = self._update()
         self._pending = launched
-        if not overlap:
-            outputs += self._finish_pending()
         return outputs
 
-    def _finish_pending(self) -> list[EngineCoreOutput]:
+    def _execute(self, so: SchedulerOutput, sync: bool):
+        """Launch a scheduled step on the workers: (so, handle to its tokens), or None when it
+        runs nothing (finished or preempted ids still go out: the workers drop those states)."""
+        if so.is_empty:
+            if so.finished_request_ids or so.preempted_request_ids:
+                self.executor.execute_model(so)
+            return None
+        return so, self.executor.execute_model(so, sync=sync)
+
+    def _update(self) -> list[EngineCoreOutput]:
         """Wait for the step in flight, if any, and update the scheduler with its tokens."""
         if self._pending is None:
             return []

@@ -1,9 +1,14 @@
 """LLMEngine: add_request / step / abort_request, the front end over an EngineCore.
 
 One step is the core's schedule -> execute -> update (engine_core.py, which knows nothing of
-text) followed by the front end's output processing (text, stop strings, n fan-in). `step()`
-returns a `RequestOutput` for every user request that advanced, so callers can stream; a
-request's last one has `finished=True`.
+text) followed by the front end's output processing (text, stop strings, n fan-in, and what
+each request's output kind shows of it). `step()` returns a `RequestOutput` for every user
+request that advanced and wants to hear of it, so callers can stream; a request's last one has
+`finished=True`.
+
+Requests enter here: `add_request` is where every request (of `LLM`, `AsyncLLM` and the server)
+is checked, once, before the core sees it; `check_request_length` is the one length check.
+`config` is the core's (its max_model_len is the final one, fitted to the KV cache).
 
 The front end builds the core's `Request`s (a seed for each, one per completion when n > 1)
 and keeps the `OutputProcessor`; the core can be in this thread (`EngineCore`) or in a process
@@ -20,13 +25,29 @@ from dataclasses import replace
 from llm_inference.config import EngineConfig
 from llm_inference.core.outputs import EngineCoreOutput
 from llm_inference.core.request import Request, RequestStatus
-from llm_inference.core.scheduler import check_request_length
 from llm_inference.engine.engine_core import EngineCore, KVCacheTooSmallError
 from llm_inference.engine.output_processor import OutputProcessor
 from llm_inference.outputs import RequestOutput, RequestOutputKind
 from llm_inference.sampling_params import SamplingParams
 
-__all__ = ["KVCacheTooSmallError", "LLMEngine", "child_seed"]
+__all__ = ["KVCacheTooSmallError", "LLMEngine", "check_request_length", "child_seed"]
+
+
+def check_request_length(max_len: int, num_prompt_tokens: int, max_tokens: int | None) -> None:
+    """The one prompt-length check: raise ValueError unless the prompt is non-empty, shorter
+    than max_model_len (room for one output token), and prompt + max_tokens fits."""
+    if num_prompt_tokens < 1:
+        raise ValueError("the prompt is empty")
+    if num_prompt_tokens >= max_len:
+        raise ValueError(
+            f"the prompt has {num_prompt_tokens} tokens, which leaves no room to generate "
+            f"within max_model_len={max_len}"
+        )
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_len:
+        raise ValueError(
+            f"{num_prompt_tokens} prompt tokens + max_tokens={max_tokens} = "
+            f"{num_prompt_tokens + max_tokens} exceeds max_model_len={max_len}"
+        )
 
 
 def child_seed(seed: int, index: int) -> int:
@@ -39,9 +60,17 @@ class LLMEngine:
         """`core`: an EngineCore-like object (default: an `EngineCore` built here)."""
         self.tokenizer = tokenizer
         self.core = core if core is not None else EngineCore(config)
-        self.config = self.core.config  # max_model_len may have been fitted to the cache
         self.output_processor = OutputProcessor(tokenizer)
         self.rng = random.Random(config.seed)
+
+    @property
+    def config(self) -> EngineConfig:
+        """The core's config: the one resolved at start (max_model_len fitted to the cache)."""
+        return self.core.config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.config.scheduler.max_model_len
 
     @property
     def scheduler(self):
@@ -58,11 +87,12 @@ class LLMEngine:
         last max_model_len), or all of it."""
         k = params.truncate_prompt_tokens
         if k == -1:
-            k = self.config.scheduler.max_model_len
+            k = self.max_model_len
         return prompt_token_ids if k is None else prompt_token_ids[-k:]
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError for a prompt this engine cannot run (before anything is added)."""
+        """Raise ValueError for a prompt this engine cannot run. `add_request` calls it (before
+        anything is added); so does a caller that runs the prompt otherwise (beam search)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, not {type(params).__name__}")
         vocab = self.config.model.vocab_size
@@ -77,9 +107,7 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"{name} holds token ids outside the vocabulary [0, {vocab}): "
                                  f"{bad[:5]}")  # fmt: skip
-        check_request_length(
-            self.config.scheduler.max_model_len, len(prompt_token_ids), params.max_tokens
-        )
+        check_request_length(self.max_model_len, len(prompt_token_ids), params.max_tokens)
 
     def add_request(
         self,
@@ -89,20 +117,17 @@ class LLMEngine:
         prompt: str | None = None,
         stream: bool = True,
         output_kind: RequestOutputKind | None = None,
-        validated: bool = False,
     ) -> list[str]:
         """Queue a request (n > 1 becomes n core requests, one per completion; their ids are
         returned). `step()` reports it every step it advances, or with `stream=False` only when
         it finishes. `output_kind` (default CUMULATIVE, or FINAL_ONLY with `stream=False`):
-        DELTA reports only what each step added (see output_processor). `validated`: the caller
-        has just passed these to `validate_request` (LLM.generate checks every prompt before
-        adding any), so their checks, three passes over the prompt, are not run again."""
+        DELTA reports only what each step added (see output_processor). Raises (TypeError,
+        ValueError; nothing is added) for a request `validate_request` refuses."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, not {type(request_id).__name__}")
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already running")
-        if not validated:
-            self.validate_request(prompt_token_ids, params)
+        self.validate_request(prompt_token_ids, params)
         prompt_token_ids = self.truncated(prompt_token_ids, params)
         # Every request gets a seed: its random stream never depends on its batch companions.
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
@@ -120,19 +145,10 @@ class LLMEngine:
         ids = self.output_processor.add_request(
             request_id, prompt, prompt_token_ids, children, output_kind=kind
         )
-        max_len = self.config.scheduler.max_model_len
+        room = self.max_model_len - len(prompt_token_ids)  # max_tokens when unset
+        eos = self.config.model.eos_token_ids
         requests = [
-            Request(
-                cid,
-                list(prompt_token_ids),
-                child,
-                eos_token_ids=self.config.model.eos_token_ids,
-                max_tokens=child.max_tokens or max_len - len(prompt_token_ids),
-                # Nothing is read before the end: no per-step records to make or process.
-                final_only=kind is RequestOutputKind.FINAL_ONLY
-                and not child.stop_strings
-                and child.logprobs is None,
-            )
+            Request(cid, list(prompt_token_ids), child, eos, child.max_tokens or room)
             for cid, child in zip(ids, children)
         ]
         self.core.add_requests(requests)
@@ -154,8 +170,9 @@ class LLMEngine:
     # ---- stepping --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step of the core; return the outputs of every user request that advanced in
-        it (with async scheduling: in the step launched before, whose tokens it waited for)."""
+        """Schedule, execute, update (the core), then process: the outputs of every user
+        request that advanced in the step (with async scheduling: the step launched before,
+        whose tokens it waited for) and whose output kind reports it."""
         return self.process_core_outputs(self.core.step())
 
     def process_core_outputs(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:

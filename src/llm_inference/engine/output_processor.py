@@ -7,11 +7,13 @@ n == 1 and `request_id#j` otherwise. `process_outputs` turns one step's records 
 `RequestOutput` for every user request that advanced, and returns the ids of completions that
 a stop string ended, which the engine must finish in the core (`finish_requests`).
 
-Each request has an output kind (outputs.RequestOutputKind): CUMULATIVE outputs copy the
-completions' text, token ids and logprobs so far every step (O(n) per step); DELTA outputs carry
-only what the step added, for the completions that advanced (the lists of the core's records,
-not copies), with the completions' running `cumulative_logprob`; FINAL_ONLY builds one
-cumulative output when the request finishes.
+The core reports every step's new tokens for every request; the output kind of each request
+(outputs.RequestOutputKind) decides what is emitted. CUMULATIVE outputs copy the completions'
+text, token ids and logprobs so far every step (O(n) per step); DELTA outputs carry only what
+the step added, for the completions that advanced (the lists of the core's records, not
+copies), with the completions' running `cumulative_logprob`; FINAL_ONLY builds one cumulative
+output when the request finishes: until then a step only collects its tokens (and logprobs),
+and without stop strings the text is made once, at the end (detokenizer.py, `deferred`).
 
 Text handed out is never taken back: a tail that could still grow into a stop string is held
 back until the request goes on past it or finishes.
@@ -172,7 +174,11 @@ class OutputProcessor:
         for c in state.completions:
             if c.finish_reason is None:
                 c.finish_reason = "abort"
-                tail = c.detokenizer.get_delta(finished=True) if c.detokenizer else ""
+                tail = ""
+                if c.detokenizer is not None:
+                    if c.detokenizer.deferred:  # it has not seen the tokens yet
+                        c.detokenizer.add_tokens(c.token_ids)
+                    tail = c.detokenizer.get_delta(finished=True)
                 if state.kind is _DELTA:
                     c.new_text, c.new_token_ids, c.new_logprobs = tail, [], None
                     aborted.append(c)
@@ -225,9 +231,9 @@ class OutputProcessor:
         return results, stopped
 
     def _advance(self, c: _Completion, out: EngineCoreOutput, kind=_CUMULATIVE) -> bool:
-        """Apply one record; True when a stop string ended the completion here. FINAL_ONLY:
-        the text is collected only when the completion finishes; DELTA: the completion keeps
-        only this step's additions."""
+        """Apply one record; True when a stop string ended the completion here. DELTA: the
+        completion keeps only this step's additions. A deferred detokenizer (FINAL_ONLY, no
+        stop strings) gets every token at once, when the completion finishes."""
         if kind is _DELTA:
             c.new_token_ids = out.new_token_ids
             c.new_logprobs = out.new_logprobs
@@ -240,19 +246,25 @@ class OutputProcessor:
             c.token_ids.extend(out.new_token_ids)
             if out.new_logprobs:
                 c.logprobs.extend(out.new_logprobs)
-        if c.detokenizer is None:
+        detokenizer = c.detokenizer
+        if detokenizer is None:
             c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
             return False
-        text_ids = out.new_token_ids
+        if not detokenizer.deferred:
+            text_ids = out.new_token_ids
+        elif out.finish_reason is None:
+            return False  # nothing to read before the end
+        else:
+            text_ids = c.token_ids
         if isinstance(out.stop_reason, int) and not c.params.include_stop_str_in_output:
             text_ids = text_ids[:-1]  # a stop token's text is not part of the output
-        stop = c.detokenizer.add_tokens(text_ids)
+        stop = detokenizer.add_tokens(text_ids)
         if stop is not None:
             c.finish_reason, c.stop_reason = "stop", stop
         elif out.finish_reason is not None:
             c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
         if kind is _DELTA:
-            c.new_text = c.detokenizer.get_delta(finished=c.finish_reason is not None)
+            c.new_text = detokenizer.get_delta(finished=c.finish_reason is not None)
         elif kind is _CUMULATIVE or c.finish_reason is not None:
-            c.text += c.detokenizer.get_delta(finished=c.finish_reason is not None)
+            c.text += detokenizer.get_delta(finished=c.finish_reason is not None)
         return stop is not None

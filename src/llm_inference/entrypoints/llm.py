@@ -11,7 +11,7 @@ from dataclasses import replace
 from tqdm.auto import tqdm
 
 from llm_inference.beam_search import BeamSearchOutput, beam_search
-from llm_inference.config import create_engine_config
+from llm_inference.config import EngineConfig, create_engine_config
 from llm_inference.engine.llm_engine import LLMEngine
 from llm_inference.entrypoints.chat_template import render_chat
 from llm_inference.gc_heap import freeze_startup_heap, thaw_heap
@@ -82,10 +82,9 @@ class LLM:
     `gc.unfreeze()`."""
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
-        self.config = create_engine_config(model, **engine_args)
-        self.tokenizer = load_tokenizer(self.config.model_path)
-        self.engine = LLMEngine(self.config, self.tokenizer)
-        self.config = self.engine.config  # max_model_len may have been fitted to the cache
+        config = create_engine_config(model, **engine_args)
+        self.tokenizer = load_tokenizer(config.model_path)
+        self.engine = LLMEngine(config, self.tokenizer)
         self._ids = itertools.count()
         # Full GC collections would walk torch's and the model's objects mid-generate (~0.2 s
         # pauses): they are frozen until close() (gc_heap.py; vLLM freezes too).
@@ -107,6 +106,11 @@ class LLM:
             self.engine = None
         if getattr(self, "_thaw", None) is not None:
             self._thaw()  # once: a finalizer runs at most once
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's config (max_model_len as fitted to the KV cache at start)."""
+        return self._engine().config
 
     def get_tokenizer(self):
         """The model's tokenizer (a transformers tokenizer), as vLLM's `LLM.get_tokenizer()`."""
@@ -147,7 +151,6 @@ class LLM:
         prompt_list = self._normalize_prompts(prompts)
         params = self._normalize_params(sampling_params, len(prompt_list), max_new_tokens)
         token_ids = self._token_ids(prompt_list)
-        self._validate(token_ids, params)
         texts = [p if isinstance(p, str) else None for p in prompt_list]
         return self._run(texts, token_ids, params, use_tqdm)
 
@@ -162,7 +165,7 @@ class LLM:
             raise TypeError(f"params must be BeamSearchParams, not {type(params).__name__}")
         prompt_list = self._normalize_prompts(prompts)
         token_ids = self._token_ids(prompt_list)
-        self._validate(token_ids, [SamplingParams(max_tokens=1)] * len(token_ids))
+        self._validate(token_ids, SamplingParams(max_tokens=1))  # beams stop at max_model_len
         return beam_search(self, token_ids, params, use_tqdm)
 
     def chat(
@@ -200,7 +203,6 @@ class LLM:
                 raise ValueError(f"conversation {i}: {e}") from e
         token_ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
         params = self._normalize_params(sampling_params, len(prompts), max_new_tokens)
-        self._validate(token_ids, params)
         return self._run(prompts, token_ids, params, use_tqdm)
 
     def _token_ids(self, prompt_list: list[Prompt]) -> list[list[int]]:
@@ -276,11 +278,12 @@ class LLM:
             sampling_params = [replace(p, max_tokens=max_new_tokens) for p in sampling_params]
         return list(sampling_params)
 
-    def _validate(self, token_ids: list[list[int]], params: list[SamplingParams]) -> None:
-        """Check every prompt before any is added, naming the bad one."""
-        for i, (ids, p) in enumerate(zip(token_ids, params)):
+    def _validate(self, token_ids: list[list[int]], params: SamplingParams) -> None:
+        """Check every prompt of a beam search, naming the bad one (its rounds run other
+        requests: the beams)."""
+        for i, ids in enumerate(token_ids):
             try:
-                self.engine.validate_request(ids, p)
+                self.engine.validate_request(ids, params)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
 
@@ -290,17 +293,19 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
         try:
-            for rid, text, prompt_ids, p in zip(ids, texts, token_ids, params):
-                self.engine.add_request(
-                    rid, prompt_ids, p, prompt=text, stream=False, validated=True
-                )  # checked by _validate, every prompt before any is added
+            for i, (rid, text, prompt_ids, p) in enumerate(zip(ids, texts, token_ids, params)):
+                try:  # every prompt is added (and checked) before the first step
+                    self.engine.add_request(rid, prompt_ids, p, prompt=text, stream=False)
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from e
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:
                         final[out.request_id] = out
                         bar.update(1)
         except BaseException:
-            # Leave the engine usable: drop whatever this call still had in flight.
+            # Leave the engine usable: drop whatever this call still had in flight (when a
+            # prompt is refused: those added before it, which have not run).
             self.engine.abort_request([rid for rid in ids if rid not in final])
             raise
         finally:

@@ -1,6 +1,10 @@
 """ModelRunner: applies each SchedulerOutput diff to its input batch, builds the step's inputs
 and attention metadata, runs the model, and samples. It owns the model and the paged KV cache
-of its rank."""
+of its rank.
+
+Start: `determine_num_blocks` (buffers sized by the config's max_model_len, an upper bound),
+then `allocate_kv_cache(num_blocks, max_model_len)` with the engine's final max_model_len, which
+the CUDA graphs and the warm-up are built for (`self.max_model_len`, the scheduler's value)."""
 
 from __future__ import annotations
 
@@ -49,6 +53,7 @@ class ModelRunner:
             device,
         )
         self.num_blocks = 0
+        self.max_model_len = 0  # the engine's final value, set by allocate_kv_cache
         self.graphs: CudaGraphs | None = None
         # The last sampling step's tokens, on the device (InputBatch.prev_sample: whose).
         self.prev_tokens = torch.zeros(0, dtype=torch.long, device=device)
@@ -102,8 +107,11 @@ class ModelRunner:
         graph_pool = (peak - weights) * min(1.0, sizes[-1] / n) if sizes else 0
         return int(total * utilization - peak - max(0, others) - graph_pool)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
+    def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Allocate the KV cache; `max_model_len`: the engine's final value, at most the
+        config's (which sized the buffers)."""
+        assert 0 < max_model_len <= self.config.scheduler.max_model_len, max_model_len
+        self.num_blocks, self.max_model_len = num_blocks, max_model_len
         for attn in self.model.attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -111,7 +119,7 @@ class ModelRunner:
         if self.use_cuda_graphs:
             sched = self.config.scheduler
             self.graphs = CudaGraphs(
-                self.model, self.buffers, sched.max_num_seqs, sched.max_model_len,
+                self.model, self.buffers, sched.max_num_seqs, self.max_model_len,
                 self.mixed_graph_sizes(),
             )  # fmt: skip
             self.graphs.capture()
@@ -129,7 +137,7 @@ class ModelRunner:
         attn, sched = self.model.attention_layers()[0], self.config.scheduler
         steps = warm_up_steps(
             attn.num_kv_heads, attn.num_heads // attn.num_kv_heads, attn.head_dim,
-            self.block_size, sched.max_num_seqs, sched.max_model_len,
+            self.block_size, sched.max_num_seqs, self.max_model_len,
             sched.max_num_batched_tokens, num_sms(self.device),
         )  # fmt: skip
         run_warm_up(self.model, self.buffers, sched.max_num_seqs, steps)

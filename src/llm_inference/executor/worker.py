@@ -38,8 +38,8 @@ class Worker:
     def kv_bytes_per_block(self) -> int:
         return self.model_runner.kv_bytes_per_block()
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.model_runner.allocate_kv_cache(num_blocks)
+    def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        self.model_runner.allocate_kv_cache(num_blocks, max_model_len)
 
     def uses_cuda_graphs(self) -> bool:
         return self.model_runner.graphs is not None

@@ -20,8 +20,8 @@ from typing import Any
 from starlette.requests import Request
 
 from llm_inference.beam_search import async_beam_search
-from llm_inference.core.scheduler import check_request_length
 from llm_inference.engine.async_llm import AsyncLLM, EngineDeadError
+from llm_inference.engine.llm_engine import check_request_length
 from llm_inference.entrypoints.chat_template import render_chat
 from llm_inference.entrypoints.openai.protocol import (
     APIError,
@@ -270,7 +270,7 @@ class OpenAIServing:
             )  # fmt: skip
         except ValueError as e:
             raise _field_error(e, req) from e
-        try:  # the engine's check of a plain request, with its max_tokens
+        try:  # the one length check (llm_engine.py) with max_tokens: the rounds check less
             for _, ids in prompts:
                 check_request_length(max_len, len(ids), params.max_tokens)
         except ValueError as e:
