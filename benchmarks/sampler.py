@@ -16,7 +16,7 @@ import statistics
 
 import torch
 
-from llm_inference.layers.sampler import Sampler, SamplingMetadata
+from llm_inference.sample.sampler import Sampler, SamplingMetadata
 from llm_inference.sampling_params import SamplingParams
 
 V = 128_256

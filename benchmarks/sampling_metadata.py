@@ -16,7 +16,7 @@ import time
 import torch
 
 from llm_inference.layers import sampler
-from llm_inference.layers.sampling_metadata import padded_token_ids
+from llm_inference.sample.metadata import padded_token_ids
 from llm_inference.sampling_params import SamplingParams
 
 B, PROMPT, OUTPUT, V = 256, 4096, 128, 128_256

@@ -22,8 +22,8 @@ from llm_inference.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from llm_inference.layers.sampler import STATUS_BAD, STATUS_EMPTY
 from llm_inference.models.loader import LazySlice
+from llm_inference.sample.sampler import STATUS_BAD, STATUS_EMPTY
 from llm_inference.sampling_params import SamplingParams
 
 H, HEADS, KV, D, INTER, V = 32, 4, 2, 8, 48, 37  # V: no world size divides it (padding)
@@ -122,8 +122,8 @@ SAMPLE_SETS = {"greedy": [0, 4], "gathered": [1, 2, 3], "mixed": [0, 1, 2, 3, 4]
 
 def tp_sample(head: ParallelLMHead, hidden: torch.Tensor, rows: list[int]) -> dict:
     """sample_tensor_parallel over `rows` of `hidden` with a stand-in model runner."""
-    from llm_inference.executor.tp_sampling import sample_tensor_parallel
-    from llm_inference.layers.sampler import Sampler, SamplingMetadata
+    from llm_inference.sample.sampler import Sampler, SamplingMetadata
+    from llm_inference.sample.tensor_parallel import sample_tensor_parallel
 
     def sampling_metadata(batch_rows, num_outputs):
         params = [SAMPLE_PARAMS[r] for r in batch_rows]
@@ -168,7 +168,7 @@ def argmax_rows() -> torch.Tensor:
 
 
 def rank_body(rank: int, world_size: int, path: str) -> dict:
-    from llm_inference.executor.tp_sampling import distributed_argmax
+    from llm_inference.sample.tensor_parallel import distributed_argmax
 
     out = run_layers(path)
     rows = argmax_rows()
@@ -289,7 +289,7 @@ def test_loader_reads_only_the_rank_slices(tiny_ckpt, monkeypatch):
 
 def test_races_on_slices_only_for_staged_unfiltered_sampled_steps():
     from llm_inference.executor.input_batch import SamplingFlags
-    from llm_inference.executor.tp_sampling import races_on_slices
+    from llm_inference.sample.tensor_parallel import races_on_slices
 
     def flags(**kw):
         base = dict(all_greedy=False, all_random=True, any_top_k=False, max_top_k=0,

@@ -32,7 +32,7 @@ import torch
 from llm_inference.config import cdiv
 from llm_inference.core.outputs import SchedulerOutput
 from llm_inference.layers.attention import StepBuffers
-from llm_inference.layers.sampling_metadata import noise_keys_np, seed_hash
+from llm_inference.sample.metadata import noise_keys_np, seed_hash
 from llm_inference.sampling_params import SamplingParams
 
 

@@ -13,10 +13,10 @@ from llm_inference.distributed.parallel_state import get_tp_rank, get_tp_size
 from llm_inference.executor.cuda_graph import CudaGraphs, mixed_buckets
 from llm_inference.executor.input_batch import InputBatch, InputBuffers, StepInputs
 from llm_inference.executor.pending import PendingOutput, TokenSlots
-from llm_inference.executor.tp_sampling import sample_tensor_parallel
 from llm_inference.kernels import get_ops
-from llm_inference.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from llm_inference.models.loader import load_model
+from llm_inference.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
+from llm_inference.sample.tensor_parallel import sample_tensor_parallel
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sampler_checks as checks  # noqa: E402
 
 from llm_inference.layers import sampler as sampler_mod  # noqa: E402
-from llm_inference.layers.sampler import Sampler  # noqa: E402
+from llm_inference.sample.sampler import Sampler  # noqa: E402
 from llm_inference.sampling_params import SamplingParams  # noqa: E402
 
 V = 1000
@@ -115,7 +115,7 @@ def staged_metadata(params, canonical: bool):
     runner's fast path gets it: staged by the input batch into the step buffers."""
     from llm_inference.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
     from llm_inference.executor.input_batch import InputBatch, InputBuffers
-    from llm_inference.layers.sampler import SamplingMetadata
+    from llm_inference.sample.sampler import SamplingMetadata
 
     n = len(params)
     batch = InputBatch(max_num_reqs=n, max_model_len=8, block_size=4, vocab_size=V)
@@ -228,14 +228,14 @@ def check_split_race_exact(_, device: str = "cpu"):
 
 
 def check_shard_race_exact(_, device: str = "cpu", width: int = 5000, ranks=(2, 3)):
-    """Tensor parallel's race (executor/tp_sampling.py): each rank races over its vocabulary
+    """Tensor parallel's race (sample/tensor_parallel.py): each rank races over its vocabulary
     slice with the slice's token ids (kernels/sampling.py race_shard, the last slice padded
     with -inf as the LM head pads it), and pick_winners over the gathered winners gives
     `sample`'s token of the whole row exactly: ties across slices go to the lowest token id;
     NaN rows are BAD and all -inf rows EMPTY (token 0); greedy rows take the argmax. A slice
     that forgets its token-id offset draws other noise and picks other tokens."""
-    from llm_inference.executor.tp_sampling import pick_winners
     from llm_inference.kernels import sampling
+    from llm_inference.sample.tensor_parallel import pick_winners
 
     B = 8
     gen = torch.Generator().manual_seed(5)

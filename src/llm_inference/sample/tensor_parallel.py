@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 
 from llm_inference.distributed.parallel_state import all_gather, broadcast, gather_last_dim
-from llm_inference.layers.sampler import STATUS_BAD, STATUS_EMPTY, SamplerOutput
-from llm_inference.layers.sampling_metadata import to_device
+from llm_inference.sample.metadata import to_device
+from llm_inference.sample.sampler import STATUS_BAD, STATUS_EMPTY, SamplerOutput
 from llm_inference.sampling_params import SamplingParams
 
 

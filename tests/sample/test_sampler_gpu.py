@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sampler_checks as checks  # noqa: E402
 import sampler_triton_checks  # noqa: E402
 
-from llm_inference.layers.sampler import Sampler  # noqa: E402
+from llm_inference.sample.sampler import Sampler  # noqa: E402
 from llm_inference.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = [

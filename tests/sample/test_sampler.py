@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_inference.layers.sampler import (
+from llm_inference.sample.sampler import (
     Sampler,
     apply_penalties,
     noise_keys,

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from llm_inference.layers.sampling_metadata import SamplingMetadata, noise_keys
 from llm_inference.outputs import Logprobs
+from llm_inference.sample.metadata import SamplingMetadata, noise_keys
 
 __all__ = [
     "Logprobs",
