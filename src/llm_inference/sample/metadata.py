@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llm_inference.sampling_params import GREEDY_EPS, SamplingParams
+from llm_inference.sampling_params import GREEDY_EPS, SamplingParams, SamplingPath
 
 __all__ = ["SamplingMetadata", "noise_keys", "padded_token_ids"]
 
@@ -146,9 +146,12 @@ def _bias_lists(
 class SamplingMetadata:
     """Per-step sampling inputs: tensors on the logits' device, one row per request.
 
-    Optional tensors are None when no row needs that step, so the sampler skips it.
+    `path` is the rows' most demanding SamplingPath: on STAGED only temperature, top-k, top-p
+    and min-p apply and the logits reach the race untouched. Optional tensors are None when no
+    row needs that step, so the sampler skips it.
     """
 
+    path: SamplingPath
     vocab_size: int
     temperature: torch.Tensor  # [B] float32; 1.0 on greedy rows
     greedy: torch.Tensor  # [B] bool
@@ -175,47 +178,6 @@ class SamplingMetadata:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # allowed_token_ids: (rows that have a list, rows, token ids), None when no row has one
     allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-
-    @property
-    def has_logit_bias(self) -> bool:
-        return self.logit_bias is not None or self.allowed is not None
-
-    @classmethod
-    def from_views(
-        cls, views: dict, n: int, flags, vocab_size: int, canonical: bool
-    ) -> SamplingMetadata:
-        """Metadata of `n` rows without penalties, min_tokens or logprobs, from device arrays
-        the input batch already filled (executor/input_batch.py: `sample_*` views, int32 and
-        float32; `flags` its SamplingFlags). `canonical` converts to the dtypes `build` gives
-        (bool greedy, int64 keys and top-k), which the PyTorch sampler needs; the Triton
-        kernel reads the int32 arrays as they are."""
-        keys, greedy = views["sample_keys"][:n], views["sample_greedy"][:n]
-        top_k = views["sample_top_k"][:n]
-        if canonical:
-            keys, greedy, top_k = keys.long() & _M32, greedy.bool(), top_k.long()
-        return cls(
-            vocab_size=vocab_size,
-            temperature=views["sample_temperature"][:n],
-            greedy=greedy,
-            all_greedy=flags.all_greedy,
-            all_random=flags.all_random,
-            noise_keys=keys,
-            top_k=top_k if flags.any_top_k else None,
-            max_top_k=flags.max_top_k,
-            top_p=views["sample_top_p"][:n] if flags.any_top_p else None,
-            min_p=views["sample_min_p"][:n] if flags.any_min_p else None,
-            no_penalties=True,
-            repetition_penalty=None,
-            presence_penalty=None,
-            frequency_penalty=None,
-            prompt_token_ids=None,
-            output_token_ids=None,
-            min_tokens_rows=None,
-            min_tokens_cols=None,
-            logprobs_k=[None] * n,
-            logprobs_rows=None,
-            max_num_logprobs=None,
-        )
 
     @classmethod
     def build(
@@ -256,6 +218,7 @@ class SamplingMetadata:
             return to_device(torch.tensor(values, dtype=torch.int64), device)
 
         return cls(
+            path=max((p.sampling_path for p in params), default=SamplingPath.STAGED),
             vocab_size=V,
             temperature=floats(temps),
             greedy=to_device(torch.tensor(greedy, dtype=torch.bool), device),
