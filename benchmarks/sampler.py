@@ -16,6 +16,7 @@ import statistics
 
 import torch
 
+from llm_inference.kernels import reference, triton_ops
 from llm_inference.sample.sampler import Sampler, SamplingMetadata
 from llm_inference.sampling_params import SamplingParams
 
@@ -50,7 +51,7 @@ def main() -> None:
     print("| batch | sampling | torch ms | triton ms | speedup | floor ms |")
     print("|---:|---|---:|---:|---:|---:|")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    torch_path, triton_path = Sampler(use_triton=False), Sampler(use_triton=True)
+    torch_path, triton_path = Sampler(reference), Sampler(triton_ops)
     for B in BATCHES:
         logits = torch.randn(B, V, device="cuda", generator=gen) * 3
         for name, params in CASES.items():

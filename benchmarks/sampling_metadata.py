@@ -15,8 +15,7 @@ import time
 
 import torch
 
-from llm_inference.layers import sampler
-from llm_inference.sample.metadata import padded_token_ids
+from llm_inference.sample.metadata import SamplingMetadata, padded_token_ids
 from llm_inference.sampling_params import SamplingParams
 
 B, PROMPT, OUTPUT, V = 256, 4096, 128, 128_256
@@ -47,7 +46,7 @@ def main() -> None:
     seeds = list(range(B))
 
     def build():
-        sampler.SamplingMetadata.build(params, prompts, outputs, seeds, (1,), V, "cpu")
+        SamplingMetadata.build(params, prompts, outputs, seeds, (1,), V, "cpu")
 
     print(f"B={B} prompt={PROMPT} output={OUTPUT} V={V}")
     print(f"build with repetition_penalty: {median_ms(build):.1f} ms (median of 10)")

@@ -264,11 +264,12 @@ class ModelRunner:
                 len(step.sample_rows), step.sampling, self.config.model.vocab_size,
                 canonical=not self.sampler.fused,
             )  # fmt: skip
-        ks = range(len(step.sample_rows)) if ks is None else ks
+        rows, num_outputs = step.sample_batch_rows.tolist(), step.num_outputs
+        if ks is not None:
+            rows, num_outputs = [rows[k] for k in ks], [num_outputs[k] for k in ks]
         return self.input_batch.sampling.metadata(
-            [int(step.sample_batch_rows[k]) for k in ks], [step.num_outputs[k] for k in ks],
-            self.config.model.eos_token_ids, self.device,
-        )  # fmt: skip
+            rows, num_outputs, self.config.model.eos_token_ids, self.device
+        )
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput, sync: bool = True) -> PendingOutput | None:
