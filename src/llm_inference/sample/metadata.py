@@ -163,17 +163,18 @@ class SamplingMetadata:
     max_top_k: int  # largest active k (0 if none)
     top_p: torch.Tensor | None  # [B] float32; 1.0 where off
     min_p: torch.Tensor | None  # [B] float32; 0.0 where off
-    no_penalties: bool
-    repetition_penalty: torch.Tensor | None  # [B] float32
-    presence_penalty: torch.Tensor | None  # [B] float32
-    frequency_penalty: torch.Tensor | None  # [B] float32
-    prompt_token_ids: torch.Tensor | None  # [B, Lp] int64 padded with vocab_size
-    output_token_ids: torch.Tensor | None  # [B, Lo] int64 padded with vocab_size
-    min_tokens_rows: torch.Tensor | None  # [M] rows and
-    min_tokens_cols: torch.Tensor | None  # [M] token ids to set to -inf
-    logprobs_k: list[int | None]  # per row: SamplingParams.logprobs
-    logprobs_rows: torch.Tensor | None  # [R] rows that asked for logprobs
-    max_num_logprobs: int | None  # largest k asked (None: no row asked)
+    # The host path's steps (SamplingMetadata.build); the defaults: no row has them.
+    no_penalties: bool = True
+    repetition_penalty: torch.Tensor | None = None  # [B] float32
+    presence_penalty: torch.Tensor | None = None  # [B] float32
+    frequency_penalty: torch.Tensor | None = None  # [B] float32
+    prompt_token_ids: torch.Tensor | None = None  # [B, Lp] int64 padded with vocab_size
+    output_token_ids: torch.Tensor | None = None  # [B, Lo] int64 padded with vocab_size
+    min_tokens_rows: torch.Tensor | None = None  # [M] rows and
+    min_tokens_cols: torch.Tensor | None = None  # [M] token ids to set to -inf
+    logprobs_k: list[int | None] | None = None  # per row: SamplingParams.logprobs
+    logprobs_rows: torch.Tensor | None = None  # [R] rows that asked for logprobs
+    max_num_logprobs: int | None = None  # largest k asked (None: no row asked)
     # logit_bias and bad_words: (rows, token ids, float32 biases, -inf for a bad word) to add,
     # None when no row has one
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None

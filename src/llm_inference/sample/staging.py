@@ -79,17 +79,6 @@ class SamplingArrays(Generic[T]):
             max_top_k=flags.max_top_k,
             top_p=self.top_p[:n] if flags.any_top_p else None,
             min_p=self.min_p[:n] if flags.any_min_p else None,
-            no_penalties=True,
-            repetition_penalty=None,
-            presence_penalty=None,
-            frequency_penalty=None,
-            prompt_token_ids=None,
-            output_token_ids=None,
-            min_tokens_rows=None,
-            min_tokens_cols=None,
-            logprobs_k=[None] * n,
-            logprobs_rows=None,
-            max_num_logprobs=None,
         )
 
 
