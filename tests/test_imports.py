@@ -19,6 +19,7 @@ FORBIDDEN = {
     "layers": {"core", "engine", "executor", "models", "entrypoints"},
     "models": {"core", "engine", "executor", "entrypoints"},
     "distributed": {"core", "engine", "executor", "models", "layers", "kernels", "entrypoints"},
+    "sample": {"core", "engine", "executor", "models", "layers", "entrypoints"},
     "executor": {"engine", "entrypoints"},
     "engine": {"entrypoints"},
 }

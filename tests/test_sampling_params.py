@@ -1,10 +1,19 @@
-"""SamplingParams: every invalid value raises a ValueError naming its field and range."""
+"""SamplingParams: every invalid value raises a ValueError naming its field and range; a
+validated object is frozen (changes make new validated objects) and knows its sampling path."""
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
+
 import pytest
 
-from llm_inference.sampling_params import SamplingParams
+from llm_inference.sampling_params import (
+    BeamSearchParams,
+    SamplingParams,
+    SamplingPath,
+    StructuredOutputsParams,
+)
 
 INVALID = [
     ("n", 0, "n must be an integer >= 1"),
@@ -90,14 +99,16 @@ def test_min_tokens_above_max_tokens():
 def test_boundary_values_are_accepted(kw):
     params = SamplingParams(**kw)
     for key, value in kw.items():
-        assert getattr(params, key) == value
+        assert getattr(params, key) == (tuple(value) if isinstance(value, list) else value)
 
 
 def test_stop_strings_and_defaults():
     assert SamplingParams(stop="x").stop_strings == ("x",)
     assert SamplingParams(stop=["x", "yz"]).stop_strings == ("x", "yz")
     assert SamplingParams().stop_strings == ()
-    assert SamplingParams().stop_token_ids == []
+    assert (
+        SamplingParams().stop_token_ids == () == SamplingParams(stop_token_ids=None).stop_token_ids
+    )
 
 
 def test_greedy():
@@ -107,25 +118,99 @@ def test_greedy():
     assert not SamplingParams().greedy
 
 
-def test_replace_and_clone_are_validated_copies():
+def test_replace_makes_a_validated_copy():
     params = SamplingParams(stop=["a"], stop_token_ids=[3], seed=1, temperature=0.5)
     other = params.replace(seed=2)
     assert other.seed == 2 and other.temperature == 0.5 and other.stop_strings == ("a",)
     assert params.seed == 1
-    twin = params.clone()
-    assert twin == params and twin is not params
-    twin.stop_token_ids.append(9)
-    assert params.stop_token_ids == [3]  # lists are not shared
+    assert params.replace() == params and params.replace() is not params
+    assert dataclasses.replace(params, logprobs=1).sampling_path is SamplingPath.SYNC
     with pytest.raises(ValueError, match="top_p"):
         params.replace(top_p=2.0)
 
 
-def test_logit_bias_and_allowed_token_ids_are_copied():
-    bias, allowed = {5: 2.0}, [1, 2]
-    p = SamplingParams(logit_bias=bias, allowed_token_ids=allowed)
-    bias[6], allowed[0] = 1.0, 9  # the caller's objects change; the params do not
-    q = p.replace()
-    q.logit_bias[7], q.allowed_token_ids[1] = 3.0, 8
-    assert p.logit_bias == {5: 2.0} and p.allowed_token_ids == [1, 2]
-    assert p.has_logit_bias and not SamplingParams().has_logit_bias
+def test_given_containers_are_copied_and_lists_become_tuples():
+    bias, allowed, stop_ids, words = {5: 2.0}, [1, 2], [7], ["no"]
+    p = SamplingParams(logit_bias=bias, allowed_token_ids=allowed, stop_token_ids=stop_ids,
+                       bad_words=words)  # fmt: skip
+    bias[6], allowed[0], stop_ids[0], words[0] = 1.0, 9, 8, "yes"  # the caller's objects change
+    assert p.logit_bias == {5: 2.0} and p.logit_bias is not bias  # the params do not
+    assert (p.allowed_token_ids, p.stop_token_ids, p.bad_words) == ((1, 2), (7,), ("no",))
     assert SamplingParams(logit_bias={}).logit_bias is None  # an empty dict is no bias
+    assert SamplingParams(bad_words=[]).bad_words is None
+    choice = ["yes", "no"]
+    so = StructuredOutputsParams(choice=choice)
+    choice[0] = "maybe"
+    assert so.choice == ("yes", "no")
+
+
+def test_validated_params_are_frozen():
+    p = SamplingParams(temperature=0.5, stop="x", bad_words=["w"])
+    for name in [f.name for f in dataclasses.fields(p)]:
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(p, name, getattr(p, name))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        StructuredOutputsParams(choice=["a"]).choice = ("b",)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        BeamSearchParams(beam_width=2, max_tokens=4).beam_width = 3
+    with pytest.raises(AttributeError):
+        p.stop_token_ids.append(3)  # a tuple: nothing to change inside either
+    # plain data for the workers: a pickled copy is equal and knows its path
+    q = SamplingParams(logprobs=2, structured_outputs=StructuredOutputsParams(choice=["a"]))
+    back = pickle.loads(pickle.dumps(q))
+    assert back == q and back.sampling_path is SamplingPath.SYNC
+
+
+STAGED_KINDS = [
+    dict(),
+    dict(temperature=0.0),
+    dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=3),
+    dict(n=3, max_tokens=5, stop=["."], stop_token_ids=[2], ignore_eos=True, prompt_logprobs=1),
+    dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0),
+]
+HOST_KINDS = [
+    dict(min_tokens=1),
+    dict(logit_bias={3: 2.0}),
+    dict(allowed_token_ids=[3, 4]),
+    dict(temperature=0.0, min_tokens=2, logit_bias={1: -1.0}),
+]
+SYNC_KINDS = [
+    dict(repetition_penalty=1.1),
+    dict(presence_penalty=0.5),
+    dict(frequency_penalty=-0.5),
+    dict(logprobs=0),
+    dict(bad_words=["w"]),
+    dict(structured_outputs=StructuredOutputsParams(choice=["a", "b"])),
+    dict(min_tokens=1, logprobs=3),  # the most demanding kind decides
+    dict(allowed_token_ids=[1], repetition_penalty=0.9),
+]
+
+
+@pytest.mark.parametrize(
+    "kw,path",
+    [(kw, SamplingPath.STAGED) for kw in STAGED_KINDS]
+    + [(kw, SamplingPath.HOST) for kw in HOST_KINDS]
+    + [(kw, SamplingPath.SYNC) for kw in SYNC_KINDS],
+)
+def test_sampling_path_of_each_kind_of_parameter(kw, path):
+    p = SamplingParams(**kw)
+    assert p.sampling_path is path
+    assert p.replace(seed=11).sampling_path is path  # recomputed with every copy
+
+
+def test_with_token_ids_makes_a_new_object():
+    class Tokenizer:
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) for c in text]
+
+    p = SamplingParams(bad_words=["ab"], min_tokens=1,
+                       structured_outputs=StructuredOutputsParams(choice=["xy", "z"]))  # fmt: skip
+    q = p.with_token_ids(Tokenizer())
+    assert q is not p and p.bad_words_token_ids == p.choice_token_ids == ()
+    assert q.bad_words_token_ids == ((97, 98),)  # " ab" is longer: no second sequence
+    assert q.choice_token_ids == ((120, 121), (122,))
+    assert q.replace(n=2, seed=5).choice_token_ids == q.choice_token_ids  # children keep them
+    plain = SamplingParams()
+    assert plain.with_token_ids(Tokenizer()) is plain
+    with pytest.raises(ValueError, match="min_tokens=2 exceeds the 1 token"):
+        p.replace(min_tokens=2).with_token_ids(Tokenizer())

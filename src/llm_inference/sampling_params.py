@@ -1,12 +1,17 @@
 """SamplingParams: how one request picks its tokens (vLLM-compatible names).
 
 Every field is checked in ``__post_init__``; an invalid value raises ``ValueError`` whose
-message names the field and the range it allows.
+message names the field and the range it allows. The objects are frozen: what validation
+derives (`stop_strings`, `sampling_path`) is computed once, in ``__post_init__``, and a change
+(a seed, the token ids of bad words and choices) makes a new validated object
+(`dataclasses.replace`). Lists given are stored as tuples, so one object can be shared by the
+front end, the scheduler and the workers, and pickled to worker processes, as plain data.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from dataclasses import dataclass, field
 
@@ -23,13 +28,34 @@ def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-@dataclass
+class SamplingPath(enum.IntEnum):
+    """How a request's tokens are sampled, decided once from its parameters when they are
+    validated (`SamplingParams.sampling_path`). Each path needs everything the ones before it
+    need; the engine core, the worker's input batch and the sampler all read this one value.
+
+    STAGED: temperature, top-k, top-p, min-p and the seed only. The worker stages these
+        numbers into the step's device buffers and the sampler reads them there, its logits
+        untouched before the race (sample/staging.py); steps overlap (async scheduling).
+    HOST: also min_tokens, logit_bias or allowed_token_ids. The sampler's inputs are built on
+        the host each step from the parameters and the output count, which counts the sample
+        still in flight (SamplingMetadata.build); steps still overlap.
+    SYNC: also penalties, bad_words, a structured choice or logprobs. The sampler reads the
+        output tokens themselves, or sends logprobs to the host: the request's steps run one
+        at a time.
+    """
+
+    STAGED = 0
+    HOST = 1
+    SYNC = 2
+
+
+@dataclass(frozen=True)
 class StructuredOutputsParams:
     """vLLM's structured outputs. `choice`: the output is exactly one of these strings (then
-    EOS). The other kinds (`json`, `regex`, `grammar`, `json_object`) are not supported yet:
-    setting one raises ValueError."""
+    EOS), stored as a tuple. The other kinds (`json`, `regex`, `grammar`, `json_object`) are
+    not supported yet: setting one raises ValueError."""
 
-    choice: list[str] | None = None
+    choice: tuple[str, ...] | None = None
     json: object | None = None
     regex: str | None = None
     grammar: str | None = None
@@ -40,9 +66,9 @@ class StructuredOutputsParams:
             if getattr(self, name) not in (None, False):
                 raise ValueError(f"structured_outputs.{name} is not supported yet (choice is)")
         if isinstance(self.choice, (list, tuple)):
-            self.choice = list(self.choice)
+            object.__setattr__(self, "choice", tuple(self.choice))
         if not (
-            isinstance(self.choice, list)
+            isinstance(self.choice, tuple)
             and self.choice
             and all(isinstance(c, str) and c for c in self.choice)
         ):
@@ -52,7 +78,7 @@ class StructuredOutputsParams:
             )
 
 
-@dataclass
+@dataclass(frozen=True)
 class BeamSearchParams:
     """vLLM's beam search parameters (`LLM.beam_search`): keep the `beam_width` best
     sequences by cumulative log-probability / length ** `length_penalty`, for at most
@@ -83,7 +109,7 @@ class BeamSearchParams:
                 raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -94,8 +120,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | tuple[str, ...] | None = None
+    stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     max_tokens: int | None = 16
@@ -106,35 +132,59 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only, no text (as vLLM's; no stop strings)
-    # Added to the logits before sampling ({token id: bias in [-100, 100]}, OpenAI's range).
+    # Added to the logits before sampling ({token id: bias in [-100, 100]}, OpenAI's range); a
+    # copy of the dict given, which nothing changes.
     logit_bias: dict[int, float] | None = None
     # Only these token ids may be sampled (vLLM's field).
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
     # Keep only the prompt's last k tokens (left truncation); -1: the last max_model_len.
     truncate_prompt_tokens: int | None = None
     # Words the output may not contain (vLLM's): a word's last token is masked whenever the
     # tokens before it end the output (a one-token word: always).
-    bad_words: list[str] | None = None
+    bad_words: tuple[str, ...] | None = None
     structured_outputs: StructuredOutputsParams | None = None
-    stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
-    # bad_words as token id sequences, set by the engine from its tokenizer (`tokenize_bad_words`)
-    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(init=False, repr=False, default=())
-    # structured_outputs.choice as token id sequences, set by the engine (`tokenize_choices`)
-    choice_token_ids: tuple[tuple[int, ...], ...] = field(init=False, repr=False, default=())
+    # bad_words and structured_outputs.choice as token id sequences: set by the front end from
+    # its tokenizer (`with_token_ids`), empty until then.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False, kw_only=True)
+    choice_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False, kw_only=True)
+    # Derived in __post_init__:
+    stop_strings: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
+    sampling_path: SamplingPath = field(
+        init=False, repr=False, compare=False, default=SamplingPath.STAGED
+    )
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop_strings = (self.stop,)
-        else:
-            self.stop_strings = tuple(self.stop or ())
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if isinstance(self.logit_bias, dict):
-            self.logit_bias = dict(self.logit_bias) or None
-        if isinstance(self.allowed_token_ids, (list, tuple)):
-            self.allowed_token_ids = list(self.allowed_token_ids)
-        if isinstance(self.bad_words, (list, tuple)):
-            self.bad_words = list(self.bad_words) or None
-        self._validate()
+        self._validate()  # the values as given, so that an error shows them so
+
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+
+        def as_tuple(value):
+            return tuple(value) if isinstance(value, list) else value
+
+        put("stop", as_tuple(self.stop))
+        put("stop_strings", (self.stop,) if isinstance(self.stop, str) else self.stop or ())
+        put("stop_token_ids", tuple(self.stop_token_ids or ()))
+        put("logit_bias", None if self.logit_bias is None else dict(self.logit_bias) or None)
+        put("allowed_token_ids", as_tuple(self.allowed_token_ids))
+        put("bad_words", as_tuple(self.bad_words) or None)
+        put("bad_words_token_ids", tuple(map(tuple, self.bad_words_token_ids)))
+        put("choice_token_ids", tuple(map(tuple, self.choice_token_ids)))
+        put("sampling_path", self._sampling_path())
+
+    def _sampling_path(self) -> SamplingPath:
+        if (
+            self.logprobs is not None
+            or self.bad_words is not None
+            or self.structured_outputs is not None
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        ):
+            return SamplingPath.SYNC
+        if self.min_tokens > 0 or self.logit_bias is not None or self.allowed_token_ids is not None:
+            return SamplingPath.HOST
+        return SamplingPath.STAGED
 
     def _validate(self) -> None:
         def fail(name: str, allowed: str) -> None:
@@ -175,11 +225,13 @@ class SamplingParams:
             not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
         ):
             fail("prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+        ids = self.stop_token_ids or ()
+        if not (isinstance(ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in ids)):
             fail("stop_token_ids", "a list of non-negative integers")
-        if not all(isinstance(s, str) and s for s in self.stop_strings):
+        stops = (self.stop,) if isinstance(self.stop, str) else self.stop or ()
+        if not (isinstance(stops, (list, tuple)) and all(isinstance(s, str) and s for s in stops)):
             fail("stop", "a non-empty string or a list of non-empty strings")
-        if self.stop_strings and not self.detokenize:
+        if stops and not self.detokenize:
             fail("stop", "empty when detokenize=False (stop strings need the text)")
         if self.logit_bias is not None and not (
             isinstance(self.logit_bias, dict)
@@ -193,7 +245,7 @@ class SamplingParams:
         ):
             fail("truncate_prompt_tokens", "None, -1 (the model's length) or an integer >= 1")
         if self.bad_words is not None and not (
-            isinstance(self.bad_words, list)
+            isinstance(self.bad_words, (list, tuple))
             and all(isinstance(w, str) and w.strip() for w in self.bad_words)
         ):
             fail("bad_words", "None or a list of non-empty strings")
@@ -203,7 +255,7 @@ class SamplingParams:
             if self.allowed_token_ids is not None:
                 fail("allowed_token_ids", "None with structured_outputs")
         if self.allowed_token_ids is not None and not (
-            isinstance(self.allowed_token_ids, list)
+            isinstance(self.allowed_token_ids, (list, tuple))
             and self.allowed_token_ids
             and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)
         ):
@@ -214,31 +266,32 @@ class SamplingParams:
         """True when the request takes the argmax (temperature 0, or below GREEDY_EPS)."""
         return self.temperature < GREEDY_EPS
 
-    @property
-    def has_penalties(self) -> bool:
-        """True when a repetition, presence or frequency penalty is on (they read the
-        request's token lists)."""
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-        )
+    def with_token_ids(self, tokenizer) -> SamplingParams:
+        """A validated copy with `bad_words_token_ids` and `choice_token_ids` from `tokenizer`
+        (the front end's, once per request); itself when there are neither.
 
-    @property
-    def has_logit_bias(self) -> bool:
-        """True when logit_bias, allowed_token_ids, bad_words or structured_outputs change the
-        logits before sampling."""
-        return (
-            self.logit_bias is not None
-            or self.allowed_token_ids is not None
-            or self.bad_words is not None
-            or self.structured_outputs is not None
-        )
-
-    def tokenize_choices(self, tokenizer) -> None:
-        """Set `choice_token_ids`: each structured_outputs choice as the tokenizer encodes it.
-        A choice shorter than `min_tokens` could never end (EOS stays masked while the choice
-        allows nothing else), so that combination is refused here, naming both."""
+        A bad word is tokenized alone and after a space (as vLLM does: the word at the start
+        of the text and inside it), the second only when it is another sequence of the same
+        length. Refused with ValueError, naming what conflicts: a choice shorter than
+        `min_tokens` (it could never end: EOS stays masked while the choice allows nothing
+        else), and allowed_token_ids that are all one-token bad words (every token masked at
+        the first step)."""
+        if self.bad_words is None and self.structured_outputs is None:
+            return self
+        seqs: list[tuple[int, ...]] = []
+        for word in self.bad_words or ():
+            alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            seqs.append(alone)
+            if spaced and alone and spaced[0] != alone[0] and len(spaced) == len(alone):
+                seqs.append(spaced)
+        bad_words = tuple(s for s in seqs if s)
+        banned = {s[0] for s in bad_words if len(s) == 1}
+        if self.allowed_token_ids is not None and set(self.allowed_token_ids) <= banned:
+            raise ValueError(
+                f"every token of allowed_token_ids {sorted(set(self.allowed_token_ids))} is a "
+                "bad word: nothing could be generated"
+            )
         choices = self.structured_outputs.choice if self.structured_outputs else ()
         ids = tuple(tuple(tokenizer.encode(c, add_special_tokens=False)) for c in choices)
         shortest = min(ids, key=len, default=None)
@@ -249,36 +302,8 @@ class SamplingParams:
                 f"structured_outputs.choice {choices[i]!r}: that choice could never end, and "
                 "the output must be one of the choices"
             )
-        self.choice_token_ids = ids
-
-    def tokenize_bad_words(self, tokenizer) -> None:
-        """Set `bad_words_token_ids`: each word as tokenized alone and after a space (as vLLM
-        does: the word at the start of the text and inside it), the second only when it is
-        another sequence of the same length."""
-        seqs: list[tuple[int, ...]] = []
-        for word in self.bad_words or ():
-            alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
-            spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-            seqs.append(alone)
-            if spaced and alone and spaced[0] != alone[0] and len(spaced) == len(alone):
-                seqs.append(spaced)
-        self.bad_words_token_ids = tuple(s for s in seqs if s)
-        banned = {s[0] for s in self.bad_words_token_ids if len(s) == 1}
-        if self.allowed_token_ids is not None and set(self.allowed_token_ids) <= banned:
-            # every token masked at the first step: refused here rather than sampled anyway
-            raise ValueError(
-                f"every token of allowed_token_ids {sorted(set(self.allowed_token_ids))} is a "
-                "bad word: nothing could be generated"
-            )
+        return dataclasses.replace(self, bad_words_token_ids=bad_words, choice_token_ids=ids)
 
     def replace(self, **changes) -> SamplingParams:
-        """A validated copy with some fields changed (lists are copied, never shared)."""
-        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
-        kw.update(changes)
-        if isinstance(kw["stop"], list):
-            kw["stop"] = list(kw["stop"])
-        kw["stop_token_ids"] = list(kw["stop_token_ids"] or [])
-        return SamplingParams(**kw)  # __post_init__ copies logit_bias, allowed_token_ids, bad_words
-
-    def clone(self) -> SamplingParams:
-        return self.replace()
+        """A validated copy with some fields changed (`dataclasses.replace`)."""
+        return dataclasses.replace(self, **changes)

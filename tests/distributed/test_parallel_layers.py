@@ -6,8 +6,7 @@ rank ends with the tokens one rank samples."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -22,8 +21,8 @@ from llm_inference.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from llm_inference.layers.sampler import STATUS_BAD, STATUS_EMPTY
 from llm_inference.models.loader import LazySlice
+from llm_inference.sample.sampler import STATUS_BAD, STATUS_EMPTY
 from llm_inference.sampling_params import SamplingParams
 
 H, HEADS, KV, D, INTER, V = 32, 4, 2, 8, 48, 37  # V: no world size divides it (padding)
@@ -109,7 +108,7 @@ def run_layers(path: str) -> dict:
 
 
 # Sample rows of each kind: plain greedy (distributed argmax), seeded, logprobs, min_tokens
-# active (gathered to rank 0, sampled, broadcast). One set of each path and one mixed.
+# (gathered to rank 0, sampled, broadcast). One set of each path and one mixed.
 SAMPLE_PARAMS = [
     SamplingParams(temperature=0.0),
     SamplingParams(temperature=0.9, seed=3),
@@ -121,29 +120,23 @@ SAMPLE_SETS = {"greedy": [0, 4], "gathered": [1, 2, 3], "mixed": [0, 1, 2, 3, 4]
 
 
 def tp_sample(head: ParallelLMHead, hidden: torch.Tensor, rows: list[int]) -> dict:
-    """sample_tensor_parallel over `rows` of `hidden` with a stand-in model runner."""
-    from llm_inference.executor.tp_sampling import sample_tensor_parallel
-    from llm_inference.layers.sampler import Sampler, SamplingMetadata
+    """sample_tensor_parallel over `rows` of `hidden`, their inputs built as the runner does."""
+    from llm_inference.kernels import reference
+    from llm_inference.sample.sampler import Sampler
+    from llm_inference.sample.staging import SamplingRows
+    from llm_inference.sample.tensor_parallel import sample_tensor_parallel
 
-    def sampling_metadata(batch_rows, num_outputs):
-        params = [SAMPLE_PARAMS[r] for r in batch_rows]
-        n = len(params)
-        seeds = [p.seed or 0 for p in params]
-        return SamplingMetadata.build(
-            params, [[1, 2]] * n, [[]] * n, seeds, (), V, "cpu", num_output_tokens=num_outputs
-        )
-
-    batch = SimpleNamespace(rows={str(r): r for r in rows}, params=SAMPLE_PARAMS)
-    runner = SimpleNamespace(
-        input_batch=batch,
-        model=SimpleNamespace(lm_head=head),
-        sampler=Sampler(use_triton=False),
-        sampling_metadata=sampling_metadata,
-    )
-    ids = [str(r) for r in rows]
+    state = SamplingRows(len(SAMPLE_PARAMS), V)
+    for r, p in enumerate(SAMPLE_PARAMS):
+        state.add(r, p.replace(seed=p.seed or 0), [1, 2])
     num_outputs = [2] * len(rows)  # min_tokens=4 still active
     with torch.no_grad():
-        out = sample_tensor_parallel(runner, ids, list(range(len(rows))), num_outputs, hidden[rows])
+        out = sample_tensor_parallel(
+            Sampler(reference), head.compute_local_logits(hidden[rows]), head.vocab_start,
+            head.vocab_size, None, state.argmax_only(np.array(rows)),
+            lambda ks: state.metadata([rows[k] for k in ks], [num_outputs[k] for k in ks], (),
+                                      "cpu"),
+        )  # fmt: skip
     first = ps.get_tp_rank() == 0
     return {
         "tokens": out.token_ids,
@@ -168,7 +161,7 @@ def argmax_rows() -> torch.Tensor:
 
 
 def rank_body(rank: int, world_size: int, path: str) -> dict:
-    from llm_inference.executor.tp_sampling import distributed_argmax
+    from llm_inference.sample.tensor_parallel import distributed_argmax
 
     out = run_layers(path)
     rows = argmax_rows()
@@ -285,21 +278,3 @@ def test_loader_reads_only_the_rank_slices(tiny_ckpt, monkeypatch):
     real = emb.shape[0] - shard
     assert torch.equal(model.embed_tokens.weight[:real], emb[shard:])
     assert not model.embed_tokens.weight[real:].any()
-
-
-def test_races_on_slices_only_for_staged_unfiltered_sampled_steps():
-    from llm_inference.executor.input_batch import SamplingFlags
-    from llm_inference.executor.tp_sampling import races_on_slices
-
-    def flags(**kw):
-        base = dict(all_greedy=False, all_random=True, any_top_k=False, max_top_k=0,
-                    any_top_p=False, any_min_p=False)  # fmt: skip
-        return SamplingFlags(**{**base, **kw})
-
-    assert races_on_slices(flags(), True)
-    assert races_on_slices(flags(all_random=False), True)  # some greedy rows among them
-    assert not races_on_slices(flags(), False)  # the PyTorch sampler: gather to rank 0
-    assert not races_on_slices(None, True)  # penalties, min_tokens or logprobs: not staged
-    assert not races_on_slices(flags(all_greedy=True, all_random=False), True)  # argmax
-    for filtered in ("any_top_k", "any_top_p", "any_min_p"):
-        assert not races_on_slices(flags(**{filtered: True}), True), filtered

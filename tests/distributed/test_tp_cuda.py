@@ -116,7 +116,7 @@ def test_tp2_async_greedy_equals_tp1(folder):
 
 def test_tp2_seeded_sampling_races_on_slices(folder):
     """Seeded temperature sampling without logprobs: the staged inputs let each rank race over
-    its vocabulary slice (tp_sampling.distributed_race, no gather of the logits). With logprobs
+    its vocabulary slice (tensor_parallel.distributed_race, no gather of the logits). With logprobs
     the same requests take the gather path (rank 0 samples the whole row). Both see the same
     logits and draw the same noise, so the tokens must be identical, greedy rows among them."""
     runs = {}

@@ -39,8 +39,7 @@ def test_banned_word_never_appears(tiny_ckpt, size):
         base = llm.generate(PROMPTS, greedy(), use_tqdm=False)
         words = [w for o in base[:1] for w in clean_words(tok, o.token_ids, size)]
         assert words, "no clean word in the greedy output to ban"
-        banned = greedy(bad_words=[words[0]])
-        banned.tokenize_bad_words(tok)
+        banned = greedy(bad_words=[words[0]]).with_token_ids(tok)
         assert any(contains(base[0].token_ids, s) for s in banned.bad_words_token_ids)
         outs = llm.generate(PROMPTS, [banned, greedy(), greedy()], use_tqdm=False)
         assert not any(contains(outs[0].token_ids, s) for s in banned.bad_words_token_ids)
@@ -52,8 +51,7 @@ def test_bad_words_token_sequences(tiny_ckpt):
     from llm_inference.models.loader import load_tokenizer
 
     tok = load_tokenizer(tiny_ckpt)
-    p = SamplingParams(bad_words=["fox", " quick brown"])
-    p.tokenize_bad_words(tok)
+    p = SamplingParams(bad_words=["fox", " quick brown"]).with_token_ids(tok)
     enc = lambda s: tuple(tok.encode(s, add_special_tokens=False))  # noqa: E731
     want = [enc("fox")]
     if enc(" fox")[0] != enc("fox")[0] and len(enc(" fox")) == len(enc("fox")):

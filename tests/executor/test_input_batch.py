@@ -22,13 +22,14 @@ INPUTS = ("input_ids", "positions", "slot_mapping")
 def snapshot(step, buffers: InputBuffers) -> dict:
     """The step's inputs as plain lists (the buffers are overwritten by the next step)."""
     n, s = step.num_tokens, step.num_seqs
-    snap = {name: buffers.np[name][:n].tolist() for name in INPUTS}
-    snap["query_start_loc"] = buffers.np["query_start_loc"][: s + 1].tolist()
-    snap["seq_lens"] = buffers.np["seq_lens"][:s].tolist()
-    order = buffers.np["seq_order"][:s].tolist()  # the decode kernel's order: longest first
+    b = buffers.np
+    snap = {name: getattr(b, name)[:n].tolist() for name in INPUTS}
+    snap["query_start_loc"] = b.query_start_loc[: s + 1].tolist()
+    snap["seq_lens"] = b.seq_lens[:s].tolist()
+    order = b.seq_order[:s].tolist()  # the decode kernel's order: longest first
     assert sorted(order) == list(range(s))
     assert [snap["seq_lens"][i] for i in order] == sorted(snap["seq_lens"], reverse=True)
-    snap["logits_indices"] = buffers.np["logits_indices"][: len(step.sample_rows)].tolist()
+    snap["logits_indices"] = b.logits_indices[: len(step.sample_rows)].tolist()
     snap["block_table"] = [
         row[: -(-length // 4)].tolist()
         for row, length in zip(buffers.np_table[:s], snap["seq_lens"])
@@ -41,12 +42,12 @@ def snapshot(step, buffers: InputBuffers) -> dict:
     owner = [step.request_ids[bisect.bisect_right(qsl, t) - 1] for t in step.placeholder_tokens]
     snap["placeholders"] = list(zip(step.placeholder_tokens, owner))
     m = len(step.placeholder_tokens)
-    snap["placeholder_src"] = buffers.np["placeholder_src"][:m].tolist()
+    snap["placeholder_src"] = b.placeholder_src[:m].tolist()
     snap["sampling"] = step.sampling
     if step.sampling is not None:  # the sampler's inputs, staged with the step's
         k = len(step.sample_rows)
-        for name in ("sample_keys", "sample_top_k", "sample_greedy", "sample_temperature"):
-            snap[name] = buffers.np[name][:k].tolist()
+        for name in ("keys", "top_k", "greedy", "temperature"):
+            snap[name] = getattr(b.sampling, name)[:k].tolist()
     return snap
 
 
@@ -157,14 +158,15 @@ def test_runner_inputs_agree_with_the_python_oracle(recording):
 
 def test_pad_decode_fills_padding_rows():
     buffers = InputBuffers(max_tokens=8, max_seqs=8, max_blocks=4, device="cpu")
+    b = buffers.np
     for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc"):
-        buffers.np[name][:] = 77
+        getattr(b, name)[:] = 77
     buffers.pad_decode(3, 8)
-    assert buffers.np["seq_order"][3:8].tolist() == [3, 4, 5, 6, 7]  # after the real rows
-    assert buffers.np["slot_mapping"][3:8].tolist() == [-1] * 5
-    assert buffers.np["seq_lens"][3:8].tolist() == [1] * 5
-    assert buffers.np["query_start_loc"][3:9].tolist() == [3, 4, 5, 6, 7, 8]
-    assert buffers.np["slot_mapping"][:3].tolist() == [77] * 3  # real rows untouched
+    assert b.seq_order[3:8].tolist() == [3, 4, 5, 6, 7]  # after the real rows
+    assert b.slot_mapping[3:8].tolist() == [-1] * 5
+    assert b.seq_lens[3:8].tolist() == [1] * 5
+    assert b.query_start_loc[3:9].tolist() == [3, 4, 5, 6, 7, 8]
+    assert b.slot_mapping[:3].tolist() == [77] * 3  # real rows untouched
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging needs CUDA")
@@ -176,13 +178,13 @@ def test_staging_cycles_through_persistent_pinned_arrays_after_their_copy():
     seen, copies = [], []
     for step in range(3 * buffers.STAGES):
         buffers.stage()
-        assert buffers.host.is_pinned() and buffers.host_table.is_pinned()
-        seen.append(buffers.host.data_ptr())
+        assert buffers.host_flat.is_pinned() and buffers.host_table.is_pinned()
+        seen.append(buffers.host_flat.data_ptr())
         torch.cuda._sleep(10_000_000)  # the GPU busy: the copy below runs well after this
-        buffers.np["input_ids"][:] = step
+        buffers.np.input_ids[:] = step
         buffers.np_table[:] = step
         buffers.to_device(8, 4)
-        copies.append((buffers.views["input_ids"].clone(), buffers.dev_table.clone()))
+        copies.append((buffers.dev.input_ids.clone(), buffers.dev_table.clone()))
     torch.cuda.synchronize()
     for step, (ids, table) in enumerate(copies):
         assert ids.eq(step).all() and table.eq(step).all(), step
@@ -200,20 +202,21 @@ def test_pad_mixed_fills_padding_tokens_and_sequences():
     step, buffers = build_step(MIXED, max_seqs=8, max_tokens=80, gen=torch.Generator())
     t, s = step.num_tokens, step.num_seqs
     assert (t, s) == (47, 5)
-    before = {name: arr.copy() for name, arr in buffers.np.items()}
+    b = buffers.np
+    before = {name: arr.copy() for name, arr in vars(b).items() if name != "sampling"}
     table = buffers.np_table.copy()
     buffers.pad_mixed(t, s, 64)
-    b = buffers.np
-    assert b["input_ids"][t:64].tolist() == [0] * 17
-    assert b["positions"][t:64].tolist() == [0] * 17
-    assert b["slot_mapping"][t:64].tolist() == [-1] * 17
-    assert b["query_start_loc"].tolist() == before["query_start_loc"][: s + 1].tolist() + [t] * 3
-    assert b["seq_lens"].tolist() == before["seq_lens"][:s].tolist() + [0] * 3
+    assert b.input_ids[t:64].tolist() == [0] * 17
+    assert b.positions[t:64].tolist() == [0] * 17
+    assert b.slot_mapping[t:64].tolist() == [-1] * 17
+    assert b.query_start_loc.tolist() == before["query_start_loc"][: s + 1].tolist() + [t] * 3
+    assert b.seq_lens.tolist() == before["seq_lens"][:s].tolist() + [0] * 3
     for name in ("input_ids", "positions", "slot_mapping"):
-        assert (b[name][:t] == before[name][:t]).all(), name  # real tokens unchanged
-        assert (b[name][64:] == before[name][64:]).all(), name  # past the bucket: untouched
+        now = getattr(b, name)
+        assert (now[:t] == before[name][:t]).all(), name  # real tokens unchanged
+        assert (now[64:] == before[name][64:]).all(), name  # past the bucket: untouched
     for name in ("logits_indices", "placeholder_dst", "placeholder_src"):
-        assert (b[name] == before[name]).all(), name
+        assert (getattr(b, name) == before[name]).all(), name
     assert (buffers.np_table == table).all()  # padding sequences' table rows are never read
 
 
@@ -243,7 +246,7 @@ def test_placeholders_filled_in_place_equal_the_general_fill(tiny_ckpt):
             seen.append(in_place)
             if not m:
                 return fill(m, in_place)
-            ids = runner.buffers.views["input_ids"]
+            ids = runner.buffers.dev.input_ids
             general = ids.clone()
             ModelRunner._fill_placeholders(runner, m)  # the general path
             general, ids[:] = ids.clone(), general

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llm_inference.executor.pending import PendingOutput, TokenSlots
-from llm_inference.layers.sampler import STATUS_BAD, SamplerOutput
+from llm_inference.sample.sampler import STATUS_BAD, SamplerOutput
 
 
 def _out(tokens: torch.Tensor) -> SamplerOutput:

@@ -15,8 +15,9 @@ Async scheduling (`EngineConfig.async_scheduling`, on by default): `step()` sche
 launches step n+1 before it waits for step n's tokens, so the host work of one step (schedule,
 input building, updating the previous one, and the front end's work on what it returns) runs
 while the device computes. The scheduler counts each sample in flight as a placeholder token,
-and the workers feed it to the next step straight from the device. Requests with penalties or
-logprobs need every token on the host first: while one is live, steps run one at a time.
+and the workers feed it to the next step straight from the device. While a request whose
+sampling needs every token on the host first is live (`SamplingPath.SYNC`: penalties, bad
+words, a choice, logprobs), steps run one at a time.
 """
 
 from __future__ import annotations
@@ -29,22 +30,11 @@ from llm_inference.core.outputs import EngineCoreOutput, SchedulerOutput
 from llm_inference.core.request import Request, RequestStatus
 from llm_inference.core.scheduler import Scheduler
 from llm_inference.executor.executor import Executor
-from llm_inference.sampling_params import SamplingParams
+from llm_inference.sampling_params import SamplingPath
 
 
 class KVCacheTooSmallError(ValueError):
     pass
-
-
-def needs_sync(params: SamplingParams) -> bool:
-    """Penalties, bad words and structured outputs read every output token, and logprobs are
-    built on the host each step."""
-    return (
-        params.logprobs is not None
-        or params.has_penalties
-        or params.bad_words is not None
-        or params.structured_outputs is not None
-    )
 
 
 class EngineCore:
@@ -103,7 +93,7 @@ class EngineCore:
         """Queue requests the front end has validated (their ids are new)."""
         for request in requests:
             self.scheduler.add_request(request)
-            if needs_sync(request.sampling_params):
+            if request.sampling_params.sampling_path is SamplingPath.SYNC:
                 self._sync_ids.add(request.request_id)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:

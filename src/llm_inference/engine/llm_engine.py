@@ -131,14 +131,8 @@ class LLMEngine:
         prompt_token_ids = self.truncated(prompt_token_ids, params)
         # Every request gets a seed: its random stream never depends on its batch companions.
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
+        params = params.with_token_ids(self.tokenizer)  # tokenized once, for every child
         children = [replace(params, n=1, seed=child_seed(seed, j)) for j in range(params.n)]
-        if params.bad_words or params.structured_outputs:  # tokenized once, for every child
-            first = children[0]
-            first.tokenize_bad_words(self.tokenizer)
-            first.tokenize_choices(self.tokenizer)
-            for child in children[1:]:
-                child.bad_words_token_ids = first.bad_words_token_ids
-                child.choice_token_ids = first.choice_token_ids
         kind = output_kind or (
             RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY
         )

@@ -91,7 +91,7 @@ class CudaGraphs:
         self.max_model_len = max_model_len
         self.decode_buckets = batch_buckets(max_num_seqs)
         self.mixed_buckets = sorted(set(mixed_sizes))
-        if self.mixed_buckets and self.mixed_buckets[-1] > len(buffers.views["input_ids"]):
+        if self.mixed_buckets and self.mixed_buckets[-1] > len(buffers.dev.input_ids):
             raise ValueError(f"mixed graph size {self.mixed_buckets[-1]} exceeds the buffers")
         if self.mixed_buckets and self.mixed_buckets[0] < 2:
             raise ValueError("mixed graph sizes must be at least 2")
@@ -102,7 +102,7 @@ class CudaGraphs:
 
     def _args(self, key: tuple[str, int]):
         kind, size = key
-        views = self.buffers.views
+        dev = self.buffers.dev
         backend = self.model.attn_backend
         if kind == DECODE:
             md = backend.graph_metadata(self.buffers.attention, size, self.max_model_len)
@@ -110,7 +110,7 @@ class CudaGraphs:
             md = backend.graph_metadata(
                 self.buffers.attention, self.max_num_seqs, self.max_model_len, num_tokens=size
             )
-        return views["input_ids"][:size], views["positions"][:size], md
+        return dev.input_ids[:size], dev.positions[:size], md
 
     def keys(self) -> list[tuple[str, int]]:
         """Every graph, in capture order: largest first, mixed before decode."""

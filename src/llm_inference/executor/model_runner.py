@@ -17,10 +17,10 @@ from llm_inference.distributed.parallel_state import get_tp_rank, get_tp_size
 from llm_inference.executor.cuda_graph import CudaGraphs, mixed_buckets
 from llm_inference.executor.input_batch import InputBatch, InputBuffers, StepInputs
 from llm_inference.executor.pending import PendingOutput, TokenSlots
-from llm_inference.executor.tp_sampling import sample_tensor_parallel
 from llm_inference.kernels import get_ops
-from llm_inference.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from llm_inference.models.loader import load_model
+from llm_inference.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
+from llm_inference.sample.tensor_parallel import sample_tensor_parallel
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -40,7 +40,7 @@ class ModelRunner:
         self.model = load_model(
             config.model_path, ops, device, self.dtype, config.model, config.skinny_gemm
         )
-        self.sampler = Sampler(use_triton=config.kernel_backend == "triton")
+        self.sampler = Sampler(ops)
         self.block_size = config.cache.block_size
         sched = config.scheduler
         self.input_batch = InputBatch(
@@ -125,7 +125,7 @@ class ModelRunner:
             self.graphs.capture()
         elif self.device.type == "cuda" and self.config.kernel_backend == "triton":
             self._warm_up_eager()
-        if self.device.type == "cuda" and self.sampler.uses_triton(self.device):
+        if self.device.type == "cuda" and self.sampler.fused:
             self._warm_up_sampler()
 
     def _warm_up_eager(self) -> None:
@@ -148,17 +148,15 @@ class ModelRunner:
         """Compile the fused sampler's kernels for the staged sampling inputs, and the LM head
         at one row and at all, before the first request, as the graph capture does the model's
         (kernels/sampling.py, "Compiles")."""
-        from llm_inference.kernels import sampling
-
-        rows, views = self.config.scheduler.max_num_seqs, self.buffers.views
+        rows, staged = self.config.scheduler.max_num_seqs, self.buffers.dev.sampling
         lm_head = self.model.lm_head
         hidden = torch.zeros(rows, lm_head.weight.shape[1], dtype=self.dtype, device=self.device)
         tp = get_tp_size() > 1  # no collective: each rank its own slice
         head = lm_head.compute_local_logits if tp else self.model.compute_logits
         head(hidden[:1])  # the LM head of a small batch: the skinny GEMM, where it applies
         logits = head(hidden)
-        sampling.warm_up(
-            logits, views["sample_keys"], views["sample_temperature"], views["sample_greedy"],
+        self.sampler.warm_up(
+            logits, staged.keys, staged.temperature, staged.greedy,
             lm_head.vocab_start if tp else None,
         )  # fmt: skip
 
@@ -194,22 +192,21 @@ class ModelRunner:
             self.buffers.attention, step.num_tokens, num_seqs, step.max_query_len,
             step.max_seq_len, width,
         )  # fmt: skip
-        views = self.buffers.views
-        n = step.num_tokens
-        return self.model(views["input_ids"][:n], views["positions"][:n], md)
+        dev, n = self.buffers.dev, step.num_tokens
+        return self.model(dev.input_ids[:n], dev.positions[:n], md)
 
     def _fill_placeholders(self, m: int, in_place: bool = False) -> None:
         """On the device: input_ids[dst] = previous step's sampled tokens[src]; `in_place`
         (dst and src both 0..m-1): one copy instead of five small ops."""
         if not m:
             return
-        views = self.buffers.views
+        dev = self.buffers.dev
         if in_place:
-            views["input_ids"][:m].copy_(self.prev_tokens[:m])
+            dev.input_ids[:m].copy_(self.prev_tokens[:m])
             return
-        dst = views["placeholder_dst"][:m].long()
-        tokens = self.prev_tokens.index_select(0, views["placeholder_src"][:m].long())
-        views["input_ids"].index_copy_(0, dst, tokens.to(torch.int32))
+        dst = dev.placeholder_dst[:m].long()
+        tokens = self.prev_tokens.index_select(0, dev.placeholder_src[:m].long())
+        dev.input_ids.index_copy_(0, dst, tokens.to(torch.int32))
 
     def _keep_sampled(
         self, req_ids: list[str], step: StepInputs, out: SamplerOutput, prompt_lps=None
@@ -267,21 +264,19 @@ class ModelRunner:
             i += len(positions)
         return out
 
-    def sampling_metadata(
-        self, rows: list[int], num_outputs: list[int] | None = None
-    ) -> SamplingMetadata:
-        """Sampling inputs of the input batch's `rows`, in that order."""
-        batch = self.input_batch
-        params = [batch.params[r] for r in rows]
-        return SamplingMetadata.build(
-            params,
-            [batch.prompt_ids[r] for r in rows],
-            [batch.output_ids[r] for r in rows],
-            [p.seed for p in params],
-            self.config.model.eos_token_ids,
-            self.config.model.vocab_size,
-            self.device,
-            num_output_tokens=num_outputs,
+    def sampling_metadata(self, step: StepInputs, ks: list[int] | None = None) -> SamplingMetadata:
+        """Sampling inputs of the step's sample rows `ks` (default: all), in that order: as
+        staged on the device when they were, else built from the input batch's rows."""
+        if ks is None and step.sampling is not None:
+            return self.buffers.dev.sampling.as_metadata(
+                len(step.sample_rows), step.sampling, self.config.model.vocab_size,
+                canonical=not self.sampler.fused,
+            )  # fmt: skip
+        rows, num_outputs = step.sample_batch_rows.tolist(), step.num_outputs
+        if ks is not None:
+            rows, num_outputs = [rows[k] for k in ks], [num_outputs[k] for k in ks]
+        return self.input_batch.sampling.metadata(
+            rows, num_outputs, self.config.model.eos_token_ids, self.device
         )
 
     @torch.inference_mode()
@@ -305,20 +300,19 @@ class ModelRunner:
         if num_samples == step.num_tokens:  # every token samples (decodes): rows 0..n-1
             hidden_rows = hidden[:num_samples]
         else:
-            hidden_rows = hidden.index_select(0, self.buffers.views["logits_indices"][:num_samples])
+            hidden_rows = hidden.index_select(0, self.buffers.dev.logits_indices[:num_samples])
         if get_tp_size() > 1:  # tensor parallel: sample across the vocabulary shards
+            lm_head = self.model.lm_head
             out = sample_tensor_parallel(
-                self, req_ids, step.sample_rows, step.num_outputs, hidden_rows, step.sampling
-            )
+                self.sampler, lm_head.compute_local_logits(hidden_rows), lm_head.vocab_start,
+                lm_head.vocab_size,
+                None if step.sampling is None else self.sampling_metadata(step),
+                self.input_batch.sampling.argmax_only(step.sample_batch_rows),
+                lambda ks: self.sampling_metadata(step, ks),
+            )  # fmt: skip
             return self._keep_sampled(req_ids, step, out, prompt_lps)
         logits = self.model.compute_logits(hidden_rows)
         if get_tp_rank() != 0:
             return None  # sampling happens on rank 0 only
-        if step.sampling is not None:  # the per-row inputs are already on the device
-            smd = SamplingMetadata.from_views(
-                self.buffers.views, len(step.sample_rows), step.sampling,
-                self.config.model.vocab_size, not self.sampler.uses_triton(logits.device),
-            )  # fmt: skip
-        else:
-            smd = self.sampling_metadata(step.sample_batch_rows.tolist(), step.num_outputs)
+        smd = self.sampling_metadata(step)
         return self._keep_sampled(req_ids, step, self.sampler(logits, smd, sync=sync), prompt_lps)

@@ -24,7 +24,7 @@ was dropped is read and discarded. In a worker, a reader thread drains the call 
 for a step, rank 0's reply thread waits for the tokens to reach the host (`PendingOutput`)
 while its main thread already launches the next step. The other ranks reply when they have
 launched the step; they need no tokens: every rank holds the sampled tokens on its device
-(tp_sampling.py), and fills the next step's placeholders from them.
+(sample/tensor_parallel.py), and fills the next step's placeholders from them.
 
 Failure handling: the parent waits for replies in slices of a second and checks each process:
 a worker that dies (its reply pipe reaches EOF, or it is no longer alive) makes the call raise

@@ -16,7 +16,7 @@ import threading
 import torch
 
 from llm_inference.core.outputs import ModelRunnerOutput
-from llm_inference.layers.sampler import SamplerOutput, report_status
+from llm_inference.sample.sampler import SamplerOutput, report_status
 
 
 class TokenSlots:

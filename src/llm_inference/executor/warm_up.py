@@ -83,7 +83,7 @@ def run_warm_up(model, buffers, max_num_seqs: int, steps: list[WarmStep]) -> Non
     """An all-padding forward of each step through the model runner's input `buffers` (as a
     graph capture pads them): decode rows attend to one cached token and write no KV, mixed
     steps' tokens belong to no sequence."""
-    backend, views = model.attn_backend, buffers.views
+    backend, dev = model.attn_backend, buffers.dev
     width = buffers.attention.block_table.shape[1]
     for step in steps:
         n = step.num_tokens
@@ -97,4 +97,4 @@ def run_warm_up(model, buffers, max_num_seqs: int, steps: list[WarmStep]) -> Non
         md = backend.metadata(
             buffers.attention, n, seqs, step.max_query_len, step.max_seq_len, width
         )
-        model(views["input_ids"][:n], views["positions"][:n], md)
+        model(dev.input_ids[:n], dev.positions[:n], md)

@@ -16,6 +16,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+# No fused sampler: the sampler's last step is the PyTorch reference of sample/sampler.py.
+fused_sampler = False
+
 
 def paged_attention_decode(
     q: torch.Tensor,

@@ -17,7 +17,7 @@ For row b, with l = logits[b] and x = l / temperature[b]:
     Ties at the threshold are all kept (top-k as the torch reference; top-p keeps the tied
     tokens the reference's sort order would split). The row maximum is always kept.
 
-Noise: u[b, v] is bit for bit `layers.sampler.uniform_noise(keys)[b, v]` (lowbias32 hash of the
+Noise: u[b, v] is bit for bit `sample.sampler.uniform_noise(keys)[b, v]` (lowbias32 hash of the
 token id plus the row's 32-bit key from (seed, step)); only the logs and the race arithmetic round
 differently from the torch path. A row's token is a pure function of its own logits, parameters and
 (seed, step): never of its batch companions or its row. Of the two logs in x - log(E), E = -log u,
@@ -406,7 +406,7 @@ def race_shard(
     float64 [3, B]: each row's best race value (the raw logit on greedy rows), its token id
     and the shard's max logit (+inf if a logit is NaN or +inf). Over the shards of a row, the
     first one holding the largest best value has `sample`'s token of the whole row
-    (tp_sampling.distributed_race)."""
+    (sample/tensor_parallel.py distributed_race)."""
     B, V = _check_race_args(logits, keys, temperature, greedy)
     out = torch.empty(3 * B, dtype=torch.float64, device=logits.device)
     if B and V:

@@ -3,17 +3,17 @@
 Every rank knows every request's sampling parameters (each applies the same SchedulerOutput
 diffs), so all ranks split the step's rows the same way and call the same collectives:
 
-- plain greedy rows (temperature 0; no penalties, logprobs or active min_tokens): each rank
+- plain greedy rows (temperature 0, SamplingPath.STAGED: nothing changes the logits): each rank
   takes the max logit and its index over its slice; one all-gather of those [2, B] values, and
   every rank picks the largest (the lowest rank, hence the lowest global index, on ties), which
   is torch.argmax over the full row. A row whose gathered maxima hold NaN or +inf, or are all
   -inf, gets a status (STATUS_BAD, STATUS_EMPTY) that rank 0 reports on the host as the
   Sampler's `sync=False` path does (ValueError; a warning and the raw argmax).
-- steps whose rows all sample with temperature only (no top-k, top-p, min-p, penalties,
-  min_tokens or logprobs; greedy rows may be among them), when the sampler is the Triton one:
-  the same, with the race of the fused sampler. Its noise is a function of (seed, step, token
-  id) only, so each rank races over its slice with the slice's token ids (kernels/sampling.py
-  `race_shard`) and one all-gather of the [3, B] winners (value, token, max logit) picks the
+- steps whose rows are all STAGED and sample with temperature only (no top-k, top-p or min-p;
+  greedy rows may be among them), when the sampler is the fused one: the same, with the race
+  of the fused sampler. Its noise is a function of (seed, step, token id) only, so each rank
+  races over its slice with the slice's token ids (`Sampler.race_shard`, kernels/sampling.py)
+  and one all-gather of the [3, B] winners (value, token, max logit) picks the
   first rank holding the largest value: the token `Sampler` draws from the full row. No
   gather of the logits, no sampling on rank 0 alone, no broadcast;
 - every other row: the slices are gathered to rank 0, which runs the normal `Sampler` on the
@@ -23,28 +23,19 @@ diffs), so all ranks split the step's rows the same way and call the same collec
 Every rank ends with the same tokens tensor on its device, so each can feed the samples still
 in flight to the next step (async scheduling) without the host. Nothing here waits for the
 device except the logprobs of rows that ask for them (those steps run synchronously anyway).
+The caller gives the tensors: this rank's logits, the step's staged inputs, and which rows
+take the argmax (sample/staging.py `SamplingRows.argmax_only`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from llm_inference.distributed.parallel_state import all_gather, broadcast, gather_last_dim
-from llm_inference.layers.sampler import STATUS_BAD, STATUS_EMPTY, SamplerOutput
-from llm_inference.layers.sampling_metadata import to_device
-from llm_inference.sampling_params import SamplingParams
-
-
-def needs_full_logits(params: SamplingParams, num_output_tokens: int) -> bool:
-    """True unless the row is plain greedy: the argmax of its raw logits."""
-    plain = (
-        params.greedy
-        and not params.has_penalties
-        and not params.has_logit_bias
-        and params.logprobs is None
-        and num_output_tokens >= params.min_tokens
-    )
-    return not plain
+from llm_inference.sample.metadata import SamplingMetadata, to_device
+from llm_inference.sample.sampler import STATUS_BAD, STATUS_EMPTY, Sampler, SamplerOutput
 
 
 def distributed_argmax(local: torch.Tensor, vocab_start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,54 +71,53 @@ def pick_winners(every: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def distributed_race(
-    local: torch.Tensor, vocab_start: int, keys, temperature, greedy
+    sampler: Sampler, local: torch.Tensor, vocab_start: int, staged: SamplingMetadata
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Collective, on CUDA. The fused sampler's race (temperature only; `greedy` rows the
-    argmax, None: none) over the ranks' vocabulary slices `local` [B, shard]: every rank gets
-    (tokens, status) [B] int64 on the device, those `Sampler` gives for the full logits."""
-    from llm_inference.kernels import sampling
-
-    winners = sampling.race_shard(local, keys, temperature, greedy, vocab_start)
+    """Collective, on CUDA. The fused sampler's race (temperature only; greedy rows the
+    argmax) over the ranks' vocabulary slices `local` [B, shard], with the step's `staged`
+    inputs: every rank gets (tokens, status) [B] int64 on the device, those `Sampler` gives for
+    the full logits."""
+    greedy = None if staged.all_random else staged.greedy
+    winners = sampler.race_shard(local, staged.noise_keys, staged.temperature, greedy, vocab_start)
     return pick_winners(all_gather(winners))
 
 
-def races_on_slices(flags, uses_triton: bool) -> bool:
-    """Whether a step's samples take `distributed_race`: the Triton sampler, the per-row
-    inputs staged on the device (`flags`, input_batch.SamplingFlags: no penalties,
-    min_tokens or logprobs), no top-k, top-p or min-p, and not every row greedy (those take
-    the cheaper `distributed_argmax`)."""
+def races_on_slices(staged: SamplingMetadata | None, fused: bool) -> bool:
+    """Whether a step's samples take `distributed_race`: the fused sampler, every row STAGED
+    (`staged`: their inputs as staged on the device, else None), no top-k, top-p or min-p, and
+    not every row greedy (those take the cheaper `distributed_argmax`)."""
     return (
-        uses_triton
-        and flags is not None
-        and not (flags.all_greedy or flags.any_top_k or flags.any_top_p or flags.any_min_p)
+        fused
+        and staged is not None
+        and not staged.all_greedy
+        and staged.top_k is None
+        and staged.top_p is None
+        and staged.min_p is None
     )
 
 
 def sample_tensor_parallel(
-    runner, req_ids: list[str], sample_rows: list[int], num_outputs: list[int], hidden,
-    flags=None,
-) -> SamplerOutput:  # fmt: skip
-    """Collective. `hidden` [R, hidden] holds the rows to sample, in order (`num_outputs`:
-    each one's output tokens before this sample, in-flight ones included; `flags`: the step's
-    input_batch.SamplingFlags when its sampling inputs are staged in the runner's buffers).
-    Every rank returns the same `token_ids` [R] on its device; `status` and `logprobs` are
-    rank 0's only."""
-    batch = runner.input_batch
-    lm_head = runner.model.lm_head
-    local = lm_head.compute_local_logits(hidden)
-    num = len(sample_rows)
-    if races_on_slices(flags, runner.sampler.uses_triton(local.device)):
-        views = runner.buffers.views
-        tokens, status = distributed_race(
-            local, lm_head.vocab_start, views["sample_keys"][:num],
-            views["sample_temperature"][:num],
-            None if flags.all_random else views["sample_greedy"][:num],
-        )  # fmt: skip
+    sampler: Sampler,
+    local: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    staged: SamplingMetadata | None,
+    argmax_only: Sequence[bool],
+    metadata: Callable[[list[int]], SamplingMetadata],
+) -> SamplerOutput:
+    """Collective. `local` [R, shard]: this rank's logits of the R rows to sample (column j is
+    token vocab_start + j; `vocab_size` tokens in all); `staged`: their inputs as staged on the
+    device when every row is STAGED, else None; `argmax_only[k]`: row k takes the argmax of
+    its raw logits; `metadata(ks)`: the SamplingMetadata of rows ks (called on rank 0 only,
+    at most once). Every rank returns the same `token_ids` [R] on its device; `status` and
+    `logprobs` are rank 0's only."""
+    num = local.shape[0]
+    if races_on_slices(staged, sampler.fused):
+        tokens, status = distributed_race(sampler, local, vocab_start, staged)
         return SamplerOutput(token_ids=tokens, logprobs=None, status=status)
-    rows = [batch.rows[req_ids[i]] for i in sample_rows]
-    full = [k for k in range(num) if needs_full_logits(batch.params[rows[k]], num_outputs[k])]
+    full = [k for k in range(num) if not argmax_only[k]]
     if not full:  # all plain greedy: every rank already holds every token
-        tokens, status = distributed_argmax(local, lm_head.vocab_start)
+        tokens, status = distributed_argmax(local, vocab_start)
         return SamplerOutput(token_ids=tokens, logprobs=None, status=status)
     device = local.device
     tokens = torch.empty(num, dtype=torch.long, device=device)
@@ -136,9 +126,7 @@ def sample_tensor_parallel(
     if len(full) < num:
         full_set = set(full)
         fast = to_device(torch.tensor([k for k in range(num) if k not in full_set]), device)
-        fast_tokens, fast_status = distributed_argmax(
-            local.index_select(0, fast), lm_head.vocab_start
-        )
+        fast_tokens, fast_status = distributed_argmax(local.index_select(0, fast), vocab_start)
         tokens.index_copy_(0, fast, fast_tokens)
         status.index_copy_(0, fast, fast_status)
         pick = to_device(torch.tensor(full), device)
@@ -146,10 +134,9 @@ def sample_tensor_parallel(
     sampled = torch.empty(len(full), dtype=torch.long, device=device)
     logprobs: list[object | None] | None = None
     if logits is not None:  # rank 0
-        smd = runner.sampling_metadata([rows[k] for k in full], [num_outputs[k] for k in full])
         # sync=False: nothing may raise between two collectives (the other ranks would wait
         # in the broadcast); broken rows are reported from `status` on the host.
-        out = runner.sampler(logits[:, : lm_head.vocab_size], smd, sync=False)
+        out = sampler(logits[:, :vocab_size], metadata(full), sync=False)
         sampled = out.token_ids.to(torch.long).contiguous()
         if pick is None:
             status = out.status

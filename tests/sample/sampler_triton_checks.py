@@ -1,4 +1,4 @@
-"""Checks of the Triton sampling kernel through Sampler(use_triton=True), at V=1000, meant for
+"""Checks of the Triton sampling kernel through Sampler(triton_ops), at V=1000, meant for
 the CPU interpreter: `TRITON_INTERPRET=1 python sampler_triton_checks.py [NAME ...]` prints one
 `RESULT name ok|FAIL` line per check (the interpreter must be on before triton is first
 imported, hence a child process; see test_sampler_triton.py). Names ending in `_torch` run the
@@ -16,8 +16,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sampler_checks as checks  # noqa: E402
 
-from llm_inference.layers import sampler as sampler_mod  # noqa: E402
-from llm_inference.layers.sampler import Sampler  # noqa: E402
+from llm_inference.kernels import reference  # noqa: E402
+from llm_inference.sample import sampler as sampler_mod  # noqa: E402
+from llm_inference.sample.sampler import Sampler  # noqa: E402
 from llm_inference.sampling_params import SamplingParams  # noqa: E402
 
 V = 1000
@@ -106,7 +107,7 @@ def check_paths_agree(tri):
     params = [SamplingParams(temperature=0.6), SamplingParams(temperature=1.0, top_p=0.9)] * 32
     md = checks.build(params, V, seeds=list(range(100, 100 + n)))
     got = tri(logits, md).token_ids
-    want = Sampler(use_triton=False)(logits, md).token_ids
+    want = Sampler(reference)(logits, md).token_ids
     assert (got == want).float().mean() >= 0.95, (got != want).nonzero()
 
 
@@ -115,7 +116,6 @@ def staged_metadata(params, canonical: bool):
     runner's fast path gets it: staged by the input batch into the step buffers."""
     from llm_inference.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
     from llm_inference.executor.input_batch import InputBatch, InputBuffers
-    from llm_inference.layers.sampler import SamplingMetadata
 
     n = len(params)
     batch = InputBatch(max_num_reqs=n, max_model_len=8, block_size=4, vocab_size=V)
@@ -125,7 +125,7 @@ def staged_metadata(params, canonical: bool):
     batch.apply(so)
     step = batch.prepare(so, buffers)
     assert step.sampling is not None
-    return SamplingMetadata.from_views(buffers.views, n, step.sampling, V, canonical)
+    return buffers.dev.sampling.as_metadata(n, step.sampling, V, canonical)
 
 
 def check_staged_inputs(sampler):
@@ -146,7 +146,7 @@ def check_staged_inputs(sampler):
     gen = torch.Generator().manual_seed(4)
     half = (torch.randn(n, V, generator=gen) * 3).to(torch.float16)
     want = sampler(half.float(), checks.build(params, V, seeds=seeds)).token_ids
-    triton = sampler.use_triton
+    triton = sampler.fused
     got = sampler(half if triton else half.float(), staged_metadata(params, not triton))
     assert got.token_ids.tolist() == want.tolist()
 
@@ -180,7 +180,7 @@ def _check_broken_rows(sampler, params):
     assert tokens[2].item() == 9  # the raw argmax
     assert (
         tokens[:2].tolist()
-        == Sampler(use_triton=False)(logits[:2], checks.build([params] * 2, V)).token_ids.tolist()
+        == Sampler(reference)(logits[:2], checks.build([params] * 2, V)).token_ids.tolist()
     )
     masked[2] = float("-inf")
     with pytest.raises(ValueError, match=r"every logit is -inf in rows \[2\]"):
@@ -228,14 +228,14 @@ def check_split_race_exact(_, device: str = "cpu"):
 
 
 def check_shard_race_exact(_, device: str = "cpu", width: int = 5000, ranks=(2, 3)):
-    """Tensor parallel's race (executor/tp_sampling.py): each rank races over its vocabulary
+    """Tensor parallel's race (sample/tensor_parallel.py): each rank races over its vocabulary
     slice with the slice's token ids (kernels/sampling.py race_shard, the last slice padded
     with -inf as the LM head pads it), and pick_winners over the gathered winners gives
     `sample`'s token of the whole row exactly: ties across slices go to the lowest token id;
     NaN rows are BAD and all -inf rows EMPTY (token 0); greedy rows take the argmax. A slice
     that forgets its token-id offset draws other noise and picks other tokens."""
-    from llm_inference.executor.tp_sampling import pick_winners
     from llm_inference.kernels import sampling
+    from llm_inference.sample.tensor_parallel import pick_winners
 
     B = 8
     gen = torch.Generator().manual_seed(5)
@@ -302,7 +302,12 @@ CHECKS |= {
 
 def run_check(name: str) -> None:
     fn, arg = CHECKS[name]
-    sampler = Sampler(use_triton=not name.endswith("_torch"))
+    if name.endswith("_torch"):
+        sampler = Sampler(reference)
+    else:
+        from llm_inference.kernels import triton_ops  # after TRITON_INTERPRET is set
+
+        sampler = Sampler(triton_ops)
     fn(sampler, arg) if arg is not None else fn(sampler)
 
 

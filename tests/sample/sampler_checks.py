@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from llm_inference.layers.sampler import Sampler, SamplingMetadata
+from llm_inference.sample.sampler import Sampler, SamplingMetadata
 from llm_inference.sampling_params import SamplingParams
 
 EOS = 1

@@ -9,10 +9,11 @@ Order, as in vLLM v1:
   5. greedy rows take the argmax; the others go through temperature, top-k, top-p, min-p
      and are sampled with the exponential race: argmax(probs / E), E ~ Exp(1).
 
-Step 5 has two implementations with the same semantics: `sample_reference` (PyTorch, any
-device; the CPU engine's) and the fused Triton kernel of kernels/sampling.py, which the
-Sampler picks when the logits are on CUDA and triton imports (`Sampler(use_triton=...)` forces
-either). Both draw the same uniforms u[b, v] = uniform_noise(keys)[b, v] bit for bit, a pure
+Steps 1-4 run only for rows off SamplingPath.STAGED (`SamplingMetadata.path`); on that path
+the logits reach step 5 untouched. Step 5 has two implementations with the same semantics:
+`sample_reference` (PyTorch, any device; the CPU engine's) and the kernel ops' fused sampler
+(`ops.sample`, kernels/sampling.py), which `Sampler(ops)` calls where `ops.fused_sampler` (the
+Triton ops). Both draw the same uniforms u[b, v] = uniform_noise(keys)[b, v] bit for bit, a pure
 function of (seed_b, step_b, token v), step_b = len(output_token_ids[b]); a request's tokens
 therefore do not depend on which requests share its batch nor on its row. The Triton path
 races in log space (argmax x - log(-log u)) and finds the top-k/top-p threshold without a sort,
@@ -26,15 +27,15 @@ takes the argmax of the raw logits, with a RuntimeWarning, or raises if those ar
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import warnings
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
-from llm_inference.layers.sampling_metadata import SamplingMetadata, noise_keys
 from llm_inference.outputs import Logprobs
+from llm_inference.sample.metadata import SamplingMetadata, noise_keys
+from llm_inference.sampling_params import SamplingPath
 
 __all__ = [
     "Logprobs",
@@ -200,61 +201,37 @@ def _resolve_status(token_ids: torch.Tensor, raw_logits: torch.Tensor) -> torch.
     return token_ids.index_put((empty,), arg)
 
 
-@functools.cache
-def triton_available() -> bool:
-    if importlib.util.find_spec("triton") is None:
-        return False
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
 class Sampler(torch.nn.Module):
     """Samples one token per row of `logits` [B, V]; see the module docstring for the order.
 
-    use_triton: None picks the Triton kernel for CUDA logits when triton imports, else the
-    PyTorch reference; True or False forces one (True needs CUDA or TRITON_INTERPRET=1).
+    `ops`: the kernel ops object (kernels.get_ops). Where `ops.fused_sampler`, step 5 is its
+    `sample` (needs CUDA, or TRITON_INTERPRET=1 on CPU), else `sample_reference`.
     """
 
-    def __init__(self, use_triton: bool | None = None) -> None:
+    def __init__(self, ops: ModuleType) -> None:
         super().__init__()
-        self.use_triton = use_triton
-
-    def uses_triton(self, device: torch.device) -> bool:
-        if self.use_triton is None:
-            return device.type == "cuda" and triton_available()
-        return self.use_triton
+        self.ops = ops
+        self.fused = ops.fused_sampler
 
     def forward(self, logits: torch.Tensor, md: SamplingMetadata, sync: bool = True):
         """`sync=False` leaves broken rows for the caller to report from `status` (after
         its own device-to-host copy), so that sampling never waits for the device unless
         logprobs are asked for."""
         assert logits.dim() == 2 and logits.shape[1] == md.vocab_size, logits.shape
-        raw = logits
-        plain = (
-            md.no_penalties
-            and md.min_tokens_rows is None
-            and md.logprobs_rows is None
-            and not md.has_logit_bias
-        )
-        triton = self.uses_triton(logits.device)
-        if not (plain and triton):  # the kernel reads bf16/fp16 logits as they are
+        raw, raw_logprobs = logits, None
+        plain = md.path is SamplingPath.STAGED  # steps 1-4 have nothing to do
+        if not (plain and self.fused):  # the fused sampler reads bf16/fp16 logits as they are
             logits = logits.to(torch.float32, copy=True)  # never change the caller's tensor
-        raw_logprobs = None
-        if md.logprobs_rows is not None:
-            raw_logprobs = logits.index_select(0, md.logprobs_rows).log_softmax(dim=-1)
-        if md.has_logit_bias:
+        if not plain:
+            if md.logprobs_rows is not None:
+                raw_logprobs = logits.index_select(0, md.logprobs_rows).log_softmax(dim=-1)
             logits = apply_logit_bias(logits, md)
-        if not md.no_penalties:
-            logits = apply_penalties(logits, md)
-        if md.min_tokens_rows is not None:
-            logits[md.min_tokens_rows, md.min_tokens_cols] = float("-inf")
-        if triton:
-            from llm_inference.kernels import sampling
-
-            token_ids = sampling.sample(
+            if not md.no_penalties:
+                logits = apply_penalties(logits, md)
+            if md.min_tokens_rows is not None:
+                logits[md.min_tokens_rows, md.min_tokens_cols] = float("-inf")
+        if self.fused:
+            token_ids = self.ops.sample(
                 logits, md.noise_keys, md.temperature,
                 greedy=None if md.all_random else md.greedy,
                 top_k=md.top_k, top_p=md.top_p, min_p=md.min_p,
@@ -273,6 +250,22 @@ class Sampler(torch.nn.Module):
             token_ids = token_ids.clamp_(min=0)
         logprobs = None if raw_logprobs is None else self._logprobs(raw_logprobs, token_ids, md)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs, status=status)
+
+    def race_shard(
+        self, logits: torch.Tensor, keys: torch.Tensor, temperature: torch.Tensor,
+        greedy: torch.Tensor | None, vocab_start: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """The fused sampler's race over one vocabulary slice (`ops.race_shard`; tensor
+        parallel, sample/tensor_parallel.py): [3, B] float64 winners (value, token, max logit)."""
+        return self.ops.race_shard(logits, keys, temperature, greedy, vocab_start)
+
+    def warm_up(
+        self, logits: torch.Tensor, keys: torch.Tensor, temperature: torch.Tensor,
+        greedy: torch.Tensor, vocab_start: int | None = None,
+    ) -> None:  # fmt: skip
+        """Compile the fused sampler's kernels for these inputs' shapes and dtypes
+        (`ops.warm_up_sampler`, kernels/sampling.py "Compiles")."""
+        self.ops.warm_up_sampler(logits, keys, temperature, greedy, vocab_start)
 
     @staticmethod
     def probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Per-step sampling inputs: `SamplingMetadata.build` turns the batch's SamplingParams, token
-lists and seeds into tensors on the logits' device (one row per request); the only per-request
-Python work of the sampler happens here.
+lists and seeds into tensors on the logits' device (one row per request), on the host each step:
+the per-request Python work of the sampler (rows on SamplingPath.STAGED skip it: their inputs
+are staged with the step's, sample/staging.py).
 
 Noise keys: row b's key is a 32-bit hash of (seed_b, step_b), step_b = len(output_token_ids[b]);
 both sampling paths draw the row's noise from the key and the token id alone.
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llm_inference.sampling_params import GREEDY_EPS, SamplingParams
+from llm_inference.sampling_params import GREEDY_EPS, SamplingParams, SamplingPath
 
 __all__ = ["SamplingMetadata", "noise_keys", "padded_token_ids"]
 
@@ -70,7 +71,7 @@ def padded_token_ids(rows: list[list[int]], vocab_size: int, device) -> torch.Te
     """[B, max(1, max len)] int64; padding and ids outside [0, vocab_size) become vocab_size.
 
     One C-level conversion of the concatenated rows (np.fromiter) and one masked scatter,
-    instead of padding each row in Python: ~4x cheaper for 256 rows of 4,096 tokens."""
+    instead of padding each row in Python (benchmarks/sampling_metadata.py compares the two)."""
     lengths = [len(r) for r in rows]
     width = max(1, max(lengths, default=0))
     try:
@@ -146,9 +147,12 @@ def _bias_lists(
 class SamplingMetadata:
     """Per-step sampling inputs: tensors on the logits' device, one row per request.
 
-    Optional tensors are None when no row needs that step, so the sampler skips it.
+    `path` is the rows' most demanding SamplingPath: on STAGED only temperature, top-k, top-p
+    and min-p apply and the logits reach the race untouched. Optional tensors are None when no
+    row needs that step, so the sampler skips it.
     """
 
+    path: SamplingPath
     vocab_size: int
     temperature: torch.Tensor  # [B] float32; 1.0 on greedy rows
     greedy: torch.Tensor  # [B] bool
@@ -159,63 +163,23 @@ class SamplingMetadata:
     max_top_k: int  # largest active k (0 if none)
     top_p: torch.Tensor | None  # [B] float32; 1.0 where off
     min_p: torch.Tensor | None  # [B] float32; 0.0 where off
-    no_penalties: bool
-    repetition_penalty: torch.Tensor | None  # [B] float32
-    presence_penalty: torch.Tensor | None  # [B] float32
-    frequency_penalty: torch.Tensor | None  # [B] float32
-    prompt_token_ids: torch.Tensor | None  # [B, Lp] int64 padded with vocab_size
-    output_token_ids: torch.Tensor | None  # [B, Lo] int64 padded with vocab_size
-    min_tokens_rows: torch.Tensor | None  # [M] rows and
-    min_tokens_cols: torch.Tensor | None  # [M] token ids to set to -inf
-    logprobs_k: list[int | None]  # per row: SamplingParams.logprobs
-    logprobs_rows: torch.Tensor | None  # [R] rows that asked for logprobs
-    max_num_logprobs: int | None  # largest k asked (None: no row asked)
+    # The host path's steps (SamplingMetadata.build); the defaults: no row has them.
+    no_penalties: bool = True
+    repetition_penalty: torch.Tensor | None = None  # [B] float32
+    presence_penalty: torch.Tensor | None = None  # [B] float32
+    frequency_penalty: torch.Tensor | None = None  # [B] float32
+    prompt_token_ids: torch.Tensor | None = None  # [B, Lp] int64 padded with vocab_size
+    output_token_ids: torch.Tensor | None = None  # [B, Lo] int64 padded with vocab_size
+    min_tokens_rows: torch.Tensor | None = None  # [M] rows and
+    min_tokens_cols: torch.Tensor | None = None  # [M] token ids to set to -inf
+    logprobs_k: list[int | None] | None = None  # per row: SamplingParams.logprobs
+    logprobs_rows: torch.Tensor | None = None  # [R] rows that asked for logprobs
+    max_num_logprobs: int | None = None  # largest k asked (None: no row asked)
     # logit_bias and bad_words: (rows, token ids, float32 biases, -inf for a bad word) to add,
     # None when no row has one
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # allowed_token_ids: (rows that have a list, rows, token ids), None when no row has one
     allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-
-    @property
-    def has_logit_bias(self) -> bool:
-        return self.logit_bias is not None or self.allowed is not None
-
-    @classmethod
-    def from_views(
-        cls, views: dict, n: int, flags, vocab_size: int, canonical: bool
-    ) -> SamplingMetadata:
-        """Metadata of `n` rows without penalties, min_tokens or logprobs, from device arrays
-        the input batch already filled (executor/input_batch.py: `sample_*` views, int32 and
-        float32; `flags` its SamplingFlags). `canonical` converts to the dtypes `build` gives
-        (bool greedy, int64 keys and top-k), which the PyTorch sampler needs; the Triton
-        kernel reads the int32 arrays as they are."""
-        keys, greedy = views["sample_keys"][:n], views["sample_greedy"][:n]
-        top_k = views["sample_top_k"][:n]
-        if canonical:
-            keys, greedy, top_k = keys.long() & _M32, greedy.bool(), top_k.long()
-        return cls(
-            vocab_size=vocab_size,
-            temperature=views["sample_temperature"][:n],
-            greedy=greedy,
-            all_greedy=flags.all_greedy,
-            all_random=flags.all_random,
-            noise_keys=keys,
-            top_k=top_k if flags.any_top_k else None,
-            max_top_k=flags.max_top_k,
-            top_p=views["sample_top_p"][:n] if flags.any_top_p else None,
-            min_p=views["sample_min_p"][:n] if flags.any_min_p else None,
-            no_penalties=True,
-            repetition_penalty=None,
-            presence_penalty=None,
-            frequency_penalty=None,
-            prompt_token_ids=None,
-            output_token_ids=None,
-            min_tokens_rows=None,
-            min_tokens_cols=None,
-            logprobs_k=[None] * n,
-            logprobs_rows=None,
-            max_num_logprobs=None,
-        )
 
     @classmethod
     def build(
@@ -256,6 +220,7 @@ class SamplingMetadata:
             return to_device(torch.tensor(values, dtype=torch.int64), device)
 
         return cls(
+            path=max((p.sampling_path for p in params), default=SamplingPath.STAGED),
             vocab_size=V,
             temperature=floats(temps),
             greedy=to_device(torch.tensor(greedy, dtype=torch.bool), device),
