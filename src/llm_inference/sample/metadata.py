@@ -71,7 +71,7 @@ def padded_token_ids(rows: list[list[int]], vocab_size: int, device) -> torch.Te
     """[B, max(1, max len)] int64; padding and ids outside [0, vocab_size) become vocab_size.
 
     One C-level conversion of the concatenated rows (np.fromiter) and one masked scatter,
-    instead of padding each row in Python (benchmarks/sampling_metadata.py compares the two)."""
+    instead of padding each row in Python."""
     lengths = [len(r) for r in rows]
     width = max(1, max(lengths, default=0))
     try:
