@@ -8,6 +8,9 @@ import argparse
 import dataclasses
 import re
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -284,3 +287,15 @@ def test_ctrl_c_in_any_subcommand_exits_130(monkeypatch, capsys, argv, target):
     monkeypatch.setattr(target, _raise(KeyboardInterrupt))
     assert main(argv) == 130
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_parser_and_help_import_no_torch():
+    """The reason the subcommands import the engine when they run: `llm-inference --help` (and
+    every parser, EngineArgs' flags included) starts without torch, numpy or transformers."""
+    code = (
+        "import sys; from llm_inference.entrypoints import cli; cli.build_parser(); "
+        "heavy = [m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'numpy', 'transformers', 'triton')]; assert not heavy, heavy"
+    )
+    src = Path(__file__).resolve().parents[2] / "src"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=src)

@@ -107,7 +107,7 @@ def cmd_bench_offline(args) -> int:
     return 0
 
 
-# Help for the options that bench.py / bench_serve.py declare without any (see _fill_help).
+# Help for the options that bench_serve.py declares without any (see _fill_help).
 _HELP = {
     "--endpoint": "the completions path on the server",
     "--num-prompts": "requests to send",
@@ -118,8 +118,6 @@ _HELP = {
     "--max-concurrency": "most requests in flight at once (default: no limit)",
     "--seed": "random seed of the prompts and arrival times",
     "--api-key": "bearer token to send (default: $OPENAI_API_KEY)",
-    "--max-model-len": "longest prompt + output in tokens",
-    "--gpu-memory-utilization": "fraction of GPU memory for weights, activations and KV cache",
 }
 
 
