@@ -104,6 +104,9 @@ class EngineArgs:
         boolean that defaults to False is a switch (`--enforce-eager`); one that defaults to
         True takes `--no-` too (`--no-async-scheduling`)."""
         defaults = defaults or {}
+        unknown = set(defaults) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"defaults for options EngineArgs lacks: {sorted(unknown)}")
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if f.name in skip:
