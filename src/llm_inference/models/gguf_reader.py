@@ -244,9 +244,9 @@ def is_gguf(path: str | os.PathLike) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _read(path: str, size: int, mtime_ns: int) -> GGUFReader:
-    # Parsing the header (tens of thousands of vocabulary strings) takes seconds and ~150 MB of
-    # Python objects: the config and weights steps of one load share one parse, which
-    # release_reader drops. Keyed by size and mtime.
+    # Parsing the header (tens of thousands of vocabulary strings) is slow and makes many Python
+    # objects: the config and weights steps of one load share one parse, which release_reader
+    # drops. Keyed by size and mtime.
     header = scan_gguf_header(path)  # first: the reader trusts every count it reads
     reader = GGUFReader(path)
     reader.checked_header = header
