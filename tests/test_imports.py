@@ -1,5 +1,11 @@
-"""The import rules of DESIGN.md: entrypoints -> engine -> core and executor; executor ->
-models -> layers -> kernels; never the other way. core/ imports no torch."""
+"""The import rules (ARCHITECTURE.md): entrypoints -> engine -> core and executor; executor ->
+models -> layers -> kernels; executor -> sample -> kernels; layers, sample and executor ->
+distributed; never the other way. Every part may import config and envs, which import only the
+standard library; core/ imports no torch. And the package's module import graph has no cycle.
+
+Imports are read from the source (ast), at any depth: module-level and inside functions alike
+(an import deferred into a function is still an edge of the graph); those under
+`if TYPE_CHECKING:` never run and are left out."""
 
 from __future__ import annotations
 
@@ -12,56 +18,119 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "src" / "llm_inference"
 
-# package -> subpackages of llm_inference it must never import
+# Top-level modules that import nothing of the package (the standard library only), so that
+# every part may import them.
+LEAVES = ("config", "envs", "sampling_params", "outputs", "gc_heap")
+# part (subpackage or top-level module) -> parts of llm_inference it must never import
 FORBIDDEN = {
-    "core": {"engine", "executor", "models", "layers", "kernels", "distributed", "entrypoints"},
-    "kernels": {"core", "engine", "executor", "models", "layers", "distributed", "entrypoints"},
-    "layers": {"core", "engine", "executor", "models", "entrypoints"},
-    "models": {"core", "engine", "executor", "entrypoints"},
-    "distributed": {"core", "engine", "executor", "models", "layers", "kernels", "entrypoints"},
-    "sample": {"core", "engine", "executor", "models", "layers", "entrypoints"},
-    "executor": {"engine", "entrypoints"},
-    "engine": {"entrypoints"},
-}
-# core/ may import only the standard library, itself, and these two modules.
-CORE_ALLOWED = ("llm_inference.config", "llm_inference.sampling_params")
+    "core": {"engine", "executor", "models", "layers", "sample", "kernels", "distributed",
+             "entrypoints", "beam_search"},
+    "layers": {"core", "engine", "executor", "models", "sample", "entrypoints", "beam_search"},
+    "sample": {"core", "engine", "executor", "models", "layers", "entrypoints", "beam_search"},
+    "models": {"core", "engine", "executor", "sample", "entrypoints", "beam_search"},
+    "distributed": {"core", "engine", "executor", "models", "layers", "sample", "kernels",
+                    "entrypoints", "beam_search"},
+    "executor": {"engine", "entrypoints", "beam_search"},
+    "engine": {"entrypoints", "beam_search"},
+    "beam_search": {"core", "engine", "executor", "models", "layers", "sample", "kernels",
+                    "distributed", "entrypoints"},
+}  # fmt: skip
+# core/ may import only the standard library, itself, and these modules.
+CORE_ALLOWED = ("llm_inference.config", "llm_inference.envs", "llm_inference.sampling_params")
+# kernels/ may import only the standard library, third-party packages, itself and these.
+KERNELS_ALLOWED = ("llm_inference.config", "llm_inference.envs")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(f): f for f in sorted(PKG.rglob("*.py"))}
+
+
+def _type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(test)
+
+
+def imports(path: Path) -> list[tuple[str, bool]]:
+    """(module, inside a function) for every import of a file that can run. `from P import
+    name` imports the module P.name if there is one, else P; absolute imports only."""
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if _type_checking(child):
+                continue
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.Import):
+                found.extend((a.name, inner) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    raise AssertionError(f"{path}: use absolute imports")
+                for a in child.names:
+                    sub = f"{child.module}.{a.name}"
+                    found.append((sub if sub in MODULES else child.module, inner))
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text()), False)
+    return found
 
 
 def imported_modules(path: Path) -> set[str]:
-    """Every module a file imports, at any depth (lazy imports inside functions too)."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                raise AssertionError(f"{path}: use absolute imports")
-            names.add(node.module)
-    return names
+    return {mod for mod, _ in imports(path)}
 
 
-@pytest.mark.parametrize("package", sorted(FORBIDDEN))
-def test_import_direction(package):
+def part_files(part: str) -> list[Path]:
+    """The files of a subpackage or a top-level module (none if it does not exist yet)."""
+    folder, module = PKG / part, PKG / f"{part}.py"
+    return sorted(folder.rglob("*.py")) if folder.is_dir() else [module] * module.is_file()
+
+
+def _outside(f: Path, mod: str, allowed: tuple[str, ...]) -> bool:
+    own = f.relative_to(PKG).parts[0]
+    return not (
+        mod.split(".")[0] in sys.stdlib_module_names
+        or mod == f"llm_inference.{own}"
+        or mod.startswith(f"llm_inference.{own}.")
+        or mod in allowed
+    )
+
+
+@pytest.mark.parametrize("part", sorted(FORBIDDEN))
+def test_import_direction(part):
     bad = []
-    for f in sorted((PKG / package).rglob("*.py")):
+    for f in part_files(part):
         for mod in imported_modules(f):
             parts = mod.split(".")
-            if parts[0] == "llm_inference" and len(parts) > 1 and parts[1] in FORBIDDEN[package]:
+            if parts[0] == "llm_inference" and len(parts) > 1 and parts[1] in FORBIDDEN[part]:
                 bad.append(f"{f.relative_to(PKG)} imports {mod}")
     assert not bad, "\n".join(bad)
 
 
-def test_core_imports_only_stdlib_config_and_sampling_params():
+@pytest.mark.parametrize("leaf", LEAVES)
+def test_leaves_import_only_the_standard_library(leaf):
     bad = []
-    for f in sorted((PKG / "core").rglob("*.py")):
+    for f in part_files(leaf):
+        bad += [f"{leaf}.py imports {m}" for m in imported_modules(f) if _outside(f, m, ())]
+    assert not bad, "\n".join(bad)
+
+
+def test_core_imports_only_stdlib_config_envs_and_sampling_params():
+    bad = []
+    for f in part_files("core"):
         for mod in imported_modules(f):
-            ok = (
-                mod.split(".")[0] in sys.stdlib_module_names
-                or mod == "llm_inference.core"
-                or mod.startswith("llm_inference.core.")
-                or mod in CORE_ALLOWED
-            )
-            if not ok:
+            if _outside(f, mod, CORE_ALLOWED):
+                bad.append(f"{f.relative_to(PKG)} imports {mod}")
+    assert not bad, "\n".join(bad)
+
+
+def test_kernels_import_nothing_of_the_package_but_config_and_envs():
+    bad = []
+    for f in part_files("kernels"):
+        for mod in imported_modules(f):
+            if mod.startswith("llm_inference") and _outside(f, mod, KERNELS_ALLOWED):
                 bad.append(f"{f.relative_to(PKG)} imports {mod}")
     assert not bad, "\n".join(bad)
 
@@ -73,3 +142,55 @@ def test_core_runs_without_torch_or_numpy():
         "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=PKG.parents[1] / "src")
+
+
+def import_graph() -> dict[str, dict[str, bool]]:
+    """module -> {module of the package it imports: whether only inside functions}."""
+    graph: dict[str, dict[str, bool]] = {}
+    for name, path in MODULES.items():
+        edges = graph[name] = {}
+        for mod, inner in imports(path):
+            if mod in MODULES and mod != name:
+                edges[mod] = edges.get(mod, True) and inner
+    return graph
+
+
+def find_cycles(graph: dict[str, dict[str, bool]]) -> list[list[str]]:
+    """One cycle (its modules in import order, the first repeated at the end) for each edge
+    that closes one in a depth-first walk; [] for an acyclic graph."""
+    cycles, state, path = [], {}, []  # state: 1 on the current path, 2 done
+
+    def walk(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                walk(nxt)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            walk(node)
+    return cycles
+
+
+def test_find_cycles_reports_each_cycle():
+    graph = {"a": {"b": False}, "b": {"c": True}, "c": {"a": False, "d": False}, "d": {}}
+    assert find_cycles(graph) == [["a", "b", "c", "a"]]
+    assert find_cycles({"a": {"b": False}, "b": {}}) == []
+
+
+def test_no_import_cycle():
+    graph = import_graph()
+    assert "llm_inference.config" in graph and len(graph) > 50  # the walk found the package
+    shown = []
+    for cycle in find_cycles(graph):
+        steps = [
+            f"{a} -> {b}" + (" (inside a function)" if graph[a][b] else "")
+            for a, b in zip(cycle, cycle[1:])
+        ]
+        shown.append("import cycle:\n  " + "\n  ".join(steps))
+    assert not shown, "\n".join(shown)

@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from llm_inference.engine.arg_utils import EngineArgs
     from llm_inference.engine.async_llm import AsyncLLM
     from llm_inference.entrypoints.llm import LLM
     from llm_inference.outputs import CompletionOutput, RequestOutput
@@ -19,13 +20,14 @@ if TYPE_CHECKING:
         StructuredOutputsParams,
     )
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams",
-           "RequestOutput", "CompletionOutput"]  # fmt: skip
+__all__ = ["LLM", "AsyncLLM", "EngineArgs", "SamplingParams", "StructuredOutputsParams",
+           "BeamSearchParams", "RequestOutput", "CompletionOutput"]  # fmt: skip
 __version__ = "0.1.0"
 
 _WHERE = {
     "LLM": "llm_inference.entrypoints.llm",
     "AsyncLLM": "llm_inference.engine.async_llm",
+    "EngineArgs": "llm_inference.engine.arg_utils",
     "SamplingParams": "llm_inference.sampling_params",
     "StructuredOutputsParams": "llm_inference.sampling_params",
     "BeamSearchParams": "llm_inference.sampling_params",

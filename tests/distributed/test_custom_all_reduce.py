@@ -23,9 +23,9 @@ import torch.distributed as dist
 from tp_helpers import run_ranks, spawn_ranks
 
 from llm_inference import kernels
-from llm_inference.config import create_engine_config
 from llm_inference.distributed import custom_all_reduce as car
 from llm_inference.distributed import parallel_state as ps
+from llm_inference.engine.arg_utils import EngineArgs
 from llm_inference.entrypoints import cli
 from llm_inference.executor import multiproc
 
@@ -197,7 +197,8 @@ def _init_kwargs(tiny_ckpt, monkeypatch, **engine_kw) -> dict:
     monkeypatch.setattr(multiproc, "init_distributed", lambda *a, **kw: seen.update(kw))
     threads = torch.get_num_threads()
     try:
-        config = create_engine_config(tiny_ckpt, device="cpu", tensor_parallel_size=2, **engine_kw)
+        args = EngineArgs(tiny_ckpt, device="cpu", tensor_parallel_size=2, **engine_kw)
+        config = args.create_engine_config()
         assert multiproc.join_group(config, 1, 2, 0) == torch.device("cpu")
     finally:
         torch.set_num_threads(threads)
@@ -208,34 +209,20 @@ def test_flag_reaches_the_workers_init_distributed(tiny_ckpt, monkeypatch):
     for flag in (False, True):
         kw = _init_kwargs(tiny_ckpt, monkeypatch, disable_custom_all_reduce=flag)
         assert kw["use_custom_all_reduce"] is not flag
-    assert not create_engine_config(tiny_ckpt, device="cpu").parallel.disable_custom_all_reduce
+    default = EngineArgs(tiny_ckpt, device="cpu").create_engine_config()
+    assert not default.parallel.disable_custom_all_reduce
     with pytest.raises(ValueError, match="disable_custom_all_reduce"):
-        create_engine_config(tiny_ckpt, device="cpu", disable_custom_all_reduce="yes")
+        EngineArgs(tiny_ckpt, device="cpu", disable_custom_all_reduce="yes").create_engine_config()
 
 
-def test_fused_norm_flag_reaches_init_distributed(tiny_ckpt, monkeypatch):
-    for flag in (False, True):
-        kw = _init_kwargs(tiny_ckpt, monkeypatch, fused_all_reduce_norm=flag)
-        assert kw["fused_all_reduce_norm"] is flag
-    # The default: on with the Triton kernels (CUDA) and the custom all-reduce, else off.
+def test_fused_norm_reaches_init_distributed(tiny_ckpt, monkeypatch):
+    """The fused all-reduce + norm: on with the Triton kernels (CUDA) and the custom all-reduce,
+    else off."""
     assert _init_kwargs(tiny_ckpt, monkeypatch)["fused_all_reduce_norm"] is False  # reference
     monkeypatch.setattr(kernels, "resolve_backend", lambda backend, device_type: "triton")
     for disable in (False, True):
-        config = create_engine_config(
-            tiny_ckpt, device="cpu", tensor_parallel_size=2, disable_custom_all_reduce=disable
-        )
-        assert config.kernel_backend == "triton"
-        assert config.parallel.fused_all_reduce_norm is not disable
-    with pytest.raises(ValueError, match="fused_all_reduce_norm needs the custom all-reduce"):
-        create_engine_config(
-            tiny_ckpt, device="cpu", fused_all_reduce_norm=True, disable_custom_all_reduce=True
-        )
-    with pytest.raises(ValueError, match="fused_all_reduce_norm must be True, False or None"):
-        create_engine_config(tiny_ckpt, device="cpu", fused_all_reduce_norm=1)
-    for flags, want in (([], None), (["--fused-all-reduce-norm"], True),
-                        (["--no-fused-all-reduce-norm"], False)):  # fmt: skip
-        args = cli.build_parser().parse_args(["generate", "hi", *flags])
-        assert cli._engine_kwargs(args)["fused_all_reduce_norm"] is want
+        kw = _init_kwargs(tiny_ckpt, monkeypatch, disable_custom_all_reduce=disable)
+        assert kw["fused_all_reduce_norm"] is not disable
 
 
 def test_cli_flag():

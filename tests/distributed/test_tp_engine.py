@@ -27,6 +27,7 @@ from helpers import child_processes, is_running, wait_gone
 from llm_inference import LLM
 from llm_inference.core.outputs import CachedRequestData, SchedulerOutput
 from llm_inference.core.request import Request, RequestStatus
+from llm_inference.engine.arg_utils import EngineArgs
 from llm_inference.executor import multiproc
 from llm_inference.sampling_params import SamplingParams
 
@@ -400,9 +401,7 @@ def test_sizes_that_do_not_fit_give_clear_errors(tiny_ckpt, monkeypatch):
 
 
 def _config(path, tp):
-    from llm_inference.config import create_engine_config
-
-    return create_engine_config(str(path), device="cpu", tensor_parallel_size=tp)
+    return EngineArgs(str(path), device="cpu", tensor_parallel_size=tp).create_engine_config()
 
 
 def test_worker_start_up_error_is_reported_and_cleaned_up(tiny_ckpt, tmp_path):

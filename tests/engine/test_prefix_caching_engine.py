@@ -12,7 +12,7 @@ import torch
 from helpers import hf_model
 
 from llm_inference import LLM, SamplingParams
-from llm_inference.config import create_engine_config
+from llm_inference.engine.arg_utils import EngineArgs
 from llm_inference.entrypoints.cli import build_parser
 
 BLOCK = 16  # the default block size; one block of the tiny model is 8192 bytes in float32
@@ -138,11 +138,13 @@ def replace_max(params: SamplingParams, max_tokens: int) -> SamplingParams:
 
 
 def test_prefix_caching_switch(tiny_ckpt):
-    assert create_engine_config(tiny_ckpt, device="cpu").cache.enable_prefix_caching
-    off = create_engine_config(tiny_ckpt, device="cpu", enable_prefix_caching=False)
-    assert not off.cache.enable_prefix_caching
+    def config(**kw):
+        return EngineArgs(tiny_ckpt, device="cpu", **kw).create_engine_config()
+
+    assert config().cache.enable_prefix_caching
+    assert not config(enable_prefix_caching=False).cache.enable_prefix_caching
     with pytest.raises(ValueError, match="enable_prefix_caching"):
-        create_engine_config(tiny_ckpt, device="cpu", enable_prefix_caching="no")
+        config(enable_prefix_caching="no")
     parser = build_parser()
     assert parser.parse_args(["generate", "x"]).enable_prefix_caching is True
     args = parser.parse_args(["generate", "x", "--no-enable-prefix-caching"])

@@ -110,5 +110,24 @@ def test_step_bytes_counts_weights_once_and_kv_per_token():
 @pytest.mark.parametrize("kind", ["latency", "throughput", "prefill"])
 def test_cli_wires_each_kind(kind):
     args = build_parser().parse_args(["bench", kind, "--model", "llama-3.2-3b", "--sync"])
-    assert (args.kind, args.model, args.sync) == (kind, "llama-3.2-3b", True)
+    assert (args.kind, args.model, args.async_scheduling) == (kind, "llama-3.2-3b", False)
     assert args.func.__name__ == "cmd_bench_offline"
+
+
+def test_run_bench_passes_the_engine_flags_with_bench_defaults(tiny_ckpt, monkeypatch):
+    """`bench latency|throughput|prefill` builds its LLM from EngineArgs' flags: bench's own
+    defaults (BENCH_DEFAULTS) unless a flag says otherwise, the model folder for --model."""
+    seen = {}
+
+    def fake_llm(**kw):
+        seen.update(kw)
+        raise KeyboardInterrupt  # stop before any work
+
+    monkeypatch.setattr("llm_inference.entrypoints.llm.LLM", fake_llm)
+    argv = ["bench", "latency", "--model", str(tiny_ckpt), "--sync", "--max-num-seqs", "4"]
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_bench(build_parser().parse_args(argv))
+    assert seen["model"] == str(tiny_ckpt) and seen["max_num_seqs"] == 4
+    assert seen["async_scheduling"] is False
+    assert {k: seen[k] for k in bench.BENCH_DEFAULTS} == bench.BENCH_DEFAULTS
+    assert "pdl" not in seen and "skinny_gemm" not in seen

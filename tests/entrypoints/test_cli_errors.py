@@ -1,19 +1,22 @@
-"""The command line's contract: --version, help text with defaults on every flag, the same
-engine flags on generate/chat/serve, and every error path as one `error: ...` line on stderr
-with exit status 1 (Ctrl-C: 130), never a traceback."""
+"""The command line's contract: --version, help text with defaults on every flag, the engine
+flags (a flag per EngineArgs field) the same on generate/chat/serve/bench, and every error path
+as one `error: ...` line on stderr with exit status 1 (Ctrl-C: 130), never a traceback."""
 
 from __future__ import annotations
 
 import argparse
-import inspect
+import dataclasses
 import re
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 import llm_inference
-from llm_inference.config import create_engine_config
-from llm_inference.entrypoints import cli
+from llm_inference.engine.arg_utils import EngineArgs
+from llm_inference.entrypoints import bench, cli
 from llm_inference.entrypoints.cli import main
 from llm_inference.executor.multiproc import WorkerError
 
@@ -63,25 +66,26 @@ def test_every_flag_has_help_showing_its_default(monkeypatch, capsys):
 
 
 ENGINE_FLAGS = [
-    "--device", "cpu", "--dtype", "float32", "--max-model-len", "256",
+    "--model", "m", "--device", "cpu", "--dtype", "float32", "--max-model-len", "256",
     "--kv-cache-memory-bytes", "123456", "--no-enable-prefix-caching",
     "--gpu-memory-utilization", "0.5", "--max-num-seqs", "7", "--max-num-batched-tokens", "99",
     "--block-size", "32", "--tensor-parallel-size", "2", "--kernel-backend", "reference",
     "--enforce-eager", "--seed", "11", "--no-async-scheduling", "--disable-custom-all-reduce",
-    "--skinny-gemm", "--pdl", "--fused-all-reduce-norm",
 ]  # fmt: skip
 ENGINE_KWARGS = dict(
-    device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_bytes=123456,
+    model="m", device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_bytes=123456,
     enable_prefix_caching=False, gpu_memory_utilization=0.5, max_num_seqs=7,
     max_num_batched_tokens=99, block_size=32, tensor_parallel_size=2,
     kernel_backend="reference", enforce_eager=True, seed=11, async_scheduling=False,
-    disable_custom_all_reduce=True, skinny_gemm=True, pdl=True, fused_all_reduce_norm=True,
+    disable_custom_all_reduce=True,
 )  # fmt: skip
 
 
 def test_engine_flags_are_the_same_on_generate_chat_and_serve(monkeypatch):
-    assert set(ENGINE_KWARGS) == set(cli.ENGINE_ARGS)
-    assert set(cli.ENGINE_ARGS) <= set(inspect.signature(create_engine_config).parameters)
+    # Every EngineArgs field is set above, to a value other than its default.
+    defaults = dataclasses.asdict(EngineArgs())
+    assert set(ENGINE_KWARGS) == set(defaults)
+    assert all(ENGINE_KWARGS[k] != v for k, v in defaults.items())
     seen = {}
 
     def fake_llm(model, **kw):
@@ -95,22 +99,40 @@ def test_engine_flags_are_the_same_on_generate_chat_and_serve(monkeypatch):
     monkeypatch.setattr("llm_inference.entrypoints.openai.api_server.run_server", fake_server)
     for argv in (["generate", "hi"], ["chat"]):
         seen.clear()
-        assert main([*argv, "--model", "m", *ENGINE_FLAGS]) == 1
-        assert seen["llm"] == ("m", ENGINE_KWARGS), argv
-    assert main(["serve", "--model", "m", *ENGINE_FLAGS]) == 0
+        assert main([*argv, *ENGINE_FLAGS]) == 1
+        model, kw = seen["llm"]
+        assert {"model": model, **kw} == ENGINE_KWARGS, argv
+    assert main(["serve", *ENGINE_FLAGS]) == 0
     model, kw = seen["serve"]
-    assert model == "m" and {k: kw[k] for k in ENGINE_KWARGS} == ENGINE_KWARGS
-    defaults = cli.build_parser().parse_args(["generate", "hi"])
-    assert (defaults.async_scheduling, defaults.enable_prefix_caching, defaults.seed) == (
-        True,
-        True,
-        0,
-    )
-    # bench latency|throughput|prefill take the other subcommands' spellings of its switches.
-    bench = cli.build_parser().parse_args(
-        ["bench", "latency", "--no-async-scheduling", "--no-enable-prefix-caching"]
-    )
-    assert bench.sync and not bench.enable_prefix_caching
+    assert {k: v for k, v in {"model": model, **kw}.items() if k in defaults} == ENGINE_KWARGS
+    # bench: the same flags (its own --model: a checkpoint or a named shape) with its defaults
+    args = cli.build_parser().parse_args(["bench", "latency", *ENGINE_FLAGS])
+    assert dataclasses.asdict(EngineArgs.from_cli_args(args)) == ENGINE_KWARGS
+    # No flag: EngineArgs' defaults; bench's own (BENCH_DEFAULTS) where it has them.
+    for argv in (["generate", "hi"], ["chat"], ["serve"]):
+        args = cli.build_parser().parse_args(argv)
+        assert dataclasses.asdict(EngineArgs.from_cli_args(args)) == defaults, argv
+    args = cli.build_parser().parse_args(["bench", "throughput"])
+    assert dataclasses.asdict(EngineArgs.from_cli_args(args)) == {
+        **defaults,
+        **bench.BENCH_DEFAULTS,
+        "model": "llama-3.2-1b",
+    }
+    assert not cli.build_parser().parse_args(["bench", "prefill", "--sync"]).async_scheduling
+
+
+def test_removed_performance_knobs_are_not_options(capsys):
+    """skinny_gemm, pdl, fused_all_reduce_norm and mixed_cuda_graph_sizes are the kernels'
+    choice: no engine argument, no flag on any subcommand."""
+    knobs = ("skinny_gemm", "pdl", "fused_all_reduce_norm", "mixed_cuda_graph_sizes")
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    assert fields.isdisjoint(knobs)
+    for name, parser in _subparsers(cli.build_parser()):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--help"])
+        out = capsys.readouterr().out
+        for knob in knobs:
+            assert knob.replace("_", "-") not in out, (name, knob)
 
 
 @pytest.fixture(scope="module")
@@ -265,3 +287,15 @@ def test_ctrl_c_in_any_subcommand_exits_130(monkeypatch, capsys, argv, target):
     monkeypatch.setattr(target, _raise(KeyboardInterrupt))
     assert main(argv) == 130
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_parser_and_help_import_no_torch():
+    """The reason the subcommands import the engine when they run: `llm-inference --help` (and
+    every parser, EngineArgs' flags included) starts without torch, numpy or transformers."""
+    code = (
+        "import sys; from llm_inference.entrypoints import cli; cli.build_parser(); "
+        "heavy = [m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'numpy', 'transformers', 'triton')]; assert not heavy, heavy"
+    )
+    src = Path(__file__).resolve().parents[2] / "src"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=src)

@@ -12,7 +12,6 @@ import torch
 from interpreter import run_checks
 from mixed_padding_checks import CASES, run_case
 
-from llm_inference.config import create_engine_config
 from llm_inference.executor.cuda_graph import DECODE, MIXED, CudaGraphs, mixed_buckets
 from llm_inference.executor.input_batch import InputBuffers, StepInputs
 from llm_inference.kernels import reference
@@ -28,18 +27,6 @@ def test_default_mixed_buckets():
     assert mixed_buckets(64) == [64]
     assert mixed_buckets(1) == []
     assert len(mixed_buckets(1 << 20)) <= 12
-
-
-def test_mixed_cuda_graph_sizes_argument(tiny_ckpt):
-    def sizes(**kw):
-        return create_engine_config(tiny_ckpt, device="cpu", **kw).mixed_cuda_graph_sizes
-
-    assert sizes() is None  # the default ladder, resolved by the model runner
-    assert sizes(mixed_cuda_graph_sizes=[64, 16, 64]) == (16, 64)
-    assert sizes(mixed_cuda_graph_sizes=()) == ()
-    assert sizes(max_num_batched_tokens=100, mixed_cuda_graph_sizes=[100]) == (100,)
-    with pytest.raises(ValueError, match="mixed_cuda_graph_sizes"):
-        sizes(max_num_batched_tokens=100, mixed_cuda_graph_sizes=[128])
 
 
 def step(num_tokens, num_seqs, max_query_len):

@@ -109,12 +109,12 @@ def check_model() -> None:
     """A tiny Llama with skinny_gemm on equals it off: at 7 tokens every linear layer and the
     LM head ran the kernels (qkv, o, down and the head the GEMM, gate_up the fused variant);
     at 20 tokens none did."""
-    from llm_inference.config import ModelConfig
     from llm_inference.kernels import reference
     from llm_inference.models.llama import LlamaForCausalLM
+    from llm_inference.models.model_config import parse_hf_config
 
     calls = let_cpu_through()
-    config = ModelConfig.from_dict({
+    config = parse_hf_config({
         "model_type": "llama", "hidden_size": 48, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 80,
         "vocab_size": 300, "max_position_embeddings": 128, "rms_norm_eps": 1e-5,
@@ -149,18 +149,18 @@ def _full_weights() -> dict[str, torch.Tensor]:
 def _tp_rank_body(rank: int, world_size: int) -> dict:
     """The parallel layers at this rank with skinny_gemm on: qkv, o, the MLP (fused gate_up,
     row-parallel down) and the LM head on 5 rows."""
-    from llm_inference.config import ModelConfig
     from llm_inference.distributed.parallel_state import all_reduce
     from llm_inference.kernels import reference
     from llm_inference.layers.embedding import ParallelLMHead
     from llm_inference.layers.linear import QKVParallelLinear, RowParallelLinear
     from llm_inference.models.llama import LlamaMLP
+    from llm_inference.models.model_config import parse_hf_config
 
     calls = let_cpu_through()
     w = _full_weights()
     qkv = QKVParallelLinear(H, D, HEADS, KV, skinny_gemm=True)
     o = RowParallelLinear(HEADS * D, H, skinny_gemm=True)
-    cfg = ModelConfig.from_dict({
+    cfg = parse_hf_config({
         "model_type": "llama", "hidden_size": H, "num_hidden_layers": 1,
         "num_attention_heads": HEADS, "num_key_value_heads": KV, "intermediate_size": INTER,
         "vocab_size": V,

@@ -26,14 +26,3 @@ def test_default_follows_the_compute_capability():
     else:
         with pytest.raises(ValueError, match="compute capability 9.0"):
             pdl.resolve(True, "cuda")
-
-
-def test_the_engine_config_turns_it_off_without_triton(tmp_path):
-    from helpers import make_checkpoint
-
-    from llm_inference.config import create_engine_config
-
-    folder = make_checkpoint(tmp_path)
-    assert create_engine_config(str(folder), device="cpu").pdl is False
-    with pytest.raises(ValueError, match="pdl must be True, False or None"):
-        create_engine_config(str(folder), device="cpu", pdl="yes")

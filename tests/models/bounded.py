@@ -24,6 +24,7 @@ import torch
 torch.set_num_threads(1)
 from llm_inference.config import CheckpointError
 from llm_inference.kernels import reference
+from llm_inference.models.model_config import expected_shapes
 from llm_inference.models import loader
 
 seen = []
@@ -45,7 +46,7 @@ def check(kind, path):
     seen.clear()
     model = loader.load_model(path, reference)
     # Every tensor the config implies was copied in exactly once, with exactly its shape.
-    want = loader.expected_shapes(model.config)
+    want = expected_shapes(model.config)
     got = {}
     for name, shape in seen:
         if name in want:

@@ -10,10 +10,11 @@ import pytest
 from bounded import run_bounded
 from helpers import make_checkpoint
 
-from llm_inference.config import CheckpointError, ModelConfig
+from llm_inference.config import CheckpointError
 from llm_inference.kernels import reference
 from llm_inference.models import loader
 from llm_inference.models.loader import load_model, load_tokenizer, safetensors_files
+from llm_inference.models.model_config import load_hf_config, parse_hf_config
 
 BASE = {
     "model_type": "llama",
@@ -77,7 +78,7 @@ def _edit(path, edit):
 )
 def test_bad_config_values_are_one_error_naming_the_key(key, value, message):
     with pytest.raises(CheckpointError, match=message):
-        ModelConfig.from_dict({**BASE, key: value}, source="cfg.json")
+        parse_hf_config({**BASE, key: value}, source="cfg.json")
 
 
 @pytest.mark.parametrize(
@@ -109,16 +110,16 @@ def test_bad_config_values_are_one_error_naming_the_key(key, value, message):
 )
 def test_bad_rope_scaling_is_one_error(scaling, message):
     with pytest.raises(CheckpointError, match=message):
-        ModelConfig.from_dict({**BASE, "rope_scaling": scaling}, source="cfg.json")
+        parse_hf_config({**BASE, "rope_scaling": scaling}, source="cfg.json")
 
 
 def test_config_that_is_not_an_object(tmp_path):
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(CheckpointError, match="config.json must hold a JSON object"):
-        ModelConfig.from_pretrained(tmp_path)
+        load_hf_config(tmp_path)
     (tmp_path / "config.json").write_bytes(b'{"model_type": "\xff"}')
     with pytest.raises(CheckpointError, match="config.json is not valid"):
-        ModelConfig.from_pretrained(tmp_path)
+        load_hf_config(tmp_path)
 
 
 def test_huge_layer_count_fails_fast_before_allocation(folder):
@@ -166,26 +167,26 @@ def test_malformed_index_file(folder, index, message):
 
 
 def test_generation_config_eos_ids_are_merged(folder):
-    eos = ModelConfig.from_pretrained(folder).eos_token_ids
+    eos = load_hf_config(folder).eos_token_ids
     assert len(eos) == 1
     # Llama 3 Instruct: config.json says <|end_of_text|>, generation_config.json adds <|eot_id|>
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos[0], 7, 9]}))
-    assert ModelConfig.from_pretrained(folder).eos_token_ids == (eos[0], 7, 9)
+    assert load_hf_config(folder).eos_token_ids == (eos[0], 7, 9)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
-    assert ModelConfig.from_pretrained(folder).eos_token_ids == (eos[0], 5)
+    assert load_hf_config(folder).eos_token_ids == (eos[0], 5)
     _edit(folder / "config.json", lambda c: c.pop("eos_token_id"))
-    assert ModelConfig.from_pretrained(folder).eos_token_ids == (5,)
+    assert load_hf_config(folder).eos_token_ids == (5,)
     (folder / "generation_config.json").write_text(json.dumps({"do_sample": True}))
-    assert ModelConfig.from_pretrained(folder).eos_token_ids == ()
+    assert load_hf_config(folder).eos_token_ids == ()
 
 
 def test_generation_config_errors_name_the_file(folder):
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [None]}))
     with pytest.raises(CheckpointError, match=r"generation_config\.json.*eos_token_id"):
-        ModelConfig.from_pretrained(folder)
+        load_hf_config(folder)
     (folder / "generation_config.json").write_text("{")
     with pytest.raises(CheckpointError, match=r"generation_config\.json is not valid JSON"):
-        ModelConfig.from_pretrained(folder)
+        load_hf_config(folder)
 
 
 # ---- tokenizer files -------------------------------------------------------------------------

@@ -18,8 +18,9 @@ import pytest
 from bounded import SRC
 from gguf_testfiles import write_llama_gguf
 
-from llm_inference.config import CheckpointError, ModelConfig
+from llm_inference.config import CheckpointError
 from llm_inference.models import default_model as dm
+from llm_inference.models.model_config import load_hf_config
 
 DAY = 24 * 3600
 
@@ -70,7 +71,7 @@ def test_another_environment_does_not_delete_our_folder(monkeypatch, cache):
     second = dm.ensure_default_model()
     assert second != first
     assert folders(cache) == sorted([first.name, second.name])
-    assert ModelConfig.from_pretrained(first).num_hidden_layers == 2
+    assert load_hf_config(first).num_hidden_layers == 2
 
 
 def test_only_old_unlocked_folders_are_pruned(cache):
@@ -151,7 +152,7 @@ def test_read_only_cache_falls_back_to_a_temporary_cache(monkeypatch, cache, tmp
     finally:
         cache.chmod(0o700)
     assert folder.parent == tmp_path / "tmp" / f"llm_inference-{os.getuid()}"
-    assert ModelConfig.from_pretrained(folder).num_hidden_layers == 2
+    assert load_hf_config(folder).num_hidden_layers == 2
     warning = capsys.readouterr().err
     assert str(cache) in warning and "LLM_INFERENCE_CACHE" in warning
 

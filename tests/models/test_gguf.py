@@ -21,18 +21,18 @@ from gguf import GGUFValueType, GGUFWriter
 from gguf_testfiles import constant_k_blocks, read_checkpoint, write_llama_gguf
 from helpers import hf_model, make_checkpoint
 
-from llm_inference.config import CheckpointError, ModelConfig, RopeScaling
+from llm_inference.config import CheckpointError, RopeScaling
 from llm_inference.kernels import reference
 from llm_inference.models import default_model as dm
-from llm_inference.models import gguf as gguf_mod
 from llm_inference.models.gguf import (
     convert_gguf_to_hf,
-    is_gguf_file,
     iter_gguf_weights,
     load_gguf_config,
     load_gguf_tokenizer,
 )
+from llm_inference.models.gguf_reader import is_gguf_file
 from llm_inference.models.loader import load_model
+from llm_inference.models.model_config import load_hf_config
 
 # Quantization error bound as a fraction of the block's largest |x|: half a step, or a whole
 # step where the top level is clipped (Q4_0, Q5_0); plus f16 rounding of scales.
@@ -62,7 +62,7 @@ def _hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def test_config_and_weights_roundtrip(tmp_path, tiny_ckpt, tiny_gguf):
-    want_cfg = ModelConfig.from_pretrained(tiny_ckpt)
+    want_cfg = load_hf_config(tiny_ckpt)
     assert load_gguf_config(tiny_gguf) == want_cfg  # eps is float32 in GGUF: 1e-05 both ways
     _, state = read_checkpoint(tiny_ckpt)
     got = dict(iter_gguf_weights(tiny_gguf, torch.float32))
@@ -161,9 +161,7 @@ def test_convert_writes_a_folder_transformers_and_we_load(tmp_path, tiny_ckpt, t
     assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype"] == dtype
     with safe_open(out / "model.safetensors", "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {getattr(torch, dtype)}
-    assert ModelConfig.from_pretrained(out) == dataclasses.replace(
-        ModelConfig.from_pretrained(tiny_ckpt), torch_dtype=dtype
-    )
+    assert load_hf_config(out) == dataclasses.replace(load_hf_config(tiny_ckpt), torch_dtype=dtype)
     ids = torch.randint(0, 320, (17,), generator=torch.Generator().manual_seed(2))
     theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     want = _hf_logits(hf_model(tiny_ckpt), ids)
@@ -319,14 +317,12 @@ def _cache_entries(folder: Path) -> list[str]:
 
 def test_default_model_converted_once_then_cached(monkeypatch, tmp_path, fake_default):
     calls = []
-    real = gguf_mod.convert_gguf_to_hf
-    monkeypatch.setattr(
-        gguf_mod, "convert_gguf_to_hf", lambda *a, **k: calls.append(a) or real(*a, **k)
-    )
+    real = dm.convert_gguf_to_hf
+    monkeypatch.setattr(dm, "convert_gguf_to_hf", lambda *a, **k: calls.append(a) or real(*a, **k))
     folder = Path(dm.resolve_model(None))
     assert folder.parent == tmp_path / "cache" / "llm_inference"
     assert folder.name.startswith("SmolLM2-135M-Instruct-")
-    assert ModelConfig.from_pretrained(folder).torch_dtype == "float32"
+    assert load_hf_config(folder).torch_dtype == "float32"
     assert _cache_entries(folder.parent) == [folder.name]  # no temporaries left
     assert dm.resolve_model(None) == str(folder) and len(calls) == 1
     os.utime(fake_default, ns=(1, 1))  # the same file reinstalled: the key is its content
@@ -343,7 +339,7 @@ def test_failed_conversion_leaves_no_folder(monkeypatch, tmp_path, fake_default)
         (Path(out_dir) / "config.json").write_text("{}")
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(gguf_mod, "convert_gguf_to_hf", broken)
+    monkeypatch.setattr(dm, "convert_gguf_to_hf", broken)
     with pytest.raises(RuntimeError, match="disk full"):
         dm.resolve_model(None)
     assert _cache_entries(tmp_path / "cache" / "llm_inference") == []

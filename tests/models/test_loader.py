@@ -9,9 +9,10 @@ import torch
 from helpers import make_checkpoint
 from safetensors.torch import load_file, save_file
 
-from llm_inference.config import CheckpointError, ModelConfig
+from llm_inference.config import CheckpointError
 from llm_inference.kernels import reference
 from llm_inference.models.loader import load_model
+from llm_inference.models.model_config import parse_hf_config
 
 
 def _rewrite_weights(folder, edit):
@@ -110,7 +111,7 @@ def test_config_reads_rope_scaling_and_eos_list():
             "original_max_position_embeddings": 8192,
         },
     }
-    c = ModelConfig.from_dict(d)
+    c = parse_hf_config(d)
     assert c.eos_token_ids == (7, 9)
     assert c.head_dim == 16
     assert c.rope_theta == 500000.0
@@ -118,4 +119,4 @@ def test_config_reads_rope_scaling_and_eos_list():
     # transformers 5 writes the same under rope_parameters.
     d2 = dict(d, rope_parameters={**d.pop("rope_scaling"), "rope_theta": 500000.0})
     d2.pop("rope_theta")
-    assert ModelConfig.from_dict(d2) == c
+    assert parse_hf_config(d2) == c

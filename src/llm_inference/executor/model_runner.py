@@ -34,11 +34,12 @@ class ModelRunner:
         if config.kernel_backend == "triton":  # the process's kernels launch with PDL or not
             from llm_inference.kernels import pdl
 
-            pdl.configure(pdl.resolve(config.pdl, device))
+            pdl.configure(pdl.resolve(None, device))
         # The reference kernels sync with the host, which a graph capture forbids.
         self.use_cuda_graphs = config.kernel_backend == "triton" and not config.enforce_eager
+        skinny_gemm = config.kernel_backend == "triton"
         self.model = load_model(
-            config.model_path, ops, device, self.dtype, config.model, config.skinny_gemm
+            config.model_path, ops, device, self.dtype, config.model, skinny_gemm
         )
         self.sampler = Sampler(ops)
         self.block_size = config.cache.block_size
@@ -164,10 +165,7 @@ class ModelRunner:
         """Token buckets of the mixed-step graphs (none without CUDA graphs)."""
         if not self.use_cuda_graphs:
             return []
-        sizes = self.config.mixed_cuda_graph_sizes
-        if sizes is None:
-            return mixed_buckets(self.config.scheduler.max_num_batched_tokens)
-        return list(sizes)
+        return mixed_buckets(self.config.scheduler.max_num_batched_tokens)
 
     def release(self) -> None:
         self.graphs = None

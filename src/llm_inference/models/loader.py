@@ -5,9 +5,9 @@ into the shard-sized parameters on the target device through each parameter's
 `weight_loader`; the whole checkpoint is never held in host memory. Under tensor parallelism
 each safetensors tensor reaches the loaders as a `LazySlice`: a rank's loader narrows it to its
 own part, and only that part is read from the file (GGUF tensors are dequantized whole, then
-narrowed). Before any tensor is read,
-the names and shapes in the checkpoint headers are checked against what the config implies,
-and every problem is reported in one error.
+narrowed). Before any tensor is read, the names and shapes in the checkpoint headers are
+checked against what the config implies (models/model_config.py's `check_shapes`), and every
+problem is reported in one error.
 """
 
 from __future__ import annotations
@@ -16,99 +16,33 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
-from llm_inference.config import CheckpointError, ModelConfig, read_json_file
+from llm_inference.config import CheckpointError, ModelConfig
 from llm_inference.kernels import KernelOps
+from llm_inference.models.gguf import iter_gguf_weights, load_gguf_config, load_gguf_tokenizer
+from llm_inference.models.gguf_reader import is_gguf
 from llm_inference.models.llama import LlamaForCausalLM
+from llm_inference.models.model_config import (
+    check_shapes,
+    ignored_tensor,
+    load_hf_config,
+    read_json_file,
+)
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 # Weight dtypes that are loaded (cast to the model dtype); anything else (integers, bools,
 # FP8 without its scales) is refused.
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
-_LISTED = 20  # names listed per kind of problem in one error message
-
-
-def is_gguf(path: str | Path) -> bool:
-    """A .gguf file, or any file that starts with the GGUF magic bytes."""
-    path = Path(path)
-    if path.suffix == ".gguf":
-        return True
-    if not path.is_file():
-        return False
-    from llm_inference.models.gguf import is_gguf_file
-
-    return is_gguf_file(path)
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a checkpoint: a .gguf file's metadata or a folder's config.json."""
     if is_gguf(path):
-        from llm_inference.models.gguf import load_gguf_config
-
         return load_gguf_config(path)
-    return ModelConfig.from_pretrained(path)
-
-
-def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor names and full (unsharded) shapes a checkpoint must hold."""
-    h, i = c.hidden_size, c.intermediate_size
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, h)
-    for n in range(c.num_hidden_layers):
-        p = f"model.layers.{n}."
-        shapes |= {
-            p + "self_attn.q_proj.weight": (c.q_size, h),
-            p + "self_attn.k_proj.weight": (c.kv_size, h),
-            p + "self_attn.v_proj.weight": (c.kv_size, h),
-            p + "self_attn.o_proj.weight": (h, c.q_size),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        }
-    return shapes
-
-
-def _ignored(name: str, c: ModelConfig) -> bool:
-    # Tied checkpoints sometimes still carry lm_head.weight: it equals the embedding.
-    return name.endswith("rotary_emb.inv_freq") or (
-        c.tie_word_embeddings and name == "lm_head.weight"
-    )
-
-
-def _listing(items: list[str], sep: str = ", ") -> str:
-    shown = sep.join(items[:_LISTED])
-    return shown if len(items) <= _LISTED else f"{shown}{sep}... ({len(items)} in all)"
-
-
-def check_shapes(
-    found: dict[str, tuple[int, ...]],
-    c: ModelConfig,
-    source: str,
-    other_problems: Iterable[str] = (),
-) -> None:
-    """Raise one CheckpointError listing every missing, unexpected and wrongly shaped tensor
-    (Hugging Face names, full shapes) plus `other_problems`; nothing if all is as `c` says."""
-    want = expected_shapes(c)
-    missing = sorted(set(want) - set(found))
-    unexpected = sorted(n for n in set(found) - set(want) if not _ignored(n, c))
-    wrong = sorted(
-        f"{n}: checkpoint {tuple(found[n])}, expected {want[n]}"
-        for n in set(want) & set(found)
-        if tuple(found[n]) != want[n]
-    )
-    problems = list(other_problems)
-    if missing:
-        problems.append(f"missing tensors: {_listing([f'{n} {want[n]}' for n in missing])}")
-    if unexpected:
-        problems.append(f"unexpected tensors: {_listing(unexpected)}")
-    if wrong:
-        problems.append(f"wrongly shaped tensors: {_listing(wrong, '; ')}")
-    if problems:
-        raise CheckpointError(f"{source}: " + " | ".join(problems))
+    return load_hf_config(path)
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -162,8 +96,6 @@ def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
 
 
 def safetensors_header_check(files: list[Path]) -> tuple[dict[str, tuple[int, ...]], list[str]]:
-    from safetensors import safe_open
-
     shapes: dict[str, tuple[int, ...]] = {}
     where: dict[str, str] = {}
     problems = []
@@ -207,8 +139,6 @@ class LazySlice:
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, LazySlice]]:
-    from safetensors import safe_open
-
     for f in files:
         with safe_open(f, framework="pt") as sf:
             for name in sf.keys():
@@ -226,7 +156,7 @@ def load_weights(
     sharded) parameters; a sharded parameter's loader reads only its rank's part."""
     params = dict(model.named_parameters())
     for hf_name, tensor in weights:
-        if _ignored(hf_name, model.config):
+        if ignored_tensor(hf_name, model.config):
             continue
         name = hf_name.removeprefix("model.")
         shard_id = None
@@ -259,8 +189,6 @@ def load_model(
     path = Path(path)
     config = config or load_model_config(path)
     if is_gguf(path):
-        from llm_inference.models.gguf import iter_gguf_weights
-
         weights = iter_gguf_weights(path, dtype, config)  # checks the tensors first
     else:
         files = safetensors_files(path)
@@ -280,12 +208,12 @@ def load_model(
 
 def load_tokenizer(path: str | Path):
     """The checkpoint's tokenizer (and chat template) through transformers."""
+    # transformers is heavy to import, and only the front end needs a tokenizer (the worker
+    # processes import this module too).
     from transformers import AutoTokenizer
 
     path = Path(path)
     if is_gguf(path):
-        from llm_inference.models.gguf import load_gguf_tokenizer
-
         return load_gguf_tokenizer(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint path does not exist or is not a folder: {path}")
