@@ -185,7 +185,7 @@ def join_group(config: EngineConfig, rank: int, world_size: int, port: int) -> t
     par = config.parallel
     init_distributed(
         rank, world_size, port, device, use_custom_all_reduce=not par.disable_custom_all_reduce,
-        fused_all_reduce_norm=par.fused_all_reduce_norm,
+        kernel_backend=config.kernel_backend,
     )  # fmt: skip
     return device
 
