@@ -1,5 +1,6 @@
 """The import rules of DESIGN.md: entrypoints -> engine -> core and executor; executor ->
-models -> layers -> kernels; never the other way. core/ imports no torch."""
+models -> layers -> kernels; never the other way. core/ imports no torch. Any package may
+import the top-level envs.py (the A/B switches)."""
 
 from __future__ import annotations
 
