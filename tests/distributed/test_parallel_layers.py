@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from tp_helpers import run_ranks
 
 from llm_inference.distributed import parallel_state as ps
+from llm_inference.kernels.reference import ReferenceOps
 from llm_inference.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from llm_inference.layers.linear import (
     ColumnParallelLinear,
@@ -72,13 +73,14 @@ class CountingSlice(LazySlice):
 
 def run_layers(path: str) -> dict:
     """Build every parallel layer at the current rank/size, load it from `path`, run it."""
-    qkv = QKVParallelLinear(H, D, HEADS, KV)
-    o = RowParallelLinear(HEADS * D, H)
-    gate_up = MergedColumnParallelLinear(H, [INTER, INTER])
-    down = RowParallelLinear(INTER, H)
-    col = ColumnParallelLinear(H, INTER)
+    ops = ReferenceOps()
+    qkv = QKVParallelLinear(H, D, HEADS, KV, ops)
+    o = RowParallelLinear(HEADS * D, H, ops)
+    gate_up = MergedColumnParallelLinear(H, [INTER, INTER], ops)
+    down = RowParallelLinear(INTER, H, ops)
+    col = ColumnParallelLinear(H, INTER, ops)
     emb = VocabParallelEmbedding(V, H)
-    head = ParallelLMHead(V, H)
+    head = ParallelLMHead(V, H, ops)
     CountingSlice.reads = []
     with safe_open(path, framework="pt") as sf:
         w = lambda n: CountingSlice(n, sf.get_slice(n))  # noqa: E731
@@ -96,6 +98,7 @@ def run_layers(path: str) -> dict:
             "qkv": qkv(x["x"]),
             "o": o(x["xq"].narrow(1, rank * q_in, q_in)),  # row parallel: this rank's inputs
             "gate_up": gate_up(x["x"]),
+            "gate_up_silu": gate_up.forward_silu_and_mul(x["x"]),
             "down": down(x["xi"].narrow(1, rank * i_in, i_in)),
             "col": col(x["x"]),
             "emb": emb(x["ids"]),
@@ -206,6 +209,7 @@ def test_parallel_layers_equal_unsharded_twins(world_size, weights_file, full):
         close(out["col"], full["col"][:, rank * inter : (rank + 1) * inter])
         close(out["gate_up"][:, :inter], full["gate_up"][:, rank * inter : (rank + 1) * inter])
         close(out["gate_up"][:, inter:], full["gate_up"][:, INTER + rank * inter :][:, :inter])
+        close(out["gate_up_silu"], full["gate_up_silu"][:, rank * inter : (rank + 1) * inter])
         fq, fk, fv = full["qkv"].split([HEADS * D, KV * D, KV * D], dim=-1)
         head = rank // replicas  # KV heads replicated when world_size > KV
         close(out["qkv"][:, :q], fq[:, rank * q : (rank + 1) * q])
@@ -260,7 +264,6 @@ def test_loader_reads_only_the_rank_slices(tiny_ckpt, monkeypatch):
     parameter equals its slice of the checkpoint, and no sharded tensor is read whole."""
     from safetensors.torch import load_file
 
-    from llm_inference.kernels import get_ops
     from llm_inference.models import loader
 
     whole = []
@@ -269,7 +272,7 @@ def test_loader_reads_only_the_rank_slices(tiny_ckpt, monkeypatch):
     )
     monkeypatch.setattr(ps, "_TP_RANK", 1)
     monkeypatch.setattr(ps, "_TP_SIZE", 2)
-    model = loader.load_model(tiny_ckpt, get_ops("reference", "cpu"))
+    model = loader.load_model(tiny_ckpt, ReferenceOps())
     ckpt = load_file(str(next(tiny_ckpt.glob("*.safetensors"))))
     assert all(len(s) == 1 for s in whole), whole  # only the norm weights are read whole
     layer = model.layers[1]
