@@ -55,6 +55,7 @@ WINDOWS_US = [0.0, 2.0, 4.0, 8.0]
 ROWS = [1, 8, 16]
 CHUNK = 16 * 1024  # bytes per bulk prefetch instruction
 PER_PROGRAM = 32  # prefetches per program: one per lane of its one warp
+PDL = False  # whether the kernels launch with PDL (main: on where supported, unless --no-pdl)
 
 
 @triton.jit
@@ -87,7 +88,7 @@ def prefetch(t: torch.Tensor, empty: bool = False) -> None:
     grid = (triton.cdiv(nbytes, CHUNK * PER_PROGRAM),)
     _prefetch_kernel[grid](
         t.view(-1).view(torch.uint8), 0 if empty else nbytes, CHUNK=CHUNK, PER_PROGRAM=PER_PROGRAM,
-        PDL=pdl.enabled(), num_warps=1, **pdl.launch_kwargs(),
+        PDL=PDL, num_warps=1, **pdl.launch_kwargs(PDL),
     )  # fmt: skip
 
 
@@ -115,20 +116,20 @@ def transition(a, b, rows: int, windows, cpu: float, name: str) -> list[dict]:
     count = len(a)
     xa = torch.randn(rows, a[0].shape[1], device="cuda", dtype=DTYPE)
     xb = torch.randn(rows, b[0].shape[1], device="cuda", dtype=DTYPE)
-    before = time_graph(lambda i: sg.skinny_gemm(xa, a[i % count]), count)
-    after_cold = time_graph(lambda i: sg.skinny_gemm(xb, b[i % count]), count)
-    after_hot = time_graph(lambda i: sg.skinny_gemm(xb, b[0]), count)
+    before = time_graph(lambda i: sg.skinny_gemm(xa, a[i % count], pdl=PDL), count)
+    after_cold = time_graph(lambda i: sg.skinny_gemm(xb, b[i % count], pdl=PDL), count)
+    after_hot = time_graph(lambda i: sg.skinny_gemm(xb, b[0], pdl=PDL), count)
     out = []
     for w_us in windows:
         cyc = int(w_us * cpu)
 
         def body(i, pre, cyc=cyc):
-            sg.skinny_gemm(xa, a[i % count])
+            sg.skinny_gemm(xa, a[i % count], pdl=PDL)
             if pre:
                 prefetch(b[i % count], empty=pre == "empty")
             if cyc:
                 torch.cuda._sleep(cyc)
-            sg.skinny_gemm(xb, b[i % count])
+            sg.skinny_gemm(xb, b[i % count], pdl=PDL)
 
         window = time_graph(lambda i, cyc=cyc: torch.cuda._sleep(cyc), count) if cyc else 0.0
         plain = time_graph(lambda i: body(i, False), count)
@@ -170,8 +171,9 @@ def main() -> None:
     ap.add_argument("--no-pdl", action="store_true")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
-    pdl.configure(not args.no_pdl and pdl.resolve(None, "cuda"))
-    print(f"{torch.cuda.get_device_name()}, PDL {'on' if pdl.enabled() else 'off'}")
+    global PDL
+    PDL = not args.no_pdl and pdl.resolve(None, "cuda")
+    print(f"{torch.cuda.get_device_name()}, PDL {'on' if PDL else 'off'}")
     print("| transition | rows | window us | before us | after cold | after in L2 | "
           "plain us | empty kernel | prefetch | saved | benefit |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -180,7 +182,7 @@ def main() -> None:
     results = run(rows, windows)
     if args.json:
         meta = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(),
-                    pdl=pdl.enabled(), torch=torch.__version__)  # fmt: skip
+                    pdl=PDL, torch=torch.__version__)  # fmt: skip
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, results=results), f, indent=1)
 
