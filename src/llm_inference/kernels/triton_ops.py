@@ -49,6 +49,10 @@ class TritonOps:
     sample = staticmethod(sampling.sample)
     race_shard = staticmethod(sampling.race_shard)
     warm_up_sampler = staticmethod(sampling.warm_up)
+    # kernels without a choice to make
+    store_kv_cache = staticmethod(store_kv_cache)
+    rotary_embedding = staticmethod(rotary_embedding)
+    silu_and_mul = staticmethod(silu_and_mul)
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
@@ -84,16 +88,10 @@ class TritonOps:
             return sg.skinny_gemm_silu(x, weight, pdl=self.pdl)
         return silu_and_mul(F.linear(x, weight))
 
-    # ---- the other kernels ----------------------------------------------------------------
-
-    def store_kv_cache(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    # ---- the kernels that launch with PDL ------------------------------------------------
 
     def rms_norm(self, x, weight, eps: float, residual=None, *, out=None):
         return rms_norm(x, weight, eps, residual, out=out, pdl=self.pdl)
-
-    def rotary_embedding(self, positions, q, k, cos_sin_cache):
-        return rotary_embedding(positions, q, k, cos_sin_cache)
 
     def rotary_store_kv(
         self, positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping
@@ -101,9 +99,6 @@ class TritonOps:
         return rotary_store_kv(
             positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, pdl=self.pdl
         )
-
-    def silu_and_mul(self, x, *, out=None) -> torch.Tensor:
-        return silu_and_mul(x, out=out)
 
     def paged_attention_decode(
         self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, out=None,
