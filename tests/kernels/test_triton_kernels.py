@@ -60,7 +60,7 @@ def test_ops_objects_have_the_protocol_and_reference_signatures():
         assert [p.name for p in got[: len(want)]] == [p.name for p in want], name
         assert all(p.default is not inspect.Parameter.empty for p in got[len(want) :]), name
     for name in ("sample", "race_shard", "warm_up_sampler"):  # the fused sampler
-        assert callable(getattr(fast, name)) and not hasattr(ref, name)
+        assert callable(getattr(fast, name)), name
 
 
 def test_launchers_reject_bad_inputs():

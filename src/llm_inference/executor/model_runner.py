@@ -126,7 +126,7 @@ class ModelRunner:
             sched.max_num_batched_tokens,
         )  # fmt: skip
         run_warm_up(self.model, self.buffers, sched.max_num_seqs, steps)
-        if steps and self.device.type == "cuda":
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
