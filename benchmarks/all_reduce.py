@@ -212,7 +212,8 @@ def _norm_main(rank: int, world: int, port: int, json_path: str | None) -> None:
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    ps.init_distributed(rank, world, port, device, fused_all_reduce_norm=True)
+    os.environ["LLM_INFERENCE_FUSED_ALL_REDUCE_NORM"] = "1"
+    ps.init_distributed(rank, world, port, device, kernel_backend="triton")
     comm = ps.get_custom_all_reduce()
     if comm is None or not comm.fused_norm:
         raise RuntimeError("the fused all-reduce + RMSNorm did not pass its set-up check")

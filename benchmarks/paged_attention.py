@@ -46,6 +46,7 @@ from triton.testing import do_bench
 from llm_inference.entrypoints.bench import copy_bandwidth
 from llm_inference.kernels import paged_attention as pa
 from llm_inference.kernels import reference
+from llm_inference.kernels.device import num_sms
 
 ROWS = [(1, 128), (1, 512), (4, 128), (4, 512), (16, 2048), (64, 4096), (256, 1024), (1, 32768)]
 SHAPES = {"Llama-3.2-1B": (32, 8, 64), "Llama-3.2-3B": (24, 8, 128)}
@@ -155,7 +156,7 @@ def bench_row(batch, seq, shape, gen, copy_bw) -> dict:
     eager_us = eager_us_per_call(triton_fn)
     bw = kv_bytes(batch, seq, shape) / (t_graph * 1e-3)
     splits = pa.choose_splits(
-        batch, shape[1], seq, pa.default_block_n(shape[2], BLOCK_SIZE), pa._num_sms(q.device)
+        batch, shape[1], seq, pa.default_block_n(shape[2], BLOCK_SIZE), num_sms(q.device)
     )
     return dict(batch=batch, seq=seq, torch_ms=t_torch, triton_ms=t_graph, eager_us=eager_us,
                 speedup=t_torch / t_graph, eager_speedup=t_torch * 1e3 / eager_us,
@@ -180,7 +181,7 @@ def diagnose_row(batch, seq, shape, gen, copy_bw) -> list[dict]:
     out = torch.empty_like(q)
     ref = reference.paged_attention_decode(q, k_cache, v_cache, tables, lens, scale)
     block_n = pa.default_block_n(head_dim, BLOCK_SIZE)
-    sms = pa._num_sms(q.device)
+    sms = num_sms(q.device)
     results = []
     for name, waves, min_chunk, fused in DIAGNOSE[(batch, seq)]:
         splits = pa.choose_splits(batch, shape[1], seq, block_n, sms, waves, min_chunk)
@@ -241,7 +242,7 @@ def mixed_rows(gen, copy_bw) -> list[dict]:
     rows = []
     for name, shape, batch, case in mixed_cases(gen):
         block_n = pa.default_block_n(shape[2], BLOCK_SIZE)
-        sms = pa._num_sms(case["out"].device)
+        sms = num_sms(case["out"].device)
         defaults = {"batch": pa.choose_splits(batch, shape[1], 4096, block_n, sms),
                     "longest first": pa.choose_splits(batch, shape[1], 4096, block_n, sms,
                                                       pa.ORDERED_WAVES)}  # fmt: skip
@@ -266,7 +267,7 @@ def tile_rows(gen, copy_bw, tiles: list[tuple[int, int, int]]) -> list[dict]:
     (ORDERED_WAVES) for each tile's size: graph-timed ms per (block_n, warps, stages)."""
     rows = []
     for name, shape, batch, case in mixed_cases(gen):
-        sms = pa._num_sms(case["out"].device)
+        sms = num_sms(case["out"].device)
         default = pa.default_block_n(shape[2], BLOCK_SIZE)
         for block_n, warps, stages in tiles:
             splits = pa.choose_splits(batch, shape[1], 4096, block_n, sms, pa.ORDERED_WAVES)

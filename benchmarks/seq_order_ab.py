@@ -1,6 +1,6 @@
 """The engine's throughput with decode attention programs dispatched longest context first
-(layers/attention.py `seq_order`, from ORDER_MIN_SEQS sequences) against batch order: one
-process, one model, the `bench throughput` workload (256 requests, in/out uniform in
+(`seq_order`, from kernels/unified_attention.py's ORDER_MIN_SEQS sequences) against batch
+order: one process, one model, the `bench throughput` workload (256 requests, in/out uniform in
 [100, 1024]), the two settings alternating, a fixed KV cache so that both schedule alike.
 
     PYTHONPATH=src python benchmarks/seq_order_ab.py [--model llama-3.2-3b] [--rounds 1]
@@ -16,7 +16,7 @@ import torch
 
 from llm_inference import LLM
 from llm_inference.entrypoints.bench import random_checkpoint, throughput
-from llm_inference.layers import attention
+from llm_inference.kernels import unified_attention
 
 
 def main() -> None:
@@ -27,13 +27,13 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     folder = random_checkpoint(args.model)
-    default = attention.ORDER_MIN_SEQS
+    default = unified_attention.ORDER_MIN_SEQS
     rows = []
     print(f"{args.model}, {torch.cuda.get_device_name()}, KV cache {args.kv_gib} GiB")
     print("| round | order | out tok/s | s |\n|---:|---|---:|---:|")
     for r in range(args.rounds):
         for name, min_seqs in (("batch", 10**9), ("longest first", default)):
-            attention.ORDER_MIN_SEQS = min_seqs  # read when metadata and graphs are built
+            unified_attention.ORDER_MIN_SEQS = min_seqs  # read at each launch (graph capture)
             with LLM(str(folder), dtype="bfloat16", max_model_len=4096,
                      kv_cache_memory_bytes=args.kv_gib << 30, enable_prefix_caching=False,
                      max_num_seqs=256) as llm:  # fmt: skip
@@ -43,7 +43,7 @@ def main() -> None:
             rows.append(dict(round=r, order=name, **res))
             print(f"| {r} | {name} | {res['output_tok_per_s']:,.0f} | {res['seconds']:.2f} |",
                   flush=True)  # fmt: skip
-    attention.ORDER_MIN_SEQS = default
+    unified_attention.ORDER_MIN_SEQS = default
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

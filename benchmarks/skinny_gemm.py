@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from llm_inference.entrypoints.bench import copy_bandwidth
 from llm_inference.kernels import skinny_gemm as sg
 from llm_inference.kernels.activation import silu_and_mul
+from llm_inference.kernels.device import num_sms
 
 MODELS = {
     "Llama-3.2-1B": dict(hidden=2048, heads=32, head_dim=64, kv_heads=8, inter=8192,
@@ -109,7 +110,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def run_model(name: str, m: dict, batches: list[int]) -> list[dict]:
     rows = []
-    sms = sg.num_sms(torch.device(DEVICE))
+    sms = num_sms(torch.device(DEVICE))
     for layer, (n, k) in layer_shapes(m).items():
         weights = weight_copies(n, k)
         for shown in [layer, "gate_up+act"] if layer == "gate_up" else [layer]:
@@ -156,7 +157,7 @@ def sweep(models: list[str], batch: int, seconds: float) -> list[dict]:
     """Every SWEEP_TILES x SWEEP_SPLITS config (K ranges of SWEEP_MIN_K or more) per
     layer shape at `batch` rows; the rule's own config is marked."""
     out, deadline = [], time.monotonic() + seconds
-    sms = sg.num_sms(torch.device(DEVICE))
+    sms = num_sms(torch.device(DEVICE))
     for name in models:
         for layer, (n, k) in layer_shapes(MODELS[name]).items():
             weights = weight_copies(n, k)

@@ -3,7 +3,8 @@
 On the CPU: the routing rule (which messages it takes, which go to NCCL); its set-up's
 agreement across ranks and fallback (gloo ranks with a stand-in implementation); gloo ranks
 (no custom all-reduce, the plain gloo sum); the `disable_custom_all_reduce` plumbing from the
-engine arguments and the CLI to the worker's `init_distributed`. On 2+ GPUs: against NCCL for
+engine arguments and the CLI to the worker's `init_distributed`, and its choice of the fused
+all-reduce + RMSNorm. On 2+ GPUs: against NCCL for
 several sizes and dtypes, eagerly and in a CUDA graph replayed with changing inputs, with the
 messages above the threshold, in float16 or misaligned going to NCCL; a wrong sum at set-up
 falls back to NCCL."""
@@ -215,14 +216,37 @@ def test_flag_reaches_the_workers_init_distributed(tiny_ckpt, monkeypatch):
         EngineArgs(tiny_ckpt, device="cpu", disable_custom_all_reduce="yes").create_engine_config()
 
 
-def test_fused_norm_reaches_init_distributed(tiny_ckpt, monkeypatch):
-    """The fused all-reduce + norm: on with the Triton kernels (CUDA) and the custom all-reduce,
-    else off."""
-    assert _init_kwargs(tiny_ckpt, monkeypatch)["fused_all_reduce_norm"] is False  # reference
+def test_kernel_backend_reaches_init_distributed(tiny_ckpt, monkeypatch):
+    """The fused all-reduce + RMSNorm is a Triton kernel: the worker passes the resolved
+    kernel backend, from which (and the device and the environment) init_distributed decides
+    it."""
+    assert _init_kwargs(tiny_ckpt, monkeypatch)["kernel_backend"] == "reference"
     monkeypatch.setattr(kernels, "resolve_backend", lambda backend, device_type: "triton")
-    for disable in (False, True):
-        kw = _init_kwargs(tiny_ckpt, monkeypatch, disable_custom_all_reduce=disable)
-        assert kw["fused_all_reduce_norm"] is not disable
+    assert _init_kwargs(tiny_ckpt, monkeypatch)["kernel_backend"] == "triton"
+
+
+def test_init_distributed_fuses_the_norm_with_triton_unless_switched_off(monkeypatch):
+    """On CUDA (stood in for: no process group, no device), the custom all-reduce is created
+    with the fused norm for the Triton kernels unless LLM_INFERENCE_FUSED_ALL_REDUCE_NORM=0,
+    never for the reference kernels."""
+    created = []
+    for name, value in (("_TP_RANK", 0), ("_TP_SIZE", 1), ("_CUSTOM_ALL_REDUCE", None)):
+        monkeypatch.setattr(ps, name, value)  # restored afterwards
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(car, "create", lambda device, fused_norm: created.append(fused_norm))
+    name = "LLM_INFERENCE_FUSED_ALL_REDUCE_NORM"
+    for backend, value, want in (("triton", None, True), ("triton", "1", True),
+                                 ("triton", "0", False), ("reference", None, False)):  # fmt: skip
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        ps.init_distributed(0, 2, 0, "cuda:0", kernel_backend=backend)
+        assert created.pop() is want, (backend, value)
+    ps.init_distributed(0, 2, 0, "cuda:0", use_custom_all_reduce=False, kernel_backend="triton")
+    assert created == []
 
 
 def test_cli_flag():
@@ -244,18 +268,18 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 
 
 def _gpu_rank_main(rank, world_size, port, conn, body, fused_norm=False):
-    """Rank `rank` on cuda:rank: init_distributed (NCCL and the custom all-reduce, with
-    `fused_norm` its fused all-reduce + RMSNorm, its set-up output captured), then
-    `body(rank, that output)`, whose result goes back over `conn`."""
+    """Rank `rank` on cuda:rank: init_distributed (NCCL and the custom all-reduce for the
+    Triton kernels, with `fused_norm` its fused all-reduce + RMSNorm, its set-up output
+    captured), then `body(rank, that output)`, whose result goes back over `conn`."""
     for k, v in NO_MULTICAST.items():
         os.environ.setdefault(k, v)
+    os.environ["LLM_INFERENCE_FUSED_ALL_REDUCE_NORM"] = "1" if fused_norm else "0"
     try:
         torch.cuda.set_device(rank)
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
             ps.init_distributed(
-                rank, world_size, port, torch.device("cuda", rank),
-                fused_all_reduce_norm=fused_norm,
+                rank, world_size, port, torch.device("cuda", rank), kernel_backend="triton"
             )  # fmt: skip
         conn.send_bytes(pickle.dumps((True, body(rank, err.getvalue()))))
     except BaseException:

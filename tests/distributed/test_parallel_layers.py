@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from tp_helpers import run_ranks
 
 from llm_inference.distributed import parallel_state as ps
+from llm_inference.kernels.reference import ReferenceOps
 from llm_inference.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from llm_inference.layers.linear import (
     ColumnParallelLinear,
@@ -71,13 +72,14 @@ class CountingSlice(LazySlice):
 
 def run_layers(path: str) -> dict:
     """Build every parallel layer at the current rank/size, load it from `path`, run it."""
-    qkv = QKVParallelLinear(H, D, HEADS, KV)
-    o = RowParallelLinear(HEADS * D, H)
-    gate_up = MergedColumnParallelLinear(H, [INTER, INTER])
-    down = RowParallelLinear(INTER, H)
-    col = ColumnParallelLinear(H, INTER)
+    ops = ReferenceOps()
+    qkv = QKVParallelLinear(H, D, HEADS, KV, ops)
+    o = RowParallelLinear(HEADS * D, H, ops)
+    gate_up = MergedColumnParallelLinear(H, [INTER, INTER], ops)
+    down = RowParallelLinear(INTER, H, ops)
+    col = ColumnParallelLinear(H, INTER, ops)
     emb = VocabParallelEmbedding(V, H)
-    head = ParallelLMHead(V, H)
+    head = ParallelLMHead(V, H, ops)
     CountingSlice.reads = []
     with safe_open(path, framework="pt") as sf:
         w = lambda n: CountingSlice(n, sf.get_slice(n))  # noqa: E731
@@ -95,6 +97,7 @@ def run_layers(path: str) -> dict:
             "qkv": qkv(x["x"]),
             "o": o(x["xq"].narrow(1, rank * q_in, q_in)),  # row parallel: this rank's inputs
             "gate_up": gate_up(x["x"]),
+            "gate_up_silu": gate_up.forward_silu_and_mul(x["x"]),
             "down": down(x["xi"].narrow(1, rank * i_in, i_in)),
             "col": col(x["x"]),
             "emb": emb(x["ids"]),
@@ -121,7 +124,7 @@ SAMPLE_SETS = {"greedy": [0, 4], "gathered": [1, 2, 3], "mixed": [0, 1, 2, 3, 4]
 
 def tp_sample(head: ParallelLMHead, hidden: torch.Tensor, rows: list[int]) -> dict:
     """sample_tensor_parallel over `rows` of `hidden`, their inputs built as the runner does."""
-    from llm_inference.kernels import reference
+    from llm_inference.kernels.reference import ReferenceOps
     from llm_inference.sample.sampler import Sampler
     from llm_inference.sample.staging import SamplingRows
     from llm_inference.sample.tensor_parallel import sample_tensor_parallel
@@ -132,7 +135,7 @@ def tp_sample(head: ParallelLMHead, hidden: torch.Tensor, rows: list[int]) -> di
     num_outputs = [2] * len(rows)  # min_tokens=4 still active
     with torch.no_grad():
         out = sample_tensor_parallel(
-            Sampler(reference), head.compute_local_logits(hidden[rows]), head.vocab_start,
+            Sampler(ReferenceOps()), head.compute_local_logits(hidden[rows]), head.vocab_start,
             head.vocab_size, None, state.argmax_only(np.array(rows)),
             lambda ks: state.metadata([rows[k] for k in ks], [num_outputs[k] for k in ks], (),
                                       "cpu"),
@@ -199,6 +202,7 @@ def test_parallel_layers_equal_unsharded_twins(world_size, weights_file, full):
         close(out["col"], full["col"][:, rank * inter : (rank + 1) * inter])
         close(out["gate_up"][:, :inter], full["gate_up"][:, rank * inter : (rank + 1) * inter])
         close(out["gate_up"][:, inter:], full["gate_up"][:, INTER + rank * inter :][:, :inter])
+        close(out["gate_up_silu"], full["gate_up_silu"][:, rank * inter : (rank + 1) * inter])
         fq, fk, fv = full["qkv"].split([HEADS * D, KV * D, KV * D], dim=-1)
         head = rank // replicas  # KV heads replicated when world_size > KV
         close(out["qkv"][:, :q], fq[:, rank * q : (rank + 1) * q])
@@ -253,7 +257,6 @@ def test_loader_reads_only_the_rank_slices(tiny_ckpt, monkeypatch):
     parameter equals its slice of the checkpoint, and no sharded tensor is read whole."""
     from safetensors.torch import load_file
 
-    from llm_inference.kernels import get_ops
     from llm_inference.models import loader
 
     whole = []
@@ -262,7 +265,7 @@ def test_loader_reads_only_the_rank_slices(tiny_ckpt, monkeypatch):
     )
     monkeypatch.setattr(ps, "_TP_RANK", 1)
     monkeypatch.setattr(ps, "_TP_SIZE", 2)
-    model = loader.load_model(tiny_ckpt, get_ops("reference", "cpu"))
+    model = loader.load_model(tiny_ckpt, ReferenceOps())
     ckpt = load_file(str(next(tiny_ckpt.glob("*.safetensors"))))
     assert all(len(s) == 1 for s in whole), whole  # only the norm weights are read whole
     layer = model.layers[1]

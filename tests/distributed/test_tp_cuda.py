@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import child_processes, make_sharp_checkpoint
 
-from llm_inference import LLM, SamplingParams
+from llm_inference import LLM, SamplingParams, envs
 
 pytestmark = [
     pytest.mark.cuda,
@@ -36,7 +36,9 @@ def prompts():
     return [torch.randint(2, 320, (n,), generator=g).tolist() for n in (1, 7, 33, 120, 250, 64)]
 
 
-def generate(folder, dtype, tp, eager, logprobs=5, custom_all_reduce=True, fused_norm=None):
+def generate(folder, dtype, tp, eager, logprobs=5, custom_all_reduce=True):
+    """The run's outputs; the fused all-reduce + RMSNorm as LLM_INFERENCE_FUSED_ALL_REDUCE_NORM
+    says (on unless 0)."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=logprobs)
     with LLM(
         str(folder),
@@ -47,7 +49,6 @@ def generate(folder, dtype, tp, eager, logprobs=5, custom_all_reduce=True, fused
         enforce_eager=eager,
         max_num_seqs=8,
         disable_custom_all_reduce=not custom_all_reduce,
-        fused_all_reduce_norm=fused_norm,
     ) as llm:
         rpc = llm.engine.executor.collective_rpc
         assert rpc("uses_cuda_graphs") == [not eager] * tp
@@ -56,7 +57,7 @@ def generate(folder, dtype, tp, eager, logprobs=5, custom_all_reduce=True, fused
         assert rpc("uses_custom_all_reduce") == [tp > 1 and custom_all_reduce] * tp
         # Its fused all-reduce + RMSNorm (on by default) passed its start-up check against
         # NCCL + RMSNorm.
-        fused = tp > 1 and custom_all_reduce and fused_norm is not False
+        fused = tp > 1 and custom_all_reduce and envs.LLM_INFERENCE_FUSED_ALL_REDUCE_NORM
         assert rpc("uses_fused_all_reduce_norm") == [fused] * tp
         return llm.generate(prompts(), params, use_tqdm=False)
 
@@ -89,14 +90,17 @@ def test_tp2_without_custom_all_reduce(folder):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_tp2_fused_all_reduce_norm_changes_nothing(folder, dtype):
-    """fused_all_reduce_norm: at two ranks the fused kernel's sum is the all-reduce's (one
-    rounding of a two-term sum) and its add and norm the RMSNorm kernel's arithmetic (its
-    row reduction may group differently), so the tokens equal the unfused run's and the
-    logprobs agree to rounding, with CUDA graphs (steps of up to
-    parallel_state.FUSED_NORM_MAX_ROWS rows take the fused kernel) and eagerly."""
+def test_tp2_fused_all_reduce_norm_changes_nothing(folder, dtype, monkeypatch):
+    """The fused all-reduce + RMSNorm (LLM_INFERENCE_FUSED_ALL_REDUCE_NORM=0 turns it off): at
+    two ranks the fused kernel's sum is the all-reduce's (one rounding of a two-term sum) and
+    its add and norm the RMSNorm kernel's arithmetic (its row reduction may group differently),
+    so the tokens equal the unfused run's and the logprobs agree to rounding, with CUDA graphs
+    (steps of up to parallel_state.FUSED_NORM_MAX_ROWS rows take the fused kernel) and eagerly."""
+    name = "LLM_INFERENCE_FUSED_ALL_REDUCE_NORM"
     for eager in (False, True):
-        plain = generate(folder, dtype, 2, eager, fused_norm=False)
+        monkeypatch.setenv(name, "0")
+        plain = generate(folder, dtype, 2, eager)
+        monkeypatch.delenv(name)
         fused = generate(folder, dtype, 2, eager)
         for a, b in zip(fused, plain):
             assert a.token_ids == b.token_ids, f"eager={eager}"

@@ -105,18 +105,19 @@ FP16_BLOCK_BYTES = 2 * 16 * 2 * 64 * 3 * 2  # K and V, 16 tokens, 2 KV heads x 6
 # running decodes (mixed steps with placeholder tokens under async scheduling).
 CUDA_PROMPTS = (1, 7, 33, 120, 250, 64, 90, 3, 17, 200, 45, 9)
 CUDA_MAX_TOKENS = [8 + 5 * i % 33 for i in range(len(CUDA_PROMPTS))]
-CUDA_ENGINES = {
+CUDA_ENGINES = {  # (engine arguments, LLM_INFERENCE_MIXED_CUDA_GRAPH_SIZES or None)
     # Budget 64 and buckets 16, 32, 48: prompts in chunks, steps of 49-64 tokens run eagerly.
-    "chunked_small_buckets": dict(
-        max_num_batched_tokens=64, mixed_cuda_graph_sizes=[16, 32, 48],
-        kv_cache_memory_bytes=64 << 20,
+    "chunked_small_buckets": (
+        dict(max_num_batched_tokens=64, kv_cache_memory_bytes=64 << 20), "16,32,48",
     ),
     # Budget 512, default buckets (128, 256, 512); 20 blocks of 16 tokens: preemption.
-    "preempting_default_buckets": dict(
-        max_num_batched_tokens=512, kv_cache_memory_bytes=20 * FP16_BLOCK_BYTES,
-        max_model_len=320,
+    "preempting_default_buckets": (
+        dict(max_num_batched_tokens=512, kv_cache_memory_bytes=20 * FP16_BLOCK_BYTES,
+             max_model_len=320),
+        None,
     ),
 }  # fmt: skip
+GRAPH_SIZES = "LLM_INFERENCE_MIXED_CUDA_GRAPH_SIZES"
 
 
 @pytest.fixture(scope="module")
@@ -143,8 +144,12 @@ def _cuda_params(logprobs=None):
 @cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", list(CUDA_ENGINES))
-def test_mixed_graphs_greedy_equal_eager(cuda_folder, name):
-    engine_kw = CUDA_ENGINES[name]
+def test_mixed_graphs_greedy_equal_eager(cuda_folder, name, monkeypatch):
+    engine_kw, sizes = CUDA_ENGINES[name]
+    if sizes is None:
+        monkeypatch.delenv(GRAPH_SIZES, raising=False)
+    else:
+        monkeypatch.setenv(GRAPH_SIZES, sizes)
     prompts = _prompts(CUDA_PROMPTS)
     runs = {}
     for eager in (True, False):
@@ -187,12 +192,12 @@ def test_mixed_graphs_greedy_equal_eager(cuda_folder, name):
 
 @cuda
 @pytest.mark.cuda
-def test_prefill_step_replays_a_mixed_graph(cuda_folder):
+def test_prefill_step_replays_a_mixed_graph(cuda_folder, monkeypatch):
     """One 20-token prompt, 3 tokens: the prefill replays the 32-token mixed graph, the two
     decodes the batch-1 decode graph; the tokens are eager's."""
     prompt = _prompts([20], seed=3)
-    kw = dict(max_num_batched_tokens=64, mixed_cuda_graph_sizes=[32, 64],
-              kv_cache_memory_bytes=64 << 20)  # fmt: skip
+    monkeypatch.setenv(GRAPH_SIZES, "32,64")
+    kw = dict(max_num_batched_tokens=64, kv_cache_memory_bytes=64 << 20)
     with _cuda_llm(cuda_folder, False, **kw) as llm:
         graphs = _runner(llm).graphs
         keys = []

@@ -1,7 +1,8 @@
-"""On CUDA: the engine with `skinny_gemm=True` gives the greedy tokens it gives without (the
-sharp random checkpoint of test_triton_engine.py, float16, with and without CUDA graphs), and
-the kernels did run: their calls are counted (during the warm-up and capture of each graph,
-or on each eager step).
+"""On CUDA: the engine with the skinny GEMM (the Triton ops' choice for decode-sized matmuls,
+on by default; LLM_INFERENCE_SKINNY_GEMM=0 turns it off) gives the greedy tokens it gives
+without (the sharp random checkpoint of test_triton_engine.py, float16, with and without CUDA
+graphs), and the kernels did run: their calls are counted (during the warm-up and capture of
+each graph, or on each eager step).
 
 The kernels round differently from cuBLAS (the fused gate_up keeps gate and up in float32
 before the activation; split-K adds in another order), so where the two best tokens are within
@@ -45,12 +46,13 @@ def counted(monkeypatch) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["cuda_graphs", "eager"])
-def test_skinny_gemm_greedy_equals_cublas(tmp_path, counted, eager):
+def test_skinny_gemm_greedy_equals_cublas(tmp_path, counted, eager, monkeypatch):
     folder = make_sharp_checkpoint(tmp_path, hidden_size=1024, intermediate_size=2816)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=5)
     runs = {}
     for skinny in (True, False):
         counted.update(gemm=0, silu=0)
+        monkeypatch.setenv("LLM_INFERENCE_SKINNY_GEMM", "1" if skinny else "0")
         with LLM(
             str(folder),
             device="cuda",
@@ -58,7 +60,6 @@ def test_skinny_gemm_greedy_equals_cublas(tmp_path, counted, eager):
             kv_cache_memory_bytes=64 << 20,
             enforce_eager=eager,
             max_num_seqs=8,
-            skinny_gemm=skinny,
         ) as llm:
             runs[skinny] = llm.generate(_prompts(), params, use_tqdm=False)
         layers = 3

@@ -111,14 +111,14 @@ def run_case(case: str, ops, dtype: torch.dtype, exact: bool) -> None:
 
 def main(cases: list[str]) -> None:
     """Triton kernels (under the interpreter): each case in float32 and float16."""
-    from llm_inference.kernels import triton_ops
+    from llm_inference.kernels.triton_ops import TritonOps
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: interpreter.py
     from interpreter import report_each
 
     def run(case: str) -> None:
         for dtype in (torch.float32, torch.float16):
-            run_case(case, triton_ops, dtype, exact=False)
+            run_case(case, TritonOps("cpu"), dtype, exact=False)
 
     report_each(cases, run)
 

@@ -12,9 +12,15 @@ import torch
 from interpreter import run_checks
 from mixed_padding_checks import CASES, run_case
 
-from llm_inference.executor.cuda_graph import DECODE, MIXED, CudaGraphs, mixed_buckets
+from llm_inference.executor.cuda_graph import (
+    DECODE,
+    MIXED,
+    CudaGraphs,
+    mixed_buckets,
+    mixed_graph_sizes,
+)
 from llm_inference.executor.input_batch import InputBuffers, StepInputs
-from llm_inference.kernels import reference
+from llm_inference.kernels.reference import ReferenceOps
 
 HERE = Path(__file__).resolve().parent
 
@@ -27,6 +33,23 @@ def test_default_mixed_buckets():
     assert mixed_buckets(64) == [64]
     assert mixed_buckets(1) == []
     assert len(mixed_buckets(1 << 20)) <= 12
+
+
+def test_mixed_graph_sizes_override(monkeypatch):
+    """envs.LLM_INFERENCE_MIXED_CUDA_GRAPH_SIZES replaces the default ladder; sizes beyond the
+    token budget are refused with the variable's name."""
+    name = "LLM_INFERENCE_MIXED_CUDA_GRAPH_SIZES"
+    monkeypatch.delenv(name, raising=False)
+    assert mixed_graph_sizes(1000) == mixed_buckets(1000)
+    monkeypatch.setenv(name, "64,16,64")
+    assert mixed_graph_sizes(100) == [16, 64]
+    monkeypatch.setenv(name, "")
+    assert mixed_graph_sizes(100) == []
+    monkeypatch.setenv(name, "100")
+    assert mixed_graph_sizes(100) == [100]
+    monkeypatch.setenv(name, "16,128")
+    with pytest.raises(ValueError, match=f"{name}: 128 exceeds max_num_batched_tokens=100"):
+        mixed_graph_sizes(100)
 
 
 def step(num_tokens, num_seqs, max_query_len):
@@ -69,7 +92,7 @@ def test_long_steps_pad_to_a_large_bucket_only_when_nearly_full():
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_padding_keeps_real_rows_reference(case):
-    run_case(case, reference, torch.float32, exact=True)
+    run_case(case, ReferenceOps(), torch.float32, exact=True)
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,14 @@ Each `check_*` draws fresh inputs, writes into a NaN-poisoned output that is a c
 a wider buffer (so a store past N, or a missed one, fails), and compares with float64 math.
 The CPU tests run this file in a child process under TRITON_INTERPRET=1 (`python
 skinny_gemm_checks.py [CHECK ...]`, one `RESULT <check> ok|FAIL` line each): the kernels at
-small sizes that are not multiples of the blocks, split-K on and off, and the engine's wiring
-(the model at one rank and the parallel layers at two gloo ranks) with the CPU let through.
+small sizes that are not multiples of the blocks, split-K on and off, and the engine's wiring:
+where the Triton ops' linear takes the kernels, the model at one rank and the parallel layers
+at two gloo ranks, on the Triton ops in float16.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -18,7 +20,8 @@ import torch.nn.functional as F
 
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.6e-2}
 INTERPRETER_CHECKS = (
-    "gemm", "gemm_split", "silu", "silu_split", "prefetch", "model", "tensor_parallel"
+    "gemm", "gemm_split", "silu", "silu_split", "prefetch", "ops_linear", "model",
+    "tensor_parallel",
 )  # fmt: skip
 
 
@@ -46,6 +49,7 @@ def _assert_close(got, want, buf, n, dtype, what):
 
 def check_gemm(device, dtype, m, n, k, config=None, seed=0, want_split=None):
     from llm_inference.kernels import skinny_gemm as sg
+    from llm_inference.kernels.device import num_sms
 
     x, w = _inputs(device, dtype, m, n, k, seed)
     buf, out = _poisoned(m, n, device, dtype)
@@ -53,7 +57,7 @@ def check_gemm(device, dtype, m, n, k, config=None, seed=0, want_split=None):
     assert got.data_ptr() == out.data_ptr()
     what = f"skinny_gemm {dtype} M={m} N={n} K={k} {config}"
     if want_split is not None:
-        assert sg.split_plan(k, config or sg.default_config(n, k, sg.num_sms(x.device)))[0] == (
+        assert sg.split_plan(k, config or sg.default_config(n, k, num_sms(x.device)))[0] == (
             want_split
         ), what
     _assert_close(got, x.double() @ w.double().T, buf, n, dtype, what)
@@ -61,6 +65,7 @@ def check_gemm(device, dtype, m, n, k, config=None, seed=0, want_split=None):
 
 def check_silu(device, dtype, m, inter, k, config=None, seed=0, want_split=None):
     from llm_inference.kernels import skinny_gemm as sg
+    from llm_inference.kernels.device import num_sms
 
     x, w = _inputs(device, dtype, m, 2 * inter, k, seed)
     buf, out = _poisoned(m, inter, device, dtype)
@@ -69,7 +74,7 @@ def check_silu(device, dtype, m, inter, k, config=None, seed=0, want_split=None)
     want = F.silu(y[:, :inter]) * y[:, inter:]
     what = f"skinny_gemm_silu {dtype} M={m} I={inter} K={k} {config}"
     if want_split is not None:
-        cfg = config or sg.default_config(inter, k, sg.num_sms(x.device))
+        cfg = config or sg.default_config(inter, k, num_sms(x.device))
         assert sg.split_plan(k, cfg)[0] == want_split, what
     _assert_close(got, want, buf, inter, dtype, what)
 
@@ -77,11 +82,9 @@ def check_silu(device, dtype, m, inter, k, config=None, seed=0, want_split=None)
 # ---- the wiring, under the interpreter -----------------------------------------------------
 
 
-def let_cpu_through() -> dict[str, int]:
-    """Make the layers take the skinny GEMM on CPU in any float dtype (the interpreter runs it),
-    and count the kernels' calls: {"gemm": n, "silu": n}."""
+def counting() -> dict[str, int]:
+    """Count the skinny GEMM kernels' calls: {"gemm": n, "silu": n}."""
     from llm_inference.kernels import skinny_gemm as sg
-    from llm_inference.layers import linear
 
     calls = {"gemm": 0, "silu": 0}
     gemm, silu = sg.skinny_gemm, sg.skinny_gemm_silu
@@ -94,8 +97,59 @@ def let_cpu_through() -> dict[str, int]:
         return wrapper
 
     sg.skinny_gemm, sg.skinny_gemm_silu = counted("gemm", gemm), counted("silu", silu)
-    linear.skinny_applies = lambda x, w: x.dim() == 2 and 1 <= x.shape[0] <= 16
     return calls
+
+
+def triton_ops(skinny: bool = True):
+    """The Triton ops on the CPU (the interpreter runs them), the skinny GEMM switch set."""
+    from llm_inference.kernels.triton_ops import TritonOps
+
+    os.environ["LLM_INFERENCE_SKINNY_GEMM"] = "1" if skinny else "0"
+    return TritonOps("cpu")
+
+
+def check_ops_linear() -> None:
+    """TritonOps' linear and gate_up_silu take the skinny GEMM exactly where it applies (1 to
+    16 rows of float16 or bfloat16 on its device type, the weight of the same dtype, both
+    contiguous in their last dim, the switch on), else F.linear (then silu_and_mul): the same
+    values either way."""
+    from llm_inference.kernels import reference
+    from llm_inference.kernels.triton_ops import TritonOps
+
+    calls = counting()
+    g = torch.Generator().manual_seed(3)
+    w, w2 = torch.randn(40, 24, generator=g) / 5, torch.randn(2 * 20, 24, generator=g) / 5
+
+    def x(rows, dtype=torch.float16):
+        return torch.randn(rows, 24, generator=g).to(dtype)
+
+    cases = [  # (x, weight, takes the skinny GEMM)
+        (x(1), w.half(), True),
+        (x(16), w.half(), True),
+        (x(17), w.half(), False),  # too many rows
+        (x(3, torch.float32), w, False),  # float32
+        (torch.randn(24, 3, generator=g).half().t(), w.half(), False),  # strided last dim
+        (x(6).view(2, 3, 24), w.half(), False),  # not 2-D
+    ]
+    ops, off = triton_ops(), triton_ops(skinny=False)
+    assert not TritonOps("meta").skinny_applies(x(2), w.half())  # another device type
+    # bfloat16 too (the interpreter's bfloat16 dot products are wrong: checked on the GPU)
+    assert ops.skinny_applies(x(5, torch.bfloat16), w.bfloat16())
+    assert not ops.skinny_applies(x(5, torch.bfloat16), w.half())  # the weight's dtype differs
+    for i, (xi, wi, skinny) in enumerate(cases):
+        for o, want in ((ops, skinny), (off, False)):
+            calls.update(gemm=0, silu=0)
+            got = o.linear(xi, wi)
+            assert calls == {"gemm": int(want), "silu": 0}, (i, want, calls)
+            ref = reference.linear(xi.float(), wi.float())
+            assert (got.float() - ref).abs().max() < TOL[xi.dtype] * 4, i
+    for rows, skinny in ((3, True), (17, False)):
+        xi = x(rows)
+        calls.update(gemm=0, silu=0)
+        got = ops.gate_up_silu(xi, w2.half())
+        assert calls == {"gemm": 0, "silu": int(skinny)}, (rows, calls)
+        ref = reference.gate_up_silu(xi.float(), w2.float())
+        assert (got.float() - ref).abs().max() < TOL[torch.float16] * 4, rows
 
 
 def _randomize(module: torch.nn.Module, seed: int) -> None:
@@ -105,21 +159,26 @@ def _randomize(module: torch.nn.Module, seed: int) -> None:
         p.data.copy_(base + 0.3 * torch.randn(p.shape, generator=g))
 
 
+def _half_precision():
+    """Parameters built in float16 (the rotary table stays float32), as load_model does."""
+    torch.set_default_dtype(torch.float16)
+
+
 def check_model() -> None:
-    """A tiny Llama with skinny_gemm on equals it off: at 7 tokens every linear layer and the
-    LM head ran the kernels (qkv, o, down and the head the GEMM, gate_up the fused variant);
-    at 20 tokens none did."""
-    from llm_inference.kernels import reference
+    """A tiny float16 Llama on the Triton ops with the skinny GEMM equals it without: at 7
+    tokens every linear layer and the LM head ran the kernels (qkv, o, down and the head the
+    GEMM, gate_up the fused variant); at 20 tokens none did."""
     from llm_inference.models.llama import LlamaForCausalLM
     from llm_inference.models.model_config import parse_hf_config
 
-    calls = let_cpu_through()
+    calls = counting()
     config = parse_hf_config({
         "model_type": "llama", "hidden_size": 48, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 80,
         "vocab_size": 300, "max_position_embeddings": 128, "rms_norm_eps": 1e-5,
     })  # fmt: skip
-    models = {flag: LlamaForCausalLM(config, reference, skinny_gemm=flag) for flag in (0, 1)}
+    _half_precision()
+    models = {flag: LlamaForCausalLM(config, triton_ops(flag)) for flag in (False, True)}
     for model in models.values():
         _randomize(model, 0)
     g = torch.Generator().manual_seed(1)
@@ -130,10 +189,10 @@ def check_model() -> None:
         with torch.no_grad():
             for flag, model in models.items():
                 calls.update(gemm=0, silu=0)
-                out[flag] = model.compute_logits(model(ids, pos, [tokens]))
+                out[flag] = model.compute_logits(model(ids, pos, [tokens])).float()
                 assert calls == (want_calls if flag else {"gemm": 0, "silu": 0}), (flag, calls)
-        err = (out[0] - out[1]).abs().max().item()
-        assert err < 1e-4 * max(1.0, out[0].abs().max().item()), f"{tokens} tokens: {err}"
+        err = (out[False] - out[True]).abs().max().item()
+        assert err < 1e-2 * max(1.0, out[False].abs().max().item()), f"{tokens} tokens: {err}"
 
 
 H, HEADS, KV, D, INTER, V = 32, 4, 2, 8, 48, 37
@@ -147,26 +206,26 @@ def _full_weights() -> dict[str, torch.Tensor]:
 
 
 def _tp_rank_body(rank: int, world_size: int) -> dict:
-    """The parallel layers at this rank with skinny_gemm on: qkv, o, the MLP (fused gate_up,
-    row-parallel down) and the LM head on 5 rows."""
+    """The parallel layers at this rank on the Triton ops, float16: qkv, o, the MLP (fused
+    gate_up, row-parallel down) and the LM head on 5 rows."""
     from llm_inference.distributed.parallel_state import all_reduce
-    from llm_inference.kernels import reference
     from llm_inference.layers.embedding import ParallelLMHead
     from llm_inference.layers.linear import QKVParallelLinear, RowParallelLinear
     from llm_inference.models.llama import LlamaMLP
     from llm_inference.models.model_config import parse_hf_config
 
-    calls = let_cpu_through()
-    w = _full_weights()
-    qkv = QKVParallelLinear(H, D, HEADS, KV, skinny_gemm=True)
-    o = RowParallelLinear(HEADS * D, H, skinny_gemm=True)
+    calls, ops = counting(), triton_ops()
+    _half_precision()
+    w = {n: t.half() for n, t in _full_weights().items()}
+    qkv = QKVParallelLinear(H, D, HEADS, KV, ops)
+    o = RowParallelLinear(HEADS * D, H, ops)
     cfg = parse_hf_config({
         "model_type": "llama", "hidden_size": H, "num_hidden_layers": 1,
         "num_attention_heads": HEADS, "num_key_value_heads": KV, "intermediate_size": INTER,
         "vocab_size": V,
     })  # fmt: skip
-    mlp = LlamaMLP(cfg, reference, skinny_gemm=True)
-    head = ParallelLMHead(V, H, skinny_gemm=True)
+    mlp = LlamaMLP(cfg, ops)
+    head = ParallelLMHead(V, H, ops)
     for sid in ("q", "k", "v"):
         qkv.weight_loader(qkv.weight, w[sid], sid)
     o.weight_loader(o.weight, w["o"])
@@ -175,7 +234,7 @@ def _tp_rank_body(rank: int, world_size: int) -> dict:
     mlp.down_proj.weight_loader(mlp.down_proj.weight, w["down"])
     head.weight_loader(head.weight, w["head"])
     g = torch.Generator().manual_seed(1)
-    x, xq = torch.randn(5, H, generator=g), torch.randn(5, HEADS * D, generator=g)
+    x, xq = torch.randn(5, H, generator=g).half(), torch.randn(5, HEADS * D, generator=g).half()
     q_in = HEADS * D // world_size
     with torch.no_grad():
         out = {
@@ -184,7 +243,7 @@ def _tp_rank_body(rank: int, world_size: int) -> dict:
             "mlp": all_reduce(mlp(x)),  # the model sums it in the next norm
             "logits": head.compute_logits(x),
         }
-    return {**out, "calls": dict(calls)}
+    return {**{k: v.float() for k, v in out.items()}, "calls": dict(calls)}
 
 
 def check_tensor_parallel() -> None:
@@ -194,9 +253,10 @@ def check_tensor_parallel() -> None:
     from tp_helpers import run_ranks
 
     ranks = run_ranks(_tp_rank_body, 2, timeout=300)
-    w = {n: t.double() for n, t in _full_weights().items()}
+    w = {n: t.half().double() for n, t in _full_weights().items()}
     g = torch.Generator().manual_seed(1)
-    x, xq = torch.randn(5, H, generator=g).double(), torch.randn(5, HEADS * D, generator=g).double()
+    x = torch.randn(5, H, generator=g).half().double()
+    xq = torch.randn(5, HEADS * D, generator=g).half().double()
     full = {
         "qkv": x @ torch.cat([w["q"], w["k"], w["v"]]).T,
         "o": xq @ w["o"].T,
@@ -212,7 +272,7 @@ def check_tensor_parallel() -> None:
         for name, want in (("qkv", want_qkv), ("o", full["o"]), ("mlp", full["mlp"]),
                            ("logits", full["logits"])):  # fmt: skip
             err = (out[name].double() - want).abs().max().item()
-            assert err < 1e-4, f"rank {rank} {name}: max abs error {err}"
+            assert err < 1e-2 * max(1.0, want.abs().max().item()), f"rank {rank} {name}: {err}"
 
 
 # ---- the interpreter cases -----------------------------------------------------------------
@@ -256,7 +316,9 @@ def main(checks: list[str]) -> None:
     from interpreter import report_each
 
     def run(check: str) -> None:
-        if check == "model":
+        if check == "ops_linear":
+            check_ops_linear()
+        elif check == "model":
             check_model()
         elif check == "tensor_parallel":
             check_tensor_parallel()

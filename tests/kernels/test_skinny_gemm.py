@@ -2,8 +2,9 @@
 
 CPU: skinny_gemm_checks.py in a child process under TRITON_INTERPRET=1 (float32 and float16,
 M = 1, 3, 8, 16, N and K not multiples of the blocks, split-K off and on, the fused SiLU
-variant, the model at one rank and the parallel layers at two gloo ranks with the kernels let
-through on CPU); the config rule; the launchers' input checks.
+variant; where the Triton ops' linear takes the kernels; the model at one rank and the
+parallel layers at two gloo ranks on the Triton ops in float16); the config rule; the
+launchers' input checks.
 GPU (skipped without CUDA): bfloat16 at the Llama 3.2 1B and 3B shapes (and their TP=2 halves)
 against float64 math, with the default configs; replay inside a CUDA graph.
 """
@@ -112,17 +113,18 @@ def test_launchers_reject_bad_inputs():
         sg.GemmConfig(block_k=48)
 
 
-def test_layers_take_the_kernel_only_on_cuda_half_and_few_rows():
-    from llm_inference.layers.linear import SKINNY_MAX_ROWS, skinny_applies
+@cuda
+def test_the_cuda_ops_take_the_kernel_only_on_cuda_half_and_few_rows(monkeypatch):
+    from llm_inference.kernels.triton_ops import TritonOps
 
-    assert SKINNY_MAX_ROWS == sg.MAX_ROWS
+    monkeypatch.delenv("LLM_INFERENCE_SKINNY_GEMM", raising=False)
+    ops = TritonOps("cuda")
     w = torch.randn(8, 4, dtype=torch.bfloat16)
-    assert not skinny_applies(torch.randn(2, 4, dtype=torch.bfloat16), w)  # CPU
-    if torch.cuda.is_available():
-        wc = w.cuda()
-        assert skinny_applies(torch.randn(16, 4, dtype=torch.bfloat16, device="cuda"), wc)
-        assert not skinny_applies(torch.randn(17, 4, dtype=torch.bfloat16, device="cuda"), wc)
-        assert not skinny_applies(torch.randn(2, 4, device="cuda"), wc.float())  # float32
+    assert not ops.skinny_applies(torch.randn(2, 4, dtype=torch.bfloat16), w)  # CPU
+    wc = w.cuda()
+    assert ops.skinny_applies(torch.randn(16, 4, dtype=torch.bfloat16, device="cuda"), wc)
+    assert not ops.skinny_applies(torch.randn(17, 4, dtype=torch.bfloat16, device="cuda"), wc)
+    assert not ops.skinny_applies(torch.randn(2, 4, device="cuda"), wc.float())  # float32
 
 
 @cuda

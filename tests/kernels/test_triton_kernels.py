@@ -38,16 +38,29 @@ def test_kernel_matches_reference_in_interpreter(interpreter_results, kernel):
     assert results.get(kernel) == "ok", log[-8000:]
 
 
-def test_triton_ops_has_reference_signatures():
-    from llm_inference.kernels import get_ops, reference, triton_ops
+def test_ops_objects_have_the_protocol_and_reference_signatures():
+    """get_ops' objects implement every KernelOps member; the Triton methods take the reference
+    parameters first, any extras optional."""
+    from llm_inference.kernels import KernelOps, get_ops
+    from llm_inference.kernels.reference import ReferenceOps
+    from llm_inference.kernels.triton_ops import TritonOps
 
-    assert get_ops("triton", "cuda") is triton_ops and get_ops("auto", "cuda") is triton_ops
-    assert get_ops("reference", "cuda") is reference and get_ops("auto", "cpu") is reference
-    for name in triton_ops.__all__:
-        want = list(inspect.signature(getattr(reference, name)).parameters.values())
-        got = list(inspect.signature(getattr(triton_ops, name)).parameters.values())
+    assert isinstance(get_ops("auto", "cpu"), ReferenceOps)
+    assert isinstance(get_ops("reference", "cpu"), ReferenceOps)
+    if torch.cuda.is_available():
+        assert isinstance(get_ops("auto", "cuda"), TritonOps)
+        assert isinstance(get_ops("reference", "cuda"), ReferenceOps)
+    ref, fast = ReferenceOps(), TritonOps("cpu")
+    assert (ref.fused_sampler, fast.fused_sampler) == (False, True)
+    methods = [n for n in vars(KernelOps) if not n.startswith("_") and callable(getattr(ref, n))]
+    assert {"linear", "gate_up_silu", "unified_attention", "warm_up_shapes"} <= set(methods)
+    for name in methods:
+        want = list(inspect.signature(getattr(ref, name)).parameters.values())
+        got = list(inspect.signature(getattr(fast, name)).parameters.values())
         assert [p.name for p in got[: len(want)]] == [p.name for p in want], name
         assert all(p.default is not inspect.Parameter.empty for p in got[len(want) :]), name
+    for name in ("sample", "race_shard", "warm_up_sampler"):  # the fused sampler
+        assert callable(getattr(fast, name)), name
 
 
 def test_launchers_reject_bad_inputs():

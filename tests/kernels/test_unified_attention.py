@@ -159,7 +159,7 @@ def test_decode_split_count_follows_the_dispatch_order(monkeypatch):
     from llm_inference.kernels import unified_attention as ua
 
     seen = []
-    monkeypatch.setattr(pa, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(ua, "num_sms", lambda device: 132)
     monkeypatch.setattr(pa, "launch", lambda *a, **kw: seen.append(a[7]) or a[6])
     q = torch.zeros(64, 24, 128)
     cache = torch.zeros(4, 16, 8, 128)
@@ -169,3 +169,23 @@ def test_decode_split_count_follows_the_dispatch_order(monkeypatch):
         ua.unified_attention(q, cache, cache, table, cu, lens, 1.0, max_query_len=1,
                              max_seq_len=4096, seq_order=order)  # fmt: skip
     assert seen == [1, 2]
+
+
+def test_the_order_is_followed_from_order_min_seqs_on(monkeypatch):
+    """A `seq_order` reaches the decode kernel from ORDER_MIN_SEQS sequences on; below, and
+    for mixed steps, the launch is in batch order (the layers pass the order whenever they
+    have one: the kernels decide)."""
+    from llm_inference.kernels import paged_attention as pa
+    from llm_inference.kernels import unified_attention as ua
+
+    seen = []
+    monkeypatch.setattr(pa, "launch", lambda *a, **kw: seen.append(kw["seq_order"]) or a[6])
+    cache = torch.zeros(4, 16, 8, 128)
+    for n in (ua.ORDER_MIN_SEQS - 1, ua.ORDER_MIN_SEQS):
+        table, cu = torch.zeros(n, 8, dtype=torch.int32), torch.arange(n + 1, dtype=torch.int32)
+        order = torch.arange(n, dtype=torch.int32)
+        ua.unified_attention(torch.zeros(n, 24, 128), cache, cache, table, cu,
+                             torch.ones(n, dtype=torch.int32), 1.0, max_query_len=1,
+                             seq_order=order)  # fmt: skip
+    assert seen[0] is None and seen[1] is not None
+    assert not ua.ordered(ua.ORDER_MIN_SEQS, 2) and ua.ordered(ua.ORDER_MIN_SEQS, 1)

@@ -1,4 +1,4 @@
-"""Checks of the Triton sampling kernel through Sampler(triton_ops), at V=1000, meant for
+"""Checks of the Triton sampling kernel through Sampler(TritonOps("cuda")), at V=1000, meant for
 the CPU interpreter: `TRITON_INTERPRET=1 python sampler_triton_checks.py [NAME ...]` prints one
 `RESULT name ok|FAIL` line per check (the interpreter must be on before triton is first
 imported, hence a child process; see test_sampler_triton.py). Names ending in `_torch` run the
@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sampler_checks as checks  # noqa: E402
 
-from llm_inference.kernels import reference  # noqa: E402
+from llm_inference.kernels.reference import ReferenceOps  # noqa: E402
 from llm_inference.sample import sampler as sampler_mod  # noqa: E402
 from llm_inference.sample.sampler import Sampler  # noqa: E402
 from llm_inference.sampling_params import SamplingParams  # noqa: E402
@@ -107,7 +107,7 @@ def check_paths_agree(tri):
     params = [SamplingParams(temperature=0.6), SamplingParams(temperature=1.0, top_p=0.9)] * 32
     md = checks.build(params, V, seeds=list(range(100, 100 + n)))
     got = tri(logits, md).token_ids
-    want = Sampler(reference)(logits, md).token_ids
+    want = Sampler(ReferenceOps())(logits, md).token_ids
     assert (got == want).float().mean() >= 0.95, (got != want).nonzero()
 
 
@@ -180,7 +180,7 @@ def _check_broken_rows(sampler, params):
     assert tokens[2].item() == 9  # the raw argmax
     assert (
         tokens[:2].tolist()
-        == Sampler(reference)(logits[:2], checks.build([params] * 2, V)).token_ids.tolist()
+        == Sampler(ReferenceOps())(logits[:2], checks.build([params] * 2, V)).token_ids.tolist()
     )
     masked[2] = float("-inf")
     with pytest.raises(ValueError, match=r"every logit is -inf in rows \[2\]"):
@@ -303,11 +303,11 @@ CHECKS |= {
 def run_check(name: str) -> None:
     fn, arg = CHECKS[name]
     if name.endswith("_torch"):
-        sampler = Sampler(reference)
+        sampler = Sampler(ReferenceOps())
     else:
-        from llm_inference.kernels import triton_ops  # after TRITON_INTERPRET is set
+        from llm_inference.kernels.triton_ops import TritonOps  # after TRITON_INTERPRET is set
 
-        sampler = Sampler(triton_ops)
+        sampler = Sampler(TritonOps("cpu"))
     fn(sampler, arg) if arg is not None else fn(sampler)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_inference.kernels import reference
+from llm_inference.kernels.reference import ReferenceOps
 from llm_inference.sample.sampler import (
     Sampler,
     apply_penalties,
@@ -111,7 +111,7 @@ def test_samples_follow_processed_probs(over):
         keys = noise_keys([12345] * n, list(range(n)))
         md = dataclasses.replace(md, noise_keys=torch.tensor(keys))
     counts = torch.bincount(
-        Sampler(reference)(logits.expand(n, vocab), md).token_ids, minlength=vocab
+        Sampler(ReferenceOps())(logits.expand(n, vocab), md).token_ids, minlength=vocab
     )
     probs = torch.tensor(reference_probs(logits.tolist(), p))
     assert (counts[probs == 0] == 0).all()  # filtered tokens never appear
@@ -148,7 +148,7 @@ def generate(reqs, steps, vocab=50, companions_at=None):
     """Run `steps` sampling steps for reqs = [(params, prompt, seed)]; each step the batch
     holds the requests chosen by companions_at(step) (default all), in that order."""
     outs = [[] for _ in reqs]
-    sampler = Sampler(reference)
+    sampler = Sampler(ReferenceOps())
     for step in range(steps):
         rows = companions_at(step) if companions_at else list(range(len(reqs)))
         md = build(
@@ -197,7 +197,7 @@ def test_greedy_rows_take_argmax_after_penalties():
     before = logits.clone()
     md = build(params, outputs=outputs)
     assert not md.all_greedy and not md.all_random
-    tokens = Sampler(reference)(logits, md).token_ids.tolist()
+    tokens = Sampler(ReferenceOps())(logits, md).token_ids.tolist()
     assert tokens[:3] == [4, 4, 0]  # 3.1 - 2 * 2 < 2.0 (token 0)
     assert torch.equal(logits, before)  # the caller's logits are untouched
 
@@ -243,14 +243,14 @@ def test_min_tokens_masks_eos_and_stop_ids():
     ]
     outputs = [[2, 3], [2, 3], [2], [2]]
     md = build(params, outputs=outputs)
-    tokens = Sampler(reference)(logits, md).token_ids.tolist()
+    tokens = Sampler(ReferenceOps())(logits, md).token_ids.tolist()
     assert tokens[0] not in (EOS, stop)
     assert tokens[1] == EOS
     assert tokens[2] == EOS  # ignore_eos: EOS is not a stop token, only stop ids are masked
     assert tokens[3] not in (EOS, stop)
     n = 2000  # sampled rows never draw a masked token, though they carry nearly all the mass
     md = build([params[3]] * n, outputs=[[2]] * n, seeds=list(range(n)))
-    drawn = Sampler(reference)(logits[3:].expand(n, 10), md).token_ids
+    drawn = Sampler(ReferenceOps())(logits[3:].expand(n, 10), md).token_ids
     assert not torch.isin(drawn, torch.tensor([EOS, stop])).any()
 
 
@@ -263,7 +263,7 @@ def test_logprobs_are_log_softmax_of_raw_logits(dtype):
     ]
     logits = LOGITS.to(dtype)
     md = build(params, prompts=[[4, 0], [], []], outputs=[[7], [3], []])
-    out = Sampler(reference)(logits, md)
+    out = Sampler(ReferenceOps())(logits, md)
     raw = logits.float().log_softmax(dim=-1)
     assert out.logprobs[2] is None
     for b in (0, 1):
@@ -277,4 +277,4 @@ def test_logprobs_are_log_softmax_of_raw_logits(dtype):
     values, ids = raw[0].topk(4)
     assert list(top) == ids.tolist()
     assert list(top.values()) == pytest.approx(values.tolist(), abs=1e-6)
-    assert Sampler(reference)(logits, build([SamplingParams()] * 3)).logprobs is None
+    assert Sampler(ReferenceOps())(logits, build([SamplingParams()] * 3)).logprobs is None

@@ -16,7 +16,8 @@ pytest.importorskip("triton")
 import sampler_checks as checks  # noqa: E402
 import sampler_triton_checks  # noqa: E402
 
-from llm_inference.kernels import reference, triton_ops  # noqa: E402
+from llm_inference.kernels.reference import ReferenceOps  # noqa: E402
+from llm_inference.kernels.triton_ops import TritonOps  # noqa: E402
 from llm_inference.sample.sampler import Sampler  # noqa: E402
 from llm_inference.sampling_params import SamplingParams  # noqa: E402
 
@@ -50,14 +51,14 @@ CONFIGS = [
 @pytest.mark.parametrize("config", range(len(CONFIGS)))
 def test_distribution_at_real_vocab(config):
     params, wrong = CONFIGS[config]
-    sampler = Sampler(triton_ops)
+    sampler = Sampler(TritonOps("cuda"))
     row = llama_like_row()
     checks.check_distribution(sampler, row, params, wrong, 16 * B, "cuda")  # one launch
 
 
 @pytest.mark.parametrize("target", [CONFIGS[0][0], CONFIGS[4][0]], ids=["plain", "filtered"])
 def test_seed_independence_at_real_vocab(target):
-    checks.check_seed_independence(Sampler(triton_ops), V, "cuda", target)
+    checks.check_seed_independence(Sampler(TritonOps("cuda")), V, "cuda", target)
 
 
 def test_paths_agree_at_batch_256():
@@ -66,8 +67,8 @@ def test_paths_agree_at_batch_256():
     params = [c[0] for c in CONFIGS] * (B // len(CONFIGS)) + [CONFIGS[0][0]] * (B % len(CONFIGS))
     params[::7] = [SamplingParams(temperature=0.0)] * len(params[::7])
     md = checks.build(params, V, "cuda", seeds=list(range(B)))
-    got = Sampler(triton_ops)(logits, md).token_ids
-    want = Sampler(reference)(logits, md).token_ids
+    got = Sampler(TritonOps("cuda"))(logits, md).token_ids
+    want = Sampler(ReferenceOps())(logits, md).token_ids
     greedy = torch.tensor([p.temperature == 0.0 for p in params], device="cuda")
     assert torch.equal(got[greedy], logits[greedy].argmax(-1))
     assert (got == want).float().mean() >= 0.95, (got != want).nonzero()[:, 0].tolist()
@@ -78,7 +79,7 @@ def test_broken_rows_on_gpu():
     logits[3, 5] = float("nan")
     md = checks.build([SamplingParams(top_p=0.9)] * 4, V, "cuda")
     with pytest.raises(ValueError, match=r"rows \[3\]"):
-        Sampler(triton_ops)(logits, md)
+        Sampler(TritonOps("cuda"))(logits, md)
 
 
 def test_split_race_equals_single_program_on_gpu():

@@ -1,9 +1,10 @@
 """A low-latency all-reduce for small messages on one host: PyTorch symmetric memory.
 
-NCCL spends ~15-25 us on an all-reduce of a few KB between two NVLink GPUs; tensor parallelism
-does two per layer per decode step. Here every rank owns one persistent buffer allocated with
-`torch.distributed._symmetric_memory.empty` and mapped into every peer (`rendezvous`), and a
-kernel of `torch.ops.symm_mem` reads the peers' buffers directly over NVLink:
+NCCL's latency dominates an all-reduce of a few KB between two NVLink GPUs, and tensor
+parallelism does two per layer per decode step (benchmarks/DECISIONS.md). Here every rank owns
+one persistent buffer allocated with `torch.distributed._symmetric_memory.empty` and mapped
+into every peer (`rendezvous`), and a kernel of `torch.ops.symm_mem` reads the peers' buffers
+directly over NVLink:
 
 - one-shot (`one_shot_all_reduce_copy_out(buffer, x, "sum", group, x)`): one kernel copies `x`
   into this rank's buffer, waits for every peer to have done the same, sums all the buffers and
@@ -11,8 +12,7 @@ kernel of `torch.ops.symm_mem` reads the peers' buffers directly over NVLink:
   the lowest latency; the choice for small messages.
 - two-shot (`x` copied into the buffer, then `two_shot_all_reduce_out(buffer, "sum", group,
   x)`): each rank sums 1/world of the message from every peer, then gathers the other parts;
-  reads less per rank than one-shot: faster for larger messages (above 1 MiB at two ranks,
-  measured).
+  reads less per rank than one-shot: faster for larger messages (ONE_SHOT_MAX_BYTES).
 
 Neither uses NVLink multicast (multimem), which the target machines disable; peer-to-peer
 loads only. (On torch without the fused copy variant, one-shot is a copy then
@@ -55,13 +55,11 @@ import torch.distributed as dist
 
 KiB, MiB = 1 << 10, 1 << 20
 # Largest message through symmetric memory, by world size (also the buffer's size); larger
-# ones (prefill chunks) go to NCCL. Measured at 2 ranks on two H200s (benchmarks/results/
-# all_reduce_2026-11-30_h200x2.json, us per call in a CUDA graph): one-shot 6.7-10 us up to
-# 384 KB against NCCL's 11-15; at 1.5 MB two-shot 17.4, one-shot 18.6, NCCL 23.3; from 6 MB
-# one-shot is slower than NCCL (49 vs 44) while two-shot stays ahead up to 8 MB (42 vs 51) and
-# about even beyond (104 vs 116 at 24 MB). 4 and 8 ranks: starting points, not measured.
+# ones (prefill chunks) go to NCCL. From measurements at 2 ranks (benchmarks/all_reduce.py,
+# benchmarks/DECISIONS.md): beyond 8 MiB two-shot no longer beats NCCL. 4 and 8 ranks:
+# starting points, not measured.
 MAX_BYTES = {2: 8 * MiB, 4: 8 * MiB, 8: 8 * MiB}
-# One-shot up to this size, two-shot above.
+# One-shot up to this size, two-shot above (at 2 ranks the measured crossover).
 ONE_SHOT_MAX_BYTES = {2: 1 * MiB, 4: 256 * KiB, 8: 128 * KiB}
 DTYPES = (torch.bfloat16, torch.float32)
 # The fused all-reduce + residual add + RMSNorm: rows per call at most, and bytes per half.

@@ -24,6 +24,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from llm_inference import envs
 from llm_inference.distributed import custom_all_reduce
 
 _TP_RANK = 0
@@ -31,7 +32,7 @@ _TP_SIZE = 1
 _CUSTOM_ALL_REDUCE: custom_all_reduce.CustomAllReduce | None = None
 # The fused all-reduce + RMSNorm runs one program per row, each signalling its peers: it beats
 # the all-reduce followed by the RMSNorm kernel for few rows only (benchmarks/all_reduce.py
-# --norm, two H200s, 3072 wide: 1.48x at 1 row, 1.25x at 8, 0.75x at 64, 0.43x at 256).
+# --norm; benchmarks/DECISIONS.md).
 FUSED_NORM_MAX_ROWS = 16
 
 
@@ -62,12 +63,13 @@ def init_distributed(
     device: torch.device | str = "cpu",
     timeout_s: float = 600.0,
     use_custom_all_reduce: bool = True,
-    fused_all_reduce_norm: bool = False,
+    kernel_backend: str = "reference",
 ) -> None:
     """Join the tensor-parallel group as `rank` of `world_size` (rendezvous at 127.0.0.1:port).
     On CUDA, then set up the custom all-reduce (every rank; NCCL alone if it fails) unless
-    `use_custom_all_reduce` is False; with `fused_all_reduce_norm`, one that also fuses the
-    residual add and RMSNorm (`all_reduce_add_rms_norm`).
+    `use_custom_all_reduce` is False. With the Triton kernels (`kernel_backend`, resolved) it
+    also fuses the residual add and RMSNorm (`all_reduce_add_rms_norm`, a Triton kernel) unless
+    envs.LLM_INFERENCE_FUSED_ALL_REDUCE_NORM turns that off.
 
     World size 1 sets the globals and creates no group."""
     global _TP_RANK, _TP_SIZE, _CUSTOM_ALL_REDUCE
@@ -93,10 +95,9 @@ def init_distributed(
             **kw,
         )
         if device.type == "cuda" and use_custom_all_reduce:
+            fused_norm = kernel_backend == "triton" and envs.LLM_INFERENCE_FUSED_ALL_REDUCE_NORM
             with torch.cuda.device(device):
-                _CUSTOM_ALL_REDUCE = custom_all_reduce.create(
-                    device, fused_norm=fused_all_reduce_norm
-                )
+                _CUSTOM_ALL_REDUCE = custom_all_reduce.create(device, fused_norm=fused_norm)
     _TP_RANK, _TP_SIZE = rank, world_size
 
 

@@ -1,7 +1,7 @@
 """CUDA graphs for decode steps and for mixed steps (steps with prompt tokens).
 
-An eager step launches ~10 kernels per layer; unless the step's GPU work is large, their launch
-cost, not the GPU, sets the step time. So the model's forward is captured once per bucket,
+An eager step launches some ten kernels per layer; unless the step's GPU work is large, their
+launch cost, not the GPU, sets the step time. So the model's forward is captured once per bucket,
 reading the model runner's persistent input buffers through the attention backend's static
 metadata (`AttentionBackend.graph_metadata`); a step writes its inputs into those buffers, pads
 them to the smallest bucket that fits, and replays that bucket's graph. Logits are then taken at
@@ -26,15 +26,16 @@ Steps longer than the largest bucket run eagerly.
 
 Default token buckets (`mixed_buckets`): 128, then multiples of 256 up to 2,048, then
 `max_num_batched_tokens` itself (10 graphs at the default budget of 8,192). Padding costs GPU
-time in proportion to the padded tokens once the GEMMs are compute-bound (a few hundred
-tokens on an H200), while a graph saves a roughly fixed host time per step that async
+time in proportion to the padded tokens once the GEMMs are compute-bound (from a few hundred
+tokens: benchmarks/DECISIONS.md), while a graph saves a roughly fixed host time per step that async
 scheduling already hides behind GPU work once a step is long. So the ladder is fine (at most
 255 padded tokens) where steps are short and host-bound, stops at 2,048, and adds only the
 full budget above that: a step of chunked prefill fills the budget exactly and pads nothing.
 Steps between 2,048 tokens and the budget run eagerly unless a bucket holds them with at most
-256 tokens of padding (`select`; any bucket list, `mixed_cuda_graph_sizes` included): a
-3,000-token prompt padded to 8,192 tokens would put 2.7x its tokens through the GEMMs.
-`mixed_cuda_graph_sizes` overrides the ladder.
+256 tokens of padding (`select`; any bucket list, the override included): a 3,000-token
+prompt padded to 8,192 tokens would put 2.7x its tokens through the GEMMs.
+envs.LLM_INFERENCE_MIXED_CUDA_GRAPH_SIZES overrides the ladder (`mixed_graph_sizes`), for
+A/B benchmarking.
 
 Capture (`CudaGraphs.capture`) goes largest graph first, mixed then decode, through one memory
 pool shared by all graphs: smaller graphs reuse the largest one's activations. That pool
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import torch
 
+from llm_inference import envs
 from llm_inference.executor.input_batch import InputBuffers, StepInputs
 
 DECODE, MIXED = "decode", "mixed"
@@ -67,6 +69,20 @@ def mixed_buckets(max_num_batched_tokens: int) -> list[int]:
     if max_num_batched_tokens >= 2:
         sizes.add(max_num_batched_tokens)
     return sorted(sizes)
+
+
+def mixed_graph_sizes(max_num_batched_tokens: int) -> list[int]:
+    """The token buckets of mixed-step graphs: envs.LLM_INFERENCE_MIXED_CUDA_GRAPH_SIZES where
+    set (each at most `max_num_batched_tokens`, else ValueError), else `mixed_buckets`."""
+    sizes = envs.LLM_INFERENCE_MIXED_CUDA_GRAPH_SIZES
+    if sizes is None:
+        return mixed_buckets(max_num_batched_tokens)
+    if sizes and sizes[-1] > max_num_batched_tokens:
+        raise ValueError(
+            f"LLM_INFERENCE_MIXED_CUDA_GRAPH_SIZES: {sizes[-1]} exceeds max_num_batched_tokens="
+            f"{max_num_batched_tokens}"
+        )
+    return list(sizes)
 
 
 class CudaGraphs:

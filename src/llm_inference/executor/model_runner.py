@@ -14,9 +14,10 @@ import torch
 from llm_inference.config import EngineConfig, cdiv
 from llm_inference.core.outputs import ModelRunnerOutput, SchedulerOutput
 from llm_inference.distributed.parallel_state import get_tp_rank, get_tp_size
-from llm_inference.executor.cuda_graph import CudaGraphs, mixed_buckets
+from llm_inference.executor.cuda_graph import CudaGraphs, mixed_graph_sizes
 from llm_inference.executor.input_batch import InputBatch, InputBuffers, StepInputs
 from llm_inference.executor.pending import PendingOutput, TokenSlots
+from llm_inference.executor.warm_up import run_warm_up
 from llm_inference.kernels import get_ops
 from llm_inference.models.loader import load_model
 from llm_inference.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -30,18 +31,12 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.dtype = getattr(torch, config.dtype)
-        ops = get_ops(config.kernel_backend, device)
-        if config.kernel_backend == "triton":  # the process's kernels launch with PDL or not
-            from llm_inference.kernels import pdl
-
-            pdl.configure(pdl.resolve(None, device))
+        # Every kernel choice (skinny GEMM, PDL, attention variants) is the ops object's.
+        self.ops = get_ops(config.kernel_backend, device)
         # The reference kernels sync with the host, which a graph capture forbids.
         self.use_cuda_graphs = config.kernel_backend == "triton" and not config.enforce_eager
-        skinny_gemm = config.kernel_backend == "triton"
-        self.model = load_model(
-            config.model_path, ops, device, self.dtype, config.model, skinny_gemm
-        )
-        self.sampler = Sampler(ops)
+        self.model = load_model(config.model_path, self.ops, device, self.dtype, config.model)
+        self.sampler = Sampler(self.ops)
         self.block_size = config.cache.block_size
         sched = config.scheduler
         self.input_batch = InputBatch(
@@ -124,25 +119,23 @@ class ModelRunner:
                 self.mixed_graph_sizes(),
             )  # fmt: skip
             self.graphs.capture()
-        elif self.device.type == "cuda" and self.config.kernel_backend == "triton":
+        else:
             self._warm_up_eager()
         if self.device.type == "cuda" and self.sampler.fused:
             self._warm_up_sampler()
 
     def _warm_up_eager(self) -> None:
         """Without graphs, compile what steps of any size launch before the first request:
-        an all-padding forward per attention variant (executor/warm_up.py)."""
-        from llm_inference.executor.warm_up import run_warm_up, warm_up_steps
-        from llm_inference.kernels.skinny_gemm import num_sms
-
+        an all-padding forward per step shape the kernel ops list (executor/warm_up.py)."""
         attn, sched = self.model.attention_layers()[0], self.config.scheduler
-        steps = warm_up_steps(
+        steps = self.ops.warm_up_shapes(
             attn.num_kv_heads, attn.num_heads // attn.num_kv_heads, attn.head_dim,
             self.block_size, sched.max_num_seqs, self.max_model_len,
-            sched.max_num_batched_tokens, num_sms(self.device),
+            sched.max_num_batched_tokens,
         )  # fmt: skip
         run_warm_up(self.model, self.buffers, sched.max_num_seqs, steps)
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def _warm_up_sampler(self) -> None:
@@ -165,7 +158,7 @@ class ModelRunner:
         """Token buckets of the mixed-step graphs (none without CUDA graphs)."""
         if not self.use_cuda_graphs:
             return []
-        return mixed_buckets(self.config.scheduler.max_num_batched_tokens)
+        return mixed_graph_sizes(self.config.scheduler.max_num_batched_tokens)
 
     def release(self) -> None:
         self.graphs = None

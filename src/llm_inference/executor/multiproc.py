@@ -182,10 +182,10 @@ def join_group(config: EngineConfig, rank: int, world_size: int, port: int) -> t
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    custom = not config.parallel.disable_custom_all_reduce
     init_distributed(
-        rank, world_size, port, device, use_custom_all_reduce=custom,
-        fused_all_reduce_norm=custom and config.kernel_backend == "triton",
+        rank, world_size, port, device,
+        use_custom_all_reduce=not config.parallel.disable_custom_all_reduce,
+        kernel_backend=config.kernel_backend,
     )  # fmt: skip
     return device
 

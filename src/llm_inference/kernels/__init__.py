@@ -1,24 +1,48 @@
 """Kernels: Triton implementations for CUDA and PyTorch references (reference.py) for any device.
 
-One contract, `KernelOps`: the module `reference` implements it on any device, the module
-`triton_ops` on CUDA, with the same signatures and semantics (those of reference.py; the Triton
-launchers may take extra keyword arguments). `get_ops(backend, device)` is the only place that
-chooses: the engine resolves the backend name once, when its configuration is built
+One contract, `KernelOps`: `reference.ReferenceOps` implements it on any device,
+`triton_ops.TritonOps` on CUDA, with the same signatures and semantics (those of reference.py;
+the Triton methods may take extra keyword arguments). `get_ops(backend, device)` is the only
+place that chooses: the engine resolves the backend name once, when its configuration is built
 (`resolve_backend`), and passes the ops object down to every layer; no module has a default.
+
+Performance choices are the ops object's, made from the device and the shapes: which matmuls
+take the skinny GEMM, whether kernels launch with PDL, the attention kernel's variant, the step
+shapes that compile every variant (`warm_up_shapes`). The few switches that turn a choice off
+for A/B benchmarking are environment variables (llm_inference/envs.py), never arguments.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from llm_inference.kernels.reference import ReferenceOps
+
 BACKENDS = ("auto", "triton", "reference")
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """A step's sizes: `num_seqs` decode rows (max_query_len 1), or a mixed step of
+    `num_tokens` tokens whose longest query is `max_query_len`; contexts up to `max_seq_len`."""
+
+    num_seqs: int
+    num_tokens: int
+    max_query_len: int
+    max_seq_len: int
+
+
 class KernelOps(Protocol):
-    """The kernels every layer calls. Shapes are documented in reference.py."""
+    """The kernels every layer calls. Shapes are documented in reference.py.
+
+    `fused_sampler`: whether the ops also have the fused sampler of kernels/sampling.py, as
+    `sample`, `race_shard` and `warm_up_sampler` (that module's sample, race_shard and
+    warm_up); the Triton ops do, the reference ops do not."""
+
+    fused_sampler: bool
 
     def store_kv_cache(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -43,6 +67,10 @@ class KernelOps(Protocol):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def gate_up_silu(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
     def paged_attention_decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
@@ -55,6 +83,14 @@ class KernelOps(Protocol):
         scale: float, out: torch.Tensor | None = None, max_query_len: int | None = None,
         max_seq_len: int | None = None, seq_order: torch.Tensor | None = None,
     ) -> torch.Tensor: ...  # fmt: skip
+
+    def warm_up_shapes(
+        self, num_kv_heads: int, group: int, head_dim: int, block_size: int,
+        max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
+    ) -> list[StepShape]:  # fmt: skip
+        """Step shapes whose all-padding forwards compile every kernel variant that steps
+        within these limits can launch (kernels/warm_up.py); none where nothing compiles."""
+        ...
 
 
 def resolve_backend(backend: str, device_type: str) -> str:
@@ -69,13 +105,11 @@ def resolve_backend(backend: str, device_type: str) -> str:
     return backend
 
 
-def get_ops(backend: str, device: torch.device | str) -> KernelOps | ModuleType:
+def get_ops(backend: str, device: torch.device | str) -> KernelOps:
     """The ops object for a backend name ('auto' resolved for `device`)."""
-    name = resolve_backend(backend, torch.device(device).type)
-    if name == "triton":
-        from llm_inference.kernels import triton_ops
+    device = torch.device(device)
+    if resolve_backend(backend, device.type) == "triton":
+        from llm_inference.kernels.triton_ops import TritonOps  # imports triton
 
-        return triton_ops
-    from llm_inference.kernels import reference
-
-    return reference
+        return TritonOps(device)
+    return ReferenceOps()

@@ -24,7 +24,7 @@ short ones, not a long one running alone.
   and the small `_merge_kernel` combines them with log-sum-exp weights. With
   FUSED_MERGE the last split of each (sequence, KV head) to finish, which it learns from an
   atomic counter, merges in the same launch instead: one launch less on the host, but slower
-  on the GPU at many splits (benchmarks/NOTES.md), so off by default. With one split the
+  on the GPU at many splits (benchmarks/DECISIONS.md), so off by default. With one split the
   program writes the output itself.
 - `num_splits` depends only on the batch size, the largest possible context (`max_seq_len`, a
   Python int that defaults to the block-table capacity), the number of SMs and the head shape,
@@ -47,14 +47,13 @@ import torch
 import triton
 import triton.language as tl
 
-from llm_inference.kernels import pdl
+from llm_inference.kernels.device import num_sms
+from llm_inference.kernels.pdl import launch_kwargs, wait_then_release
 
 _LOG2E = 1.4426950408889634
 WAVES = 4  # split until about this many programs per SM (4 fit at once: registers)
 # With the programs dispatched longest context first (seq_order), splitting further pays: the
-# short sequences' splits fill the launch's tail. Measured over contexts uniform in [100, 2048]
-# (benchmarks/paged_attention.py --mixed, results/session5_2026-11-30_h200x2/order): at batch
-# 64 two splits (1B, 3B heads) and four (a TP=2 rank's) were the fastest, at 256 one.
+# short sequences' splits fill the launch's tail (benchmarks/DECISIONS.md).
 ORDERED_WAVES = 8
 MIN_CHUNK = 256  # fewest tokens worth a split of their own
 MAX_SPLITS = 128
@@ -131,7 +130,7 @@ def _paged_decode_kernel(
     HAS_CU: tl.constexpr, HAS_ORDER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:
-        pdl.wait_then_release()
+        wait_then_release()
     kvh = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
     b = tl.program_id(1)
@@ -199,7 +198,7 @@ def _merge_kernel(part_ptr, out_ptr, cu_ptr, stride_ob, stride_oh, num_splits,
                   BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
                   HAS_CU: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     if PDL:
-        pdl.wait_then_release()
+        wait_then_release()
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b
@@ -211,13 +210,6 @@ def _merge_kernel(part_ptr, out_ptr, cu_ptr, stride_ob, stride_oh, num_splits,
     o_ptrs = out_ptr + row.to(tl.int64) * stride_ob + h * stride_oh
     _merge_row(part_ptr, lse_ptr, b * tl.num_programs(1) + h, num_splits, o_ptrs,
                BLOCK_S, HEAD_DIM)  # fmt: skip
-
-
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the CPU interpreter: any small number
 
 
 def default_block_n(head_dim: int, block_size: int) -> int:
@@ -299,11 +291,14 @@ def paged_attention_decode(
     scale: float,
     out: torch.Tensor | None = None,
     max_seq_len: int | None = None,
+    *,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Triton version of reference.paged_attention_decode.
 
     `max_seq_len` bounds seq_lens (default: the block-table capacity); it only sets the split
-    count, so any bound that holds is correct, a tight one is faster.
+    count, so any bound that holds is correct, a tight one is faster. `pdl`: launch with
+    programmatic dependent launch (kernels/pdl.py).
     """
     _check(q, k_cache, v_cache, block_tables, seq_lens, out)
     block_size = k_cache.shape[1]
@@ -311,15 +306,16 @@ def paged_attention_decode(
         max_seq_len = block_tables.shape[1] * block_size
     block_n = default_block_n(q.shape[2], block_size)
     splits = choose_splits(
-        q.shape[0], k_cache.shape[2], max_seq_len, block_n, _num_sms(q.device)
+        q.shape[0], k_cache.shape[2], max_seq_len, block_n, num_sms(q.device)
     )  # cached: the host cost of a call matters when decode runs eagerly
-    return launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, splits, block_n)
+    return launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, splits, block_n, pdl=pdl)
 
 
 def launch(
     q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, block_n,
     num_warps: int = 4, num_stages: int = 3, fused_merge: bool | None = None,
     cu_seqlens: torch.Tensor | None = None, seq_order: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """Run with an explicit split and tile configuration (tests and the benchmark sweep it).
 
@@ -328,7 +324,8 @@ def launch(
     row cu_seqlens[b] of q/out, or nothing when cu_seqlens[b + 1] == cu_seqlens[b]; q/out may
     then have any number of rows. Not with the fused merge. `seq_order` ([B] int32 or int64,
     a permutation of 0..B-1) is the order in which the sequences' programs are dispatched;
-    any permutation gives the same result.
+    any permutation gives the same result. `pdl`: both kernels launch with programmatic
+    dependent launch (kernels/pdl.py).
     """
     num_seqs = block_tables.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -366,16 +363,16 @@ def launch(
         GROUP=group, BLOCK_G=max(16, 1 << (group - 1).bit_length()), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SPLIT=num_splits > 1, FUSED_MERGE=fused_merge, BLOCK_S=block_s if fused_merge else 1,
-        HAS_CU=cu_seqlens is not None, HAS_ORDER=seq_order is not None, PDL=pdl.enabled(),
+        HAS_CU=cu_seqlens is not None, HAS_ORDER=seq_order is not None, PDL=pdl,
         num_warps=num_warps,
-        num_stages=num_stages, **pdl.launch_kwargs(),
+        num_stages=num_stages, **launch_kwargs(pdl),
     )  # fmt: skip
     if num_splits > 1 and not fused_merge:
         _merge_kernel[(num_seqs, num_heads)](
             part, out, seq_lens if cu_seqlens is None else cu_seqlens,
             out.stride(0), out.stride(1), num_splits,
             BLOCK_S=block_s, HEAD_DIM=head_dim, HAS_CU=cu_seqlens is not None,
-            PDL=pdl.enabled(), num_warps=4 if head_dim >= 128 else 2, **pdl.launch_kwargs(),
+            PDL=pdl, num_warps=4 if head_dim >= 128 else 2, **launch_kwargs(pdl),
         )  # fmt: skip
     return out
 

@@ -1,7 +1,7 @@
 """Programmatic dependent launch (PDL, Hopper and newer), for the kernels of a decode step.
 
-At batch 1 a decode step is a chain of ~11 small Triton kernels per layer, and each boundary
-costs the next kernel's launch and ramp-up after the previous one has drained. With PDL
+At batch 1 a decode step is a chain of small Triton kernels per layer, and each boundary costs
+the next kernel's launch and ramp-up after the previous one has drained. With PDL
 (`launch_pdl=True`) a kernel may be scheduled while the one before it finishes. Every kernel
 that takes the `PDL` flag here waits (`gdc_wait`: the previous kernel complete, its memory
 visible) before it reads or writes anything, then lets its own dependents launch
@@ -9,13 +9,14 @@ visible) before it reads or writes anything, then lets its own dependents launch
 bit for bit those without PDL. Kernels launched without PDL (cuBLAS, torch) keep ordinary
 stream order around them.
 
-The engine option `pdl` (None: on wherever it is supported, `resolve`) is applied by the model
-runner of each process (`configure`); `benchmarks/pdl_chain.py` measures what it saves, and
-`results/session5_2026-11-30_h200x2` what it saves per decode step.
+Whether a process's kernels launch with PDL is a property of its Triton ops object
+(triton_ops.TritonOps.pdl, from `resolve` at construction), which passes it to each launcher
+(`pdl=`); nothing here is process-wide. `benchmarks/pdl_chain.py` measures what it saves.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 
 try:
@@ -23,23 +24,11 @@ try:
 except ImportError:  # a Triton without them (not CUDA's): PDL stays off
     gdc_launch_dependents = gdc_wait = None
 
-_enabled = False
 
-
-def configure(enabled: bool) -> None:
-    """Turn PDL on or off for the kernels launched by this process from now on."""
-    global _enabled
-    if enabled and gdc_wait is None:
-        raise ValueError(f"pdl=True: this Triton ({triton.__version__}) has no gdc_wait")
-    _enabled = bool(enabled)
-
-
-def resolve(requested: bool | None, device) -> bool:
+def resolve(requested: bool | None, device: torch.device | str) -> bool:
     """Whether the kernels on `device` launch with PDL: `requested` None means wherever it is
     supported (a CUDA GPU of compute capability 9.0+ and a Triton with `gdc_wait`); True where
-    it is not raises ValueError saying why."""
-    import torch
-
+    it is not raises ValueError saying why (envs.LLM_INFERENCE_PDL)."""
     device = torch.device(device)
     cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     why = None
@@ -54,17 +43,13 @@ def resolve(requested: bool | None, device) -> bool:
     if requested is None:
         return why is None
     if requested and why:
-        raise ValueError(f"pdl=True {why}")
+        raise ValueError(f"LLM_INFERENCE_PDL=1 {why}")
     return bool(requested)
 
 
-def enabled() -> bool:
-    return _enabled
-
-
-def launch_kwargs() -> dict:
-    """Extra launch options for a kernel with a `PDL` flag (pass `PDL=enabled()` too)."""
-    return {"launch_pdl": True} if _enabled else {}
+def launch_kwargs(pdl: bool) -> dict:
+    """Extra launch options for a kernel with a `PDL` flag (pass `PDL=pdl` too)."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 @triton.jit
@@ -74,4 +59,4 @@ def wait_then_release():
     gdc_launch_dependents()
 
 
-__all__ = ["configure", "enabled", "launch_kwargs", "resolve", "wait_then_release"]
+__all__ = ["launch_kwargs", "resolve", "wait_then_release"]

@@ -1,4 +1,5 @@
-"""Pure-PyTorch reference implementations of every kernel.
+"""Pure-PyTorch reference implementations of every kernel, and `ReferenceOps`, the ops object
+over them.
 
 These run on any device, define the semantics the Triton kernels must match, and are what the
 engine uses on CPU. Shapes:
@@ -15,9 +16,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-
-# No fused sampler: the sampler's last step is the PyTorch reference of sample/sampler.py.
-fused_sampler = False
 
 
 def paged_attention_decode(
@@ -143,8 +141,8 @@ def _per_query_head(x: torch.Tensor, num_heads: int) -> torch.Tensor:
 def _attend_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float):
     """The same through F.scaled_dot_product_attention, k/v [1, Hq, n, D] from
     `_per_query_head`: on 4-D inputs with K/V per query head PyTorch's fused CPU kernel runs
-    (about 3x the einsum path on a 6,889-token prompt, 2 threads); grouped or 3-D inputs fall
-    back to its slow math path."""
+    (faster than the einsum path on long prompts: benchmarks/DECISIONS.md); grouped or 3-D
+    inputs fall back to its slow math path."""
     num_rows = q.shape[0]
     seen = start + num_rows
     qs, ks, vs = q.transpose(0, 1)[None], k[:, :, :seen], v[:, :, :seen]
@@ -232,3 +230,36 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2*I] holding gate then up: silu(gate) * up -> [T, I]."""
     gate, up = x.chunk(2, dim=-1)
     return (F.silu(gate.float()) * up.float()).to(x.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ weight [N, K]^T -> [T, N] (nn.Linear's layout, no bias)."""
+    return F.linear(x, weight)
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`silu_and_mul(linear(x, weight))`, weight [2I, K] holding gate then up -> [T, I]."""
+    return silu_and_mul(F.linear(x, weight))
+
+
+class ReferenceOps:
+    """The KernelOps of this module (kernels/__init__.py): no fused sampler, nothing to warm
+    up, no other choice to make."""
+
+    fused_sampler = False
+    store_kv_cache = staticmethod(store_kv_cache)
+    rms_norm = staticmethod(rms_norm)
+    rotary_embedding = staticmethod(rotary_embedding)
+    rotary_store_kv = staticmethod(rotary_store_kv)
+    silu_and_mul = staticmethod(silu_and_mul)
+    linear = staticmethod(linear)
+    gate_up_silu = staticmethod(gate_up_silu)
+    paged_attention_decode = staticmethod(paged_attention_decode)
+    unified_attention = staticmethod(unified_attention)
+
+    def warm_up_shapes(
+        self, num_kv_heads: int, group: int, head_dim: int, block_size: int,
+        max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
+    ) -> list:  # fmt: skip
+        """None: these kernels compile nothing."""
+        return []

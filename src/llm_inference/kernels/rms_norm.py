@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llm_inference.kernels import pdl
+from llm_inference.kernels.pdl import launch_kwargs, wait_then_release
 
 
 @triton.jit
@@ -22,7 +22,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:
-        pdl.wait_then_release()
+        wait_then_release()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -56,8 +56,10 @@ def rms_norm(
     residual: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of reference.rms_norm; the new residual is written into `residual`."""
+    """Triton version of reference.rms_norm; the new residual is written into `residual`.
+    `pdl`: launch with programmatic dependent launch (kernels/pdl.py)."""
     hidden = x.shape[-1]
     if x.dim() < 1 or weight.shape != (hidden,) or weight.stride(0) != 1:
         raise ValueError(f"weight must be contiguous [{hidden}], got {tuple(weight.shape)}")
@@ -78,7 +80,7 @@ def rms_norm(
     block = triton.next_power_of_2(hidden)
     _rms_norm_kernel[(x2.shape[0],)](
         x2, r2, weight, o2, x2.stride(0), r2.stride(0), o2.stride(0), hidden, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl.enabled(),
-        num_warps=min(16, max(1, block // 512)), **pdl.launch_kwargs(),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl,
+        num_warps=min(16, max(1, block // 512)), **launch_kwargs(pdl),
     )  # fmt: skip
     return out if residual is None else (out, residual)

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from llm_inference.kernels import pdl
 from llm_inference.kernels.kv_cache import _store_one, check_store_args
+from llm_inference.kernels.pdl import launch_kwargs, wait_then_release
 
 
 @triton.jit
@@ -72,7 +72,7 @@ def _rotary_store_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:
-        pdl.wait_then_release()
+        wait_then_release()
     t = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(pos_ptr, cs_ptr, t, stride_cs, HALF, BLOCK_HALF)
     _rotate_heads(q_ptr + t * stride_qt, stride_qh, cos, sin, NUM_Q, BLOCK_Q, HALF, BLOCK_HALF)
@@ -144,9 +144,12 @@ def rotary_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Triton version of reference.rotary_store_kv (one launch): q and k rotated in place, the
-    rotated k and v written at their cache slots (slot -1 skipped); returns q."""
+    rotated k and v written at their cache slots (slot -1 skipped); returns q. `pdl`: launch
+    with programmatic dependent launch (kernels/pdl.py)."""
     _check_rotary_args(positions, q, k, cos_sin_cache)
     check_store_args(k, v, k_cache, v_cache, slot_mapping)
     num_tokens, _, head_dim = q.shape
@@ -162,7 +165,7 @@ def rotary_store_kv(
         NUM_Q=q.shape[1], NUM_K=k.shape[1],
         BLOCK_Q=triton.next_power_of_2(q.shape[1]), BLOCK_K=triton.next_power_of_2(k.shape[1]),
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_SIZE=k_cache.shape[1],
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PDL=pdl.enabled(),
-        num_warps=4, **pdl.launch_kwargs(),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PDL=pdl,
+        num_warps=4, **launch_kwargs(pdl),
     )  # fmt: skip
     return q

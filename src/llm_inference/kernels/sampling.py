@@ -23,7 +23,7 @@ differently from the torch path. A row's token is a pure function of its own log
 (seed, step): never of its batch companions or its row. Of the two logs in x - log(E), E = -log u,
 the inner one stays accurate (libdevice's logf, and a series for u near 1, where log(u) is all
 cancellation). On NVIDIA GPUs the outer one is the hardware's lg2.approx.f32 times ln 2 (FAST_LOG):
-libdevice's logf costs ~24 more instructions per element (sm_90), and the race is bound by this
+libdevice's logf costs several times its instructions per element, and the race is bound by this
 arithmetic, not by reading the logits. That is safe: E is a normal float in about (3e-8, 17.3),
 where lg2.approx errs by at most 2**-22, absolute for E in (0.5, 2) and relative elsewhere (PTX
 ISA), i.e. by about an ulp of log(E): the size of the rounding of x - log(E) itself. A race value
@@ -34,8 +34,8 @@ PTX: there (and off NVIDIA) both logs are accurate.
 Status instead of a token: -1 when the row holds a NaN or +inf logit, -2 when every logit is -inf.
 The caller (the Sampler) turns those into an error or a fallback.
 
-Split rows: one program scanning a 128,256-token row takes ~55 us on an H200 (63 dependent
-steps), the whole sampling time of a small batch. When no row of the launch filters (no top-k,
+Split rows: one program scanning a 128,256-token row (63 dependent steps) is the whole sampling
+time of a small batch (benchmarks/DECISIONS.md). When no row of the launch filters (no top-k,
 top-p or min-p tensor), the race is split: programs (row, s) scan BLOCK-aligned column ranges
 and write their best value, its index and the range's max logit; `_merge_kernel` then takes,
 per row, the first range holding the largest value, so the token (first index on ties), the
@@ -46,8 +46,8 @@ Compiles: Triton compiles a kernel again for each new constexpr and each integer
 equal to 1 or divisible by 16. The batch size and the split count change from step to step, so
 they are not specialized (`do_not_specialize`) and the merge's tile is sized from V: one
 compiled kernel per variant serves every step. Otherwise each new batch size of a run paid a
-compile (~50 ms, twelve in the first 1B throughput run: benchmarks/first_run.py). `warm_up`
-compiles the variants an engine meets before its first request.
+compile in the middle of it (benchmarks/first_run.py). `warm_up` compiles the variants an
+engine meets before its first request.
 """
 
 from __future__ import annotations
@@ -128,8 +128,9 @@ def _race(row_ptr, V, t, key, thr, min_p, m, NOISE: tl.constexpr, FILTER: tl.con
     (mix(mix(v) + key) >> 8 + 0.5) / 2**24 with mix = lowbias32, v = id_offset + column (a
     vocabulary shard's first token id; the returned index is the column). The lanes are
     reduced once, after the loop: a reduction per block (a cross-warp exchange through shared
-    memory) took ~15% of the race at batch 64-256 on an H200 (benchmarks/sampler_race.py) and
-    ~1 ms each in the interpreter. The noise's hashing and logs take the rest. FAST_LOG: the
+    memory) costs a measurable part of the race (benchmarks/sampler_race.py,
+    benchmarks/DECISIONS.md) and is slow in the interpreter. The noise's hashing and logs take
+    the rest. FAST_LOG: the
     outer log by lg2.approx (PTX inline asm: CUDA only, not the interpreter; module doc)."""
     # Per lane: the best value so far, its column (the first on ties: a later column must be
     # strictly better) and the max of x; reduced across lanes once, after the loop.

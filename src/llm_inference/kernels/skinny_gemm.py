@@ -13,14 +13,14 @@ W once at the memory bandwidth:
   The fused variant loads the gate tile (rows n) and the up tile (rows I + n) of the same
   columns, keeps two accumulators and applies the activation in registers: no [M, 2I]
   intermediate, one launch fewer.
-- Split-K. Few column blocks (down at 1B: N = 2048 is 32 blocks of 64) cannot fill 132 SMs, so
-  K is cut into `split_k` contiguous ranges, program (n, s) covering range s. Partial sums go to
-  a float32 workspace [split_k, M, N] (gate and up side by side when fused) and a second small
-  kernel adds them in split order, then casts (and applies SiLU-and-mul). Not atomics: float32
-  atomic adds need a zeroed buffer (a memset launch) and, for a bf16 output, a cast launch, so
-  they save no launch, and their order changes from run to run, so would the rounding and, at
-  near-ties, greedy tokens. The workspace is M x N x split_k x 4 bytes (down at 1B, M = 16,
-  split 4: 512 KB), small beside W's 32 MB.
+- Split-K. Few column blocks (down at 1B: N = 2048 is 32 blocks of 64) cannot fill an H200's 132
+  SMs, so K is cut into `split_k` contiguous ranges, program (n, s) covering range s. Partial
+  sums go to a float32 workspace [split_k, M, N] (gate and up side by side when fused) and a
+  second small kernel adds them in split order, then casts (and applies SiLU-and-mul). Not
+  atomics: float32 atomic adds need a zeroed buffer (a memset launch) and, for a bf16 output, a
+  cast launch, so they save no launch, and their order changes from run to run, so would the
+  rounding and, at near-ties, greedy tokens. The workspace is M x N x split_k x 4 bytes (down at
+  1B, M = 16, split 4: 512 KB), small beside W's 32 MB.
 - Configs come from a fixed rule (`default_config`), not `triton.autotune`: autotuning would
   time candidates at each shape's first call (the engine's eager warm-up before each CUDA graph
   capture would allow it) but each rank and each run could pick differently, and so round
@@ -36,14 +36,14 @@ BLOCK_K * split_k (EVEN_K). float32 inputs (the interpreter tests) use IEEE dot 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from llm_inference.kernels import pdl
+from llm_inference.kernels.device import num_sms
+from llm_inference.kernels.pdl import launch_kwargs, wait_then_release
 
 MAX_ROWS = 16  # the most rows (decode batch) a launch takes; also the dot's padded M
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -74,14 +74,6 @@ class GemmConfig:
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
         if not 1 <= self.split_k <= 64:
             raise ValueError(f"split_k must be in [1, 64], got {self.split_k}")
-
-
-@functools.cache
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (4 elsewhere: the CPU interpreter)."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def default_config(n: int, k: int, sms: int) -> GemmConfig:
@@ -131,7 +123,7 @@ def _skinny_gemm_kernel(
         if FUSED:
             w_up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0)
         if PDL:
-            pdl.wait_then_release()
+            wait_then_release()
         xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
         acc = tl.dot(w, xt, acc, input_precision=PRECISION)
         if FUSED:
@@ -141,7 +133,7 @@ def _skinny_gemm_kernel(
         x_ptrs += BLOCK_K
         start = BLOCK_K
     elif PDL:
-        pdl.wait_then_release()
+        wait_then_release()
     for k in range(start, k_per_split, BLOCK_K):
         if EVEN_K:
             xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
@@ -180,7 +172,7 @@ def _reduce_kernel(
     """out[m, cols] = the sum over splits of ws[s, m, cols] (FUSED: silu(gate sum) * up sum,
     the up sums at column N + col), in split order."""
     if PDL:
-        pdl.wait_then_release()
+        wait_then_release()
     m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -230,7 +222,9 @@ def split_plan(k: int, config: GemmConfig) -> tuple[int, int]:
     return triton.cdiv(k, k_per_split), k_per_split
 
 
-def _launch(x, weight, out, n: int, fused: bool, config: GemmConfig | None) -> torch.Tensor:
+def _launch(
+    x, weight, out, n: int, fused: bool, config: GemmConfig | None, pdl: bool
+) -> torch.Tensor:
     m, k = x.shape
     cfg = config or default_config(n, k, num_sms(x.device))
     split, k_per_split = split_plan(k, cfg)
@@ -243,15 +237,14 @@ def _launch(x, weight, out, n: int, fused: bool, config: GemmConfig | None) -> t
         x, weight, dest, m, n, k, x.stride(0), weight.stride(0), stride_om, stride_os,
         k_per_split, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FUSED=fused,
         PARTIAL=partial, EVEN_K=split * k_per_split == k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl.enabled(),
-        PREFETCH=cfg.prefetch or pdl.enabled(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl,
+        PREFETCH=cfg.prefetch or pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(pdl),
     )  # fmt: skip
     if partial:
         _reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](
             dest, out, n, split, stride_os, width, out.stride(0),
-            FUSED=fused, BLOCK=REDUCE_BLOCK, PDL=pdl.enabled(), num_warps=4,
-            **pdl.launch_kwargs(),
+            FUSED=fused, BLOCK=REDUCE_BLOCK, PDL=pdl, num_warps=4, **launch_kwargs(pdl),
         )  # fmt: skip
     return out
 
@@ -262,11 +255,13 @@ def skinny_gemm(
     *,
     out: torch.Tensor | None = None,
     config: GemmConfig | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T -> [M, N] in x's dtype, 1 <= M <= MAX_ROWS, accumulated in
-    float32. `config` None: `default_config` for the shape and device."""
+    float32. `config` None: `default_config` for the shape and device. `pdl`: launch with
+    programmatic dependent launch (kernels/pdl.py)."""
     m, _, n = _check(x, weight)
-    return _launch(x, weight, _output(out, (m, n), x), n, False, config)
+    return _launch(x, weight, _output(out, (m, n), x), n, False, config, pdl)
 
 
 def skinny_gemm_silu(
@@ -275,6 +270,7 @@ def skinny_gemm_silu(
     *,
     out: torch.Tensor | None = None,
     config: GemmConfig | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """silu(x @ gate^T) * (x @ up^T) -> [M, I], where weight = [gate; up] is [2I, K] (the
     gate_up projection's layout; reference.silu_and_mul of skinny_gemm, in one kernel)."""
@@ -282,4 +278,4 @@ def skinny_gemm_silu(
     if two_i % 2:
         raise ValueError(f"weight must be [2*I, K] (gate then up), got {tuple(weight.shape)}")
     inter = two_i // 2
-    return _launch(x, weight, _output(out, (m, inter), x), inter, True, config)
+    return _launch(x, weight, _output(out, (m, inter), x), inter, True, config, pdl)

@@ -1,36 +1,127 @@
-"""The Triton ops, with the signatures and semantics of reference.py (see get_ops).
+"""`TritonOps`: the KernelOps of the Triton kernels, with the signatures and semantics of
+reference.py (see get_ops), and the performance choices made from the device and the shapes.
 
 Each launcher checks shapes, dtypes, strides and devices and raises ValueError. Extras beyond
 the reference signatures are optional: `max_seq_len` for paged attention (sets the split count
 without a host sync) and keyword `out=` buffers for rms_norm and silu_and_mul. unified_attention
 (mixed prefill chunks and decodes in one launch) takes the same bounds as its reference.
+
+Decided once, when the ops object is built for its device:
+- `pdl`: whether the decode step's kernels launch with programmatic dependent launch
+  (kernels/pdl.py): on a GPU of compute capability 9.0+ with a Triton that has gdc_wait, unless
+  envs.LLM_INFERENCE_PDL says otherwise. Passed to every launcher that takes it.
+- `skinny_gemm`: whether `linear` and `gate_up_silu` may take the skinny GEMM
+  (kernels/skinny_gemm.py; envs.LLM_INFERENCE_SKINNY_GEMM, default on).
+Decided per call, from the shapes: the skinny GEMM where it applies (`skinny_applies`: decode
+batches, whose time is the weight bytes; inside a CUDA graph the row count is the graph's
+batch size, so the choice is made once per graph), else F.linear (cuBLAS); the attention
+kernel's variant (unified_attention.plan).
+
+The ops also carry the fused sampler (kernels/sampling.py: `sample`, `race_shard`,
+`warm_up_sampler`; `fused_sampler` True).
 """
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
+
+from llm_inference import envs
+from llm_inference.kernels import StepShape, pdl, sampling
+from llm_inference.kernels import skinny_gemm as sg
 from llm_inference.kernels.activation import silu_and_mul
+from llm_inference.kernels.device import num_sms
 from llm_inference.kernels.kv_cache import store_kv_cache
 from llm_inference.kernels.paged_attention import paged_attention_decode
 from llm_inference.kernels.rms_norm import rms_norm
 from llm_inference.kernels.rotary import rotary_embedding, rotary_store_kv
-from llm_inference.kernels.sampling import race_shard, sample
-from llm_inference.kernels.sampling import warm_up as warm_up_sampler
 from llm_inference.kernels.unified_attention import unified_attention
+from llm_inference.kernels.warm_up import warm_up_shapes
 
-# The sampler's last step is `sample` (and, under tensor parallelism, `race_shard`), not the
-# PyTorch reference of sample/sampler.py.
-fused_sampler = True
+SKINNY_DTYPES = (torch.float16, torch.bfloat16)
 
-__all__ = [
-    "fused_sampler",
-    "paged_attention_decode",
-    "race_shard",
-    "rms_norm",
-    "rotary_embedding",
-    "rotary_store_kv",
-    "sample",
-    "silu_and_mul",
-    "store_kv_cache",
-    "unified_attention",
-    "warm_up_sampler",
-]
+
+class TritonOps:
+    """The Triton kernels on `device` (CUDA; the CPU only under Triton's interpreter, in
+    tests)."""
+
+    fused_sampler = True
+    sample = staticmethod(sampling.sample)
+    race_shard = staticmethod(sampling.race_shard)
+    warm_up_sampler = staticmethod(sampling.warm_up)
+    # kernels without a choice to make
+    store_kv_cache = staticmethod(store_kv_cache)
+    rotary_embedding = staticmethod(rotary_embedding)
+    silu_and_mul = staticmethod(silu_and_mul)
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.pdl = pdl.resolve(envs.LLM_INFERENCE_PDL, self.device)
+        self.skinny_gemm = envs.LLM_INFERENCE_SKINNY_GEMM
+
+    # ---- linear layers --------------------------------------------------------------------
+
+    def skinny_applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether the skinny GEMM computes x @ weight^T: on (`skinny_gemm`), 2-D x of 1 to
+        skinny_gemm.MAX_ROWS rows on this device type, float16 or bfloat16 like the weight,
+        both contiguous in their last dim."""
+        return (
+            self.skinny_gemm
+            and x.device.type == self.device.type
+            and x.dim() == 2
+            and 1 <= x.shape[0] <= sg.MAX_ROWS
+            and x.dtype in SKINNY_DTYPES
+            and weight.dtype == x.dtype
+            and x.stride(-1) == 1
+            and weight.stride(-1) == 1
+        )
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.skinny_applies(x, weight):
+            return sg.skinny_gemm(x, weight, pdl=self.pdl)
+        return F.linear(x, weight)
+
+    def gate_up_silu(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Where the skinny GEMM applies, gate_up and SiLU-and-mul in one kernel (no [T, 2I]
+        intermediate); else F.linear, then silu_and_mul."""
+        if self.skinny_applies(x, weight):
+            return sg.skinny_gemm_silu(x, weight, pdl=self.pdl)
+        return silu_and_mul(F.linear(x, weight))
+
+    # ---- the kernels that launch with PDL ------------------------------------------------
+
+    def rms_norm(self, x, weight, eps: float, residual=None, *, out=None):
+        return rms_norm(x, weight, eps, residual, out=out, pdl=self.pdl)
+
+    def rotary_store_kv(
+        self, positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping
+    ) -> torch.Tensor:
+        return rotary_store_kv(
+            positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, pdl=self.pdl
+        )
+
+    def paged_attention_decode(
+        self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, out=None,
+        max_seq_len: int | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        return paged_attention_decode(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, out, max_seq_len, pdl=self.pdl
+        )
+
+    def unified_attention(
+        self, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale: float, out=None,
+        max_query_len: int | None = None, max_seq_len: int | None = None, seq_order=None,
+    ) -> torch.Tensor:  # fmt: skip
+        return unified_attention(
+            q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out, max_query_len,
+            max_seq_len, seq_order, pdl=self.pdl,
+        )  # fmt: skip
+
+    def warm_up_shapes(
+        self, num_kv_heads: int, group: int, head_dim: int, block_size: int,
+        max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
+    ) -> list[StepShape]:  # fmt: skip
+        return warm_up_shapes(
+            num_kv_heads, group, head_dim, block_size, max_num_seqs, max_model_len,
+            max_num_batched_tokens, num_sms(self.device), sg.MAX_ROWS if self.skinny_gemm else 0,
+        )  # fmt: skip

@@ -35,8 +35,14 @@ import triton
 import triton.language as tl
 
 from llm_inference.kernels import paged_attention as pa
+from llm_inference.kernels.device import num_sms
 
 _LOG2E = 1.4426950408889634
+# From this many sequences, decode steps given a `seq_order` dispatch their programs in it
+# (longest context first): with mixed lengths the launch then ends on short programs, not on a
+# long one alone. Below it the extra dependent load per program costs more than it balances,
+# and the order is ignored.
+ORDER_MIN_SEQS = 32
 
 
 @triton.jit
@@ -158,11 +164,11 @@ def default_tiles(group: int, head_dim: int, max_query_len: int) -> tuple[int, i
 
     128 rows x 64 keys for prefill; for short queries (mixed steps of decodes and small chunks)
     M shrinks to the rows a sequence can fill, max_query_len x G, at least 16 (tensor cores).
-    From LONG_QUERY tokens on, the fastest tile of `benchmarks/unified_attention.py --sweep` on
-    the H200 for one 8,000-token prompt (unified_attention_sweep_2026-11-30_h200x2.md): 128
-    rows x 128 keys, 4 warps at head_dim 64 (0.757 ms against 0.839); 256 rows x 64 keys, 8
-    warps at head_dim 128 (1.040 against 1.240). Not below: a 256-row tile doubles the tensor
-    work of the one-token rows that share a mixed step (and its CUDA graph) with a chunk."""
+    From LONG_QUERY tokens on, the fastest tile of `benchmarks/unified_attention.py --sweep`
+    for one long prompt (benchmarks/DECISIONS.md): 128 rows x 128 keys, 4 warps at head_dim
+    64; 256 rows x 64 keys, 8 warps at head_dim 128. Not below: a 256-row tile doubles the
+    tensor work of the one-token rows that share a mixed step (and its CUDA graph) with a
+    chunk."""
     if max_query_len >= LONG_QUERY and head_dim in (64, 128):
         return (128, 128, 4, 3) if head_dim == 64 else (256, 64, 8, 3)
     block_m = 128 if head_dim <= 128 else 64
@@ -203,6 +209,8 @@ def unified_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     seq_order: torch.Tensor | None = None,
+    *,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Triton version of reference.unified_attention: one launch (two when decode splits).
 
@@ -210,7 +218,8 @@ def unified_attention(
     kernel. `max_seq_len` bounds seq_lens (default: the block-table capacity) and only sets the
     decode split count. Any bounds that hold are correct; tight ones are faster. `seq_order`
     (a permutation of the sequences, longest context first) orders the decode kernel's
-    programs; it changes no result.
+    programs from ORDER_MIN_SEQS sequences on; it changes no result. `pdl`: the decode kernels
+    launch with programmatic dependent launch (kernels/pdl.py).
     """
     _check(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out)
     if out is None:
@@ -222,16 +231,23 @@ def unified_attention(
     head_dim, block_size, num_kv_heads = q.shape[2], k_cache.shape[1], k_cache.shape[2]
     if max_seq_len is None:
         max_seq_len = block_table.shape[1] * block_size
+    if not ordered(num_seqs, max_query_len):
+        seq_order = None
     kind, *config = plan(
         num_seqs, num_kv_heads, q.shape[1] // num_kv_heads, head_dim, block_size,
-        max_query_len, max_seq_len, pa._num_sms(q.device), seq_order is not None,
+        max_query_len, max_seq_len, num_sms(q.device), seq_order is not None,
     )  # fmt: skip
     if kind == "decode":
         return pa.launch(
             q, k_cache, v_cache, block_table, seq_lens, scale, out, *config,
-            fused_merge=False, cu_seqlens=cu_seqlens_q, seq_order=seq_order,
+            fused_merge=False, cu_seqlens=cu_seqlens_q, seq_order=seq_order, pdl=pdl,
         )  # fmt: skip
     return launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out, *config)
+
+
+def ordered(num_seqs: int, max_query_len: int) -> bool:
+    """Whether a step of these sizes dispatches its decode programs in a given `seq_order`."""
+    return max_query_len == 1 and num_seqs >= ORDER_MIN_SEQS
 
 
 def plan(

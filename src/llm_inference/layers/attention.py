@@ -36,8 +36,8 @@ class AttentionMetadata:
     max_query_len: int  # upper bounds, Python ints: kernel grids need no host sync
     max_seq_len: int
     dense_starts: tuple[int, ...] = ()  # a dense forward's sequence offsets, on the host
-    # [S] int32, the sequences longest context first: the decode kernel's dispatch order
-    # (None: in batch order; see ORDER_MIN_SEQS).
+    # [S] int32, the sequences longest context first: the decode kernel's dispatch order,
+    # which the kernels follow from some batch size on (None: in batch order).
     seq_order: torch.Tensor | None = None
 
     @classmethod
@@ -59,16 +59,8 @@ class StepBuffers:
     seq_order: torch.Tensor | None = None  # [max_seqs] int32, a permutation (see metadata)
 
 
-# From this many sequences, decode steps dispatch their attention programs longest context
-# first (`seq_order`): with mixed lengths the launch then ends on short programs, not on a
-# long one alone. Below it the extra dependent load per program costs more than it balances.
-ORDER_MIN_SEQS = 32
-
-
 def _order(buffers: StepBuffers, num_seqs: int) -> torch.Tensor | None:
-    if buffers.seq_order is None or num_seqs < ORDER_MIN_SEQS:
-        return None
-    return buffers.seq_order[:num_seqs]
+    return None if buffers.seq_order is None else buffers.seq_order[:num_seqs]
 
 
 class AttentionBackend:

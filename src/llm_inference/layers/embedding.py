@@ -5,8 +5,8 @@ The embedding looks up the ids of its slice (zeros elsewhere) and one all-reduce
 ranks. The LM head's `compute_logits` all-gathers the full vocabulary; `compute_local_logits`
 gives only this rank's slice, padding columns at -inf, for the distributed sampler.
 
-`skinny_gemm=True`: the LM head's matmul of at most 16 rows on CUDA runs the Triton skinny
-GEMM (layers/linear.py, `linear`).
+The LM head's matmul is its linear method's (unquantized: the kernel ops' `linear`; see
+layers/quantization), over the weight the embedding created (shared with it when tied).
 
 Weight loaders take the full checkpoint tensor or anything with `.narrow(dim, start, length)`
 (models/loader.py passes lazy safetensors slices, so a rank reads only its rows)."""
@@ -24,7 +24,8 @@ from llm_inference.distributed.parallel_state import (
     get_tp_rank,
     get_tp_size,
 )
-from llm_inference.layers.linear import linear
+from llm_inference.kernels import KernelOps
+from llm_inference.layers.quantization import UnquantizedLinearMethod
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -56,18 +57,18 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Shares VocabParallelEmbedding's sharding; `compute_logits` gathers the full vocabulary."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, skinny_gemm: bool = False) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, ops: KernelOps) -> None:
         super().__init__(vocab_size, hidden_size)
-        self.skinny_gemm = skinny_gemm
+        self.quant_method = UnquantizedLinearMethod(ops)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = all_gather_last_dim(linear(hidden, self.weight, self.skinny_gemm))
+        logits = all_gather_last_dim(self.quant_method.apply(self, hidden))
         return logits[..., : self.vocab_size]
 
     def compute_local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary slice of the logits [B, shard_size]: column j is token
         `vocab_start + j`; padding columns (beyond the vocabulary) are -inf."""
-        logits = linear(hidden, self.weight, self.skinny_gemm)
+        logits = self.quant_method.apply(self, hidden)
         pad = self.vocab_start + self.shard_size - self.vocab_size
         if pad > 0:
             logits[..., max(0, self.shard_size - pad) :] = float("-inf")

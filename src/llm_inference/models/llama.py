@@ -5,9 +5,8 @@ holding the tokens of several sequences back to back, and either an `AttentionMe
 list of sequence lengths (then attention is causal within each sequence, with no KV cache).
 It returns hidden states [T, hidden]; `compute_logits` maps selected rows to the vocabulary.
 
-`skinny_gemm=True` runs the linear layers and the LM head on at most 16 rows (decode batches) on
-CUDA through the Triton skinny GEMM, the MLP's gate_up projection fused with SiLU-and-mul
-(kernels/skinny_gemm.py); see layers/linear.py.
+Every kernel runs through `ops` (kernels.get_ops), every matmul through its layer's linear
+method (layers/quantization; `quant_config` None: unquantized).
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from torch import nn
 
 from llm_inference.config import ModelConfig
 from llm_inference.kernels import KernelOps
-from llm_inference.layers.activation import SiluAndMul
 from llm_inference.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from llm_inference.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from llm_inference.layers.linear import (
@@ -26,6 +24,7 @@ from llm_inference.layers.linear import (
     RowParallelLinear,
 )
 from llm_inference.layers.norm import RMSNorm
+from llm_inference.layers.quantization import QuantizationConfig
 from llm_inference.layers.rotary import RotaryEmbedding
 
 
@@ -35,19 +34,22 @@ class LlamaAttention(nn.Module):
         config: ModelConfig,
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
-        skinny_gemm: bool = False,
+        ops: KernelOps,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         c = config
         self.qkv_proj = QKVParallelLinear(
-            c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, skinny_gemm
-        )
+            c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, ops,
+            quant_config,
+        )  # fmt: skip
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = c.head_dim
         self.o_proj = RowParallelLinear(  # summed over the ranks in the norm after it
-            c.num_attention_heads * c.head_dim, c.hidden_size, skinny_gemm, reduce_results=False
-        )
+            c.num_attention_heads * c.head_dim, c.hidden_size, ops, quant_config,
+            reduce_results=False,
+        )  # fmt: skip
         self.rotary = rotary
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, c.head_dim, c.head_dim**-0.5, backend
@@ -66,22 +68,21 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelOps, skinny_gemm: bool = False) -> None:
+    def __init__(
+        self, config: ModelConfig, ops: KernelOps, quant_config: QuantizationConfig | None = None
+    ) -> None:
         super().__init__()
         i = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [i, i], skinny_gemm)
-        self.down_proj = RowParallelLinear(  # summed in the next norm, as o_proj
-            i, config.hidden_size, skinny_gemm, reduce_results=False
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [i, i], ops, quant_config
         )
-        self.act = SiluAndMul(ops)
+        self.down_proj = RowParallelLinear(  # summed in the next norm, as o_proj
+            i, config.hidden_size, ops, quant_config, reduce_results=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj.uses_skinny_gemm(x):
-            # gate_up and SiLU-and-mul in one kernel: no [T, 2I] intermediate.
-            from llm_inference.kernels.skinny_gemm import skinny_gemm_silu
-
-            return self.down_proj(skinny_gemm_silu(x, self.gate_up_proj.weight))
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        # gate_up and SiLU-and-mul, one kernel where the linear method fuses them
+        return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -91,11 +92,11 @@ class LlamaDecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
         ops: KernelOps,
-        skinny_gemm: bool = False,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, backend, skinny_gemm)
-        self.mlp = LlamaMLP(config, ops, skinny_gemm)
+        self.self_attn = LlamaAttention(config, rotary, backend, ops, quant_config)
+        self.mlp = LlamaMLP(config, ops, quant_config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -122,7 +123,9 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig, ops: KernelOps, skinny_gemm: bool = False) -> None:
+    def __init__(
+        self, config: ModelConfig, ops: KernelOps, quant_config: QuantizationConfig | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.attn_backend = AttentionBackend(ops)
@@ -135,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
             ops,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, self.attn_backend, ops, skinny_gemm)
+            LlamaDecoderLayer(config, rotary, self.attn_backend, ops, quant_config)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -144,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
             layer.input_layernorm.fuse_index = 2 * i - 1  # (unused in layer 0)
             layer.post_attention_layernorm.fuse_index = 2 * i
         self.norm.fuse_index = 2 * len(self.layers) - 1
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, skinny_gemm)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ops)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

@@ -181,11 +181,9 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     config: ModelConfig | None = None,
-    skinny_gemm: bool = False,
 ) -> LlamaForCausalLM:
     """Build our model for the checkpoint at `path` (a folder or a .gguf file) and load it,
-    running its kernels through `ops` (see kernels.get_ops); `skinny_gemm`: decode-sized
-    matmuls on CUDA through the Triton skinny GEMM (models/llama.py)."""
+    running its kernels through `ops` (see kernels.get_ops)."""
     path = Path(path)
     config = config or load_model_config(path)
     if is_gguf(path):
@@ -198,11 +196,14 @@ def load_model(
     try:
         torch.set_default_dtype(dtype)
         with torch.device(device):
-            model = LlamaForCausalLM(config, ops, skinny_gemm)
+            model = LlamaForCausalLM(config, ops)
     finally:
         torch.set_default_dtype(default_dtype)
     with torch.no_grad():
         load_weights(model, weights)
+        for module in model.modules():  # the linear methods' conversions (layers/quantization)
+            if hasattr(module, "quant_method"):
+                module.quant_method.process_weights_after_loading(module)
     return model.eval()
 
 

@@ -1,0 +1,88 @@
+"""Internal switches for A/B benchmarking, read from environment variables, all in this module.
+
+They are not engine options: the defaults are the engine's choices (benchmarks/DECISIONS.md
+says why), and a switch only turns a choice off to measure what it brings. Each is read when
+it is used (`envs.LLM_INFERENCE_PDL`, through the module `__getattr__`), so a test can
+`monkeypatch.setenv` it; worker processes inherit the parent's environment. A malformed value
+raises ValueError naming the variable.
+
+LLM_INFERENCE_SKINNY_GEMM
+    "1" (default): matmuls of at most 16 half-precision rows on CUDA (decode steps) run the
+    Triton skinny GEMM, the MLP's gate_up fused with SiLU-and-mul (kernels/skinny_gemm.py);
+    "0": always F.linear (cuBLAS).
+LLM_INFERENCE_PDL
+    "auto" (default): programmatic dependent launch for the decode step's Triton kernels
+    wherever it is supported (compute capability 9.0+ and a Triton with gdc_wait;
+    kernels/pdl.py); "0": off; "1": on, and an error where it is not supported.
+LLM_INFERENCE_FUSED_ALL_REDUCE_NORM
+    "1" (default): under tensor parallelism on CUDA with the Triton kernels and the custom
+    all-reduce, the all-reduce of o_proj and down_proj fused with the residual add and RMSNorm
+    after it, for steps of few rows (distributed/all_reduce_norm.py); "0": off.
+LLM_INFERENCE_MIXED_CUDA_GRAPH_SIZES
+    Unset (default): the token buckets of mixed-step CUDA graphs are the ladder of
+    executor/cuda_graph.py (`mixed_buckets`). A comma-separated list of token counts (each at
+    least 2 and at most max_num_batched_tokens) replaces it; empty: no mixed-step graphs
+    (decode steps still replay theirs).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def _pdl() -> bool | None:
+    """None: wherever supported; False: off; True: required."""
+    name = "LLM_INFERENCE_PDL"
+    value = os.environ.get(name, "auto")
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"{name} must be auto, 0 or 1, got {value!r}")
+    return None if value == "auto" else value == "1"
+
+
+def _graph_sizes() -> tuple[int, ...] | None:
+    """None: the default ladder; else the sizes, ascending, without repeats."""
+    name = "LLM_INFERENCE_MIXED_CUDA_GRAPH_SIZES"
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    sizes = set()
+    for part in value.split(","):
+        part = part.strip()
+        if not part and not value.strip():
+            continue  # the empty list
+        if not part.isdigit() or int(part) < 2:
+            raise ValueError(f"{name} must be token counts of at least 2, comma-separated; "
+                             f"got {value!r}")  # fmt: skip
+        sizes.add(int(part))
+    return tuple(sorted(sizes))
+
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    "LLM_INFERENCE_SKINNY_GEMM": lambda: _flag("LLM_INFERENCE_SKINNY_GEMM", True),
+    "LLM_INFERENCE_PDL": _pdl,
+    "LLM_INFERENCE_FUSED_ALL_REDUCE_NORM": lambda: _flag(
+        "LLM_INFERENCE_FUSED_ALL_REDUCE_NORM", True
+    ),
+    "LLM_INFERENCE_MIXED_CUDA_GRAPH_SIZES": _graph_sizes,
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(environment_variables)

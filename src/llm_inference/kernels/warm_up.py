@@ -1,0 +1,62 @@
+"""The step shapes that compile every Triton kernel variant an eager engine's steps can launch.
+
+Triton compiles a kernel the first time a launch meets a new constexpr. With CUDA graphs every
+step replays a captured graph, whose capture compiled what it launches; without them
+(`enforce_eager`) each step runs at its own sizes, and a new variant compiles in the middle of
+a run (benchmarks/first_run.py --enforce-eager; benchmarks/DECISIONS.md). So the Triton ops
+list one step shape per variant (`TritonOps.warm_up_shapes`, from `warm_up_shapes` here), and
+the executor runs each as an all-padding forward when it starts without graphs
+(executor/warm_up.py); the sampler has its own warm-up.
+
+Only the attention picks its variant from a step's sizes (`unified_attention.compile_key`): a
+decode step's split count follows its batch and its longest context (and whether it is
+dispatched in `seq_order`, `unified_attention.ordered`), a mixed step's tile its longest
+query. The linear layers take the skinny GEMM up to `skinny_rows` rows (one variant for all
+of them) and cuBLAS above. Every other kernel compiles once for all sizes: the integers that
+change from step to step are not specialized (`do_not_specialize`). So `warm_up_shapes` lists
+one step shape for each (attention variant, skinny or not) that the scheduler's limits allow.
+
+Finding the decode variants: the split count grows with the context and falls with the batch,
+so every context length in whole tiles at one sequence, and every batch size at power-of-two
+contexts and at the longest, reach every variant that some (batch, context) pair reaches
+(tests/kernels/test_warm_up_shapes.py checks that against all pairs, with shapes where each
+sweep is needed). That is a few thousand calls of pure Python and a few dozen forwards.
+"""
+
+from __future__ import annotations
+
+from llm_inference.kernels import StepShape
+from llm_inference.kernels import paged_attention as pa
+from llm_inference.kernels import unified_attention as ua
+
+
+def warm_up_shapes(
+    num_kv_heads: int, group: int, head_dim: int, block_size: int, max_num_seqs: int,
+    max_model_len: int, max_num_batched_tokens: int, num_sms: int, skinny_rows: int,
+) -> list[StepShape]:  # fmt: skip
+    """One step per (attention compile key, skinny GEMM or not) the limits allow, the
+    smallest first found (see the module docstring); `skinny_rows`: the most rows the linear
+    layers run through the skinny GEMM (0: none)."""
+    steps: dict[tuple, StepShape] = {}
+
+    def add(num_seqs: int, num_tokens: int, max_query_len: int, max_seq_len: int) -> None:
+        ordered = ua.ordered(num_seqs, max_query_len)
+        plan = ua.plan(
+            num_seqs, num_kv_heads, group, head_dim, block_size, max_query_len, max_seq_len,
+            num_sms, ordered,
+        )  # fmt: skip
+        key = ua.compile_key(plan, ordered), num_tokens <= skinny_rows
+        steps.setdefault(key, StepShape(num_seqs, num_tokens, max_query_len, max_seq_len))
+
+    block_n = pa.default_block_n(head_dim, block_size)
+    for n in range(block_n, max_model_len + block_n, block_n):
+        add(1, 1, 1, min(n, max_model_len))
+    powers = {min(block_n << i, max_model_len) for i in range(max_model_len.bit_length())}
+    for n in sorted(powers | {max_model_len}):
+        for batch in range(1, max_num_seqs + 1):
+            add(batch, batch, 1, n)
+    budget = min(max_num_batched_tokens, max_model_len)
+    for query in range(2, budget + 1):
+        for tokens in sorted({query, min(max(query, skinny_rows + 1), budget)}):
+            add(max_num_seqs, tokens, query, max_model_len)
+    return list(steps.values())

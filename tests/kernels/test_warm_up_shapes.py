@@ -1,0 +1,69 @@
+"""The step shapes the Triton ops list for an eager engine's warm-up (kernels/warm_up.py): they
+reach every compiled attention variant (and skinny GEMM or not) that any step within the limits
+reaches; the ops object lists them for its device and its skinny GEMM switch, the reference ops
+none."""
+
+import pytest
+
+pytest.importorskip("triton")
+from llm_inference.kernels import paged_attention as pa  # noqa: E402
+from llm_inference.kernels import skinny_gemm as sg  # noqa: E402
+from llm_inference.kernels import unified_attention as ua  # noqa: E402
+from llm_inference.kernels.reference import ReferenceOps  # noqa: E402
+from llm_inference.kernels.triton_ops import TritonOps  # noqa: E402
+from llm_inference.kernels.warm_up import warm_up_shapes  # noqa: E402
+
+SHAPES = [
+    # (KV heads, group, head_dim, block size, max_num_seqs, max_model_len, budget, SMs)
+    (8, 4, 64, 16, 64, 4096, 512, 132),  # Llama 3.2 1B on an H200
+    (8, 3, 128, 16, 40, 8192, 300, 132),  # 3B
+    (4, 3, 128, 16, 48, 2048, 64, 132),  # 3B, a TP=2 rank
+    (1, 8, 128, 32, 20, 16384, 40, 78),  # one KV head, another GPU
+    (8, 3, 128, 16, 8, 32768, 32, 132),  # long contexts: up to 128 splits at one sequence
+    (2, 1, 64, 16, 8, 1024, 16, 4),  # small limits, the interpreter's SM count
+]
+
+
+def _key(num_seqs, tokens, max_query_len, max_seq_len, shape):
+    kv, group, head_dim, block_size, *_, sms = shape
+    ordered = ua.ordered(num_seqs, max_query_len)
+    plan = ua.plan(
+        num_seqs, kv, group, head_dim, block_size, max_query_len, max_seq_len, sms, ordered
+    )
+    return ua.compile_key(plan, ordered), tokens <= sg.MAX_ROWS
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"kv{s[0]}g{s[1]}d{s[2]}s{s[4]}")
+def test_steps_reach_every_variant(shape):
+    """Against every decode (batch, context in whole tiles) and every mixed query length."""
+    kv, group, head_dim, block_size, max_seqs, max_len, budget, sms = shape
+    steps = warm_up_shapes(
+        kv, group, head_dim, block_size, max_seqs, max_len, budget, sms, sg.MAX_ROWS
+    )
+    warmed = {_key(s.num_seqs, s.num_tokens, s.max_query_len, s.max_seq_len, shape) for s in steps}
+    assert len(warmed) == len(steps)  # one step per variant
+    block_n = pa.default_block_n(head_dim, block_size)
+    every = {
+        _key(b, b, 1, min(n, max_len), shape)
+        for b in range(1, max_seqs + 1)
+        for n in range(block_n, max_len + block_n, block_n)
+    }
+    # A mixed step's tile follows its longest query; its linear layers, all its tokens.
+    for tokens in range(2, budget + 1):
+        for query in (2, tokens // 2, tokens):
+            if query >= 2:
+                every.add(_key(max_seqs, tokens, query, max_len, shape))
+    assert every <= warmed, f"not warmed up: {sorted(every - warmed, key=str)}"
+    decode_keys = {k for k, _ in warmed if k[0] == "decode"}
+    assert {k[1] for k in decode_keys} == {False, True}  # these limits split and do not
+
+
+def test_the_ops_objects_list_them(monkeypatch):
+    limits = (2, 1, 64, 16, 8, 1024, 64)
+    assert ReferenceOps().warm_up_shapes(*limits) == []
+    monkeypatch.delenv("LLM_INFERENCE_SKINNY_GEMM", raising=False)
+    with_skinny = TritonOps("cpu").warm_up_shapes(*limits)
+    assert with_skinny == warm_up_shapes(*limits, 4, sg.MAX_ROWS)
+    monkeypatch.setenv("LLM_INFERENCE_SKINNY_GEMM", "0")  # one linear variant: fewer steps
+    without = TritonOps("cpu").warm_up_shapes(*limits)
+    assert without == warm_up_shapes(*limits, 4, 0) and len(without) < len(with_skinny)
