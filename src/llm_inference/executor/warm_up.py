@@ -10,9 +10,12 @@ read). With CUDA graphs, each graph's capture compiles what it launches.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from llm_inference.kernels import StepShape
+if TYPE_CHECKING:  # kernels/warm_up.py imports Triton, which a CPU install may lack
+    from llm_inference.kernels.warm_up import StepShape
 
 
 @torch.inference_mode()

@@ -14,25 +14,16 @@ for A/B benchmarking are environment variables (llm_inference/envs.py), never ar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from llm_inference.kernels.reference import ReferenceOps
 
+if TYPE_CHECKING:  # kernels/warm_up.py imports Triton
+    from llm_inference.kernels.warm_up import StepShape
+
 BACKENDS = ("auto", "triton", "reference")
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """A step's sizes: `num_seqs` decode rows (max_query_len 1), or a mixed step of
-    `num_tokens` tokens whose longest query is `max_query_len`; contexts up to `max_seq_len`."""
-
-    num_seqs: int
-    num_tokens: int
-    max_query_len: int
-    max_seq_len: int
 
 
 class KernelOps(Protocol):

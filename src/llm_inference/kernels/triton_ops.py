@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from llm_inference import envs
-from llm_inference.kernels import StepShape, pdl, sampling
+from llm_inference.kernels import pdl, sampling
 from llm_inference.kernels import skinny_gemm as sg
 from llm_inference.kernels.activation import silu_and_mul
 from llm_inference.kernels.device import num_sms
@@ -36,7 +36,7 @@ from llm_inference.kernels.paged_attention import paged_attention_decode
 from llm_inference.kernels.rms_norm import rms_norm
 from llm_inference.kernels.rotary import rotary_embedding, rotary_store_kv
 from llm_inference.kernels.unified_attention import unified_attention
-from llm_inference.kernels.warm_up import warm_up_shapes
+from llm_inference.kernels.warm_up import StepShape, warm_up_shapes
 
 SKINNY_DTYPES = (torch.float16, torch.bfloat16)
 

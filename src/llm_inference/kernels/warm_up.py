@@ -25,9 +25,21 @@ sweep is needed). That is a few thousand calls of pure Python and a few dozen fo
 
 from __future__ import annotations
 
-from llm_inference.kernels import StepShape
+from dataclasses import dataclass
+
 from llm_inference.kernels import paged_attention as pa
 from llm_inference.kernels import unified_attention as ua
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """A step's sizes: `num_seqs` decode rows (max_query_len 1), or a mixed step of
+    `num_tokens` tokens whose longest query is `max_query_len`; contexts up to `max_seq_len`."""
+
+    num_seqs: int
+    num_tokens: int
+    max_query_len: int
+    max_seq_len: int
 
 
 def warm_up_shapes(
