@@ -16,7 +16,7 @@ set -uo pipefail
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv \
   | tee "$OUT/gpu.txt"
 if [ "${RUN_TESTS:-1}" = 1 ]; then
-  timeout "${TEST_TIMEOUT:-560}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/engine \
+  timeout "${TEST_TIMEOUT:-560}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/engine tests/sample \
     tests/kernels tests/layers tests/executor tests/distributed tests/entrypoints/test_llm.py} \
     -k "${TESTS_K:-not interpreter}" 2>&1 | tee "$OUT/pytest_cuda.log" | tail -25
 fi
