@@ -92,10 +92,10 @@ def _portable(e: BaseException) -> Exception | None:
 def _core_main(config: EngineConfig, conn: Connection, parent_pid: int, setup) -> None:
     """The body of the core process."""
     from llm_inference.engine.engine_core import EngineCore
-    from llm_inference.executor.multiproc import _watch_parent
+    from llm_inference.executor.worker_process import watch_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
     try:
         core = EngineCore(config)
         if setup is not None:
