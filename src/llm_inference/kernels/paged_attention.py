@@ -264,6 +264,20 @@ def check_cache(q, k_cache, v_cache) -> None:
         raise ValueError(f"unsupported dtype {q.dtype}")
 
 
+def check_operands(q, k_cache, v_cache, out, **indices: torch.Tensor) -> None:
+    """The index tensors int32 or int64; `out` None or q's shape and dtype; every operand on
+    q's device and contiguous in its last dim."""
+    for name, t in indices.items():
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {out.shape} {out.dtype}")
+    named = dict(q=q, k_cache=k_cache, v_cache=v_cache, out=out, **indices)
+    for name, t in named.items():
+        if t is not None and (t.stride(-1) != 1 or t.device != q.device):
+            raise ValueError(f"{name} must be on {q.device} and contiguous in its last dim")
+
+
 def _check(q, k_cache, v_cache, block_tables, seq_lens, out) -> None:
     check_cache(q, k_cache, v_cache)
     num_seqs = q.shape[0]
@@ -271,15 +285,7 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, out) -> None:
         raise ValueError(f"block_tables must be [{num_seqs}, max_blocks], got {block_tables.shape}")
     if seq_lens.shape != (num_seqs,):
         raise ValueError(f"seq_lens must be [{num_seqs}], got {tuple(seq_lens.shape)}")
-    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
-        if t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {out.shape} {out.dtype}")
-    named = dict(k_cache=k_cache, v_cache=v_cache, out=out, tables=block_tables, lens=seq_lens)
-    for name, t in (("q", q), *named.items()):
-        if t is not None and (t.stride(-1) != 1 or t.device != q.device):
-            raise ValueError(f"{name} must be on {q.device} and contiguous in its last dim")
+    check_operands(q, k_cache, v_cache, out, block_tables=block_tables, seq_lens=seq_lens)
 
 
 def paged_attention_decode(

@@ -185,16 +185,10 @@ def _check(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out) -> Non
     if cu_seqlens_q.shape != (num_seqs + 1,) or seq_lens.shape != (num_seqs,):
         got = f"{tuple(cu_seqlens_q.shape)} and {tuple(seq_lens.shape)}"
         raise ValueError(f"cu_seqlens_q must be [{num_seqs + 1}] and seq_lens [{num_seqs}]: {got}")
-    named = dict(block_table=block_table, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens)
-    for name, t in named.items():
-        if t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {out.shape} {out.dtype}")
-    named.update(k_cache=k_cache, v_cache=v_cache, out=out)
-    for name, t in (("q", q), *named.items()):
-        if t is not None and (t.stride(-1) != 1 or t.device != q.device):
-            raise ValueError(f"{name} must be on {q.device} and contiguous in its last dim")
+    pa.check_operands(
+        q, k_cache, v_cache, out,
+        block_table=block_table, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
+    )  # fmt: skip
 
 
 def unified_attention(
