@@ -1,19 +1,14 @@
-"""The engine core in a process of its own, for the server.
-
-In one process the front end (HTTP, detokenizing, one stream per request) and the core's
-stepping (schedule, launch, update) share one GIL: under load each waits for the other, and
-the GPU waits for both. Here the core runs in a child process (started with `spawn`) and steps
-as fast as the device allows, while the parent's front end works on the steps already done.
+"""The engine core in a process of its own, for the server (ARCHITECTURE.md, "Serving": the
+front end and the core's stepping would otherwise share one GIL).
 
 - `CoreClient` (parent) has the methods of `EngineCore` that the front end calls
   (`add_requests`, `finish_requests`, `stats`, `shutdown`), plus `recv()` for the results of
   the core's steps. It is not thread-safe: one thread (AsyncLLM's) uses it.
-- The child (`_core_main`) builds an `EngineCore` and reports `("ready", (config, stats))`
-  (the core's config: max_model_len as fitted to the cache, which the parent's front end
-  reads as `CoreClient.config`) or the error that stopped it. Then it loops:
-  apply every pending command (waiting for one when nothing is left to run), run a step, hand
-  its results to a sender thread. The sender sends everything that waits as one message, so
-  the step loop never waits on the pipe, and a parent that lags gets several steps at once.
+- The child (`_core_main`, started with `spawn`) builds an `EngineCore` and reports
+  `("ready", (config, stats))` (the core's config: max_model_len as fitted to the cache, which
+  the parent's front end reads as `CoreClient.config`) or the error that stopped it. Then it
+  loops: apply every pending command (waiting for one when nothing is left to run), run a step,
+  hand its results to a sender thread, which sends everything that waits as one message.
 - Messages are pickled over one duplex `multiprocessing` pipe; the parent only unpickles what
   its own child wrote. Commands and results keep their order: a request is added before any
   command that finishes it, and steps arrive in the order they ran.

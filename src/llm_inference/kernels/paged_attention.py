@@ -18,14 +18,12 @@ short ones, not a long one running alone.
   are one small matrix product.
 - Split-K: each sequence's context is cut into `num_splits` chunks of whole tiles, as even as
   its own length allows (ceil(tiles / num_splits) tiles each; trailing splits may get none), so
-  a short context in a launch sized for long ones still spreads over the splits: at batch 1
-  and 200 tokens in 64-token tiles, four programs of one tile each, not one looping over four. Each
+  a short context in a launch sized for long ones still spreads over the splits. Each
   program writes its normalized partial output and its log-sum-exp (base 2) to fp32 scratch,
   and the small `_merge_kernel` combines them with log-sum-exp weights. With
   FUSED_MERGE the last split of each (sequence, KV head) to finish, which it learns from an
-  atomic counter, merges in the same launch instead: one launch less on the host, but slower
-  on the GPU at many splits (benchmarks/DECISIONS.md), so off by default. With one split the
-  program writes the output itself.
+  atomic counter, merges in the same launch instead (off: slower on the GPU). With one split
+  the program writes the output itself.
 - `num_splits` depends only on the batch size, the largest possible context (`max_seq_len`, a
   Python int that defaults to the block-table capacity), the number of SMs and the head shape,
   never on the values in `seq_lens`: no host synchronization, and a fixed grid for CUDA graphs.

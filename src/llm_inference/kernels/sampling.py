@@ -32,10 +32,11 @@ Status instead of a token: -1 when the row holds a NaN or +inf logit, -2 when ev
 The caller (the Sampler) turns those into an error or a fallback.
 
 Split rows: when no row of the launch filters (no top-k, top-p or min-p tensor), the race is
-split (one program per long row is the whole sampling time of a small batch): programs (row, s) scan BLOCK-aligned column ranges
-and write their best value, its index and the range's max logit; `_merge_kernel` then takes,
-per row, the first range holding the largest value, so the token (first index on ties), the
-noise and the statuses are exactly the single program's. Splits are chosen to give about
+split (one program per long row is the whole sampling time of a small batch): programs
+(row, s) scan BLOCK-aligned column ranges and write their best value, its index and the
+range's max logit; `_merge_kernel` then takes, per row, the first range holding the largest
+value, so the token (first index on ties), the noise and the statuses are exactly the single
+program's. Splits are chosen to give about
 SPLIT_PROGRAMS programs in all; a batch large enough to fill the GPU runs unsplit.
 
 Compiles: Triton compiles a kernel again for each new constexpr and each integer argument newly
