@@ -123,11 +123,8 @@ def _race(row_ptr, V, t, key, thr, min_p, m, NOISE: tl.constexpr, FILTER: tl.con
     NOISE; the best value; the max of x, +inf if a logit is NaN or +inf). u is uniform_noise's:
     (mix(mix(v) + key) >> 8 + 0.5) / 2**24 with mix = lowbias32, v = id_offset + column (a
     vocabulary shard's first token id; the returned index is the column). The lanes are
-    reduced once, after the loop: a reduction per block (a cross-warp exchange through shared
-    memory) costs a measurable part of the race (benchmarks/sampler_race.py,
-    benchmarks/DECISIONS.md) and is slow in the interpreter. The noise's hashing and logs take
-    the rest. FAST_LOG: the
-    outer log by lg2.approx (PTX inline asm: CUDA only, not the interpreter; module doc)."""
+    reduced once, after the loop, not per block (benchmarks/DECISIONS.md). FAST_LOG: the outer
+    log by lg2.approx (PTX inline asm: CUDA only, not the interpreter; module doc)."""
     # Per lane: the best value so far, its column (the first on ties: a later column must be
     # strictly better) and the max of x; reduced across lanes once, after the loop.
     best_l = tl.full((BLOCK,), float("-inf"), tl.float32)

@@ -164,11 +164,8 @@ def default_tiles(group: int, head_dim: int, max_query_len: int) -> tuple[int, i
 
     128 rows x 64 keys for prefill; for short queries (mixed steps of decodes and small chunks)
     M shrinks to the rows a sequence can fill, max_query_len x G, at least 16 (tensor cores).
-    From LONG_QUERY tokens on, the fastest tile of `benchmarks/unified_attention.py --sweep`
-    for one long prompt (benchmarks/DECISIONS.md): 128 rows x 128 keys, 4 warps at head_dim
-    64; 256 rows x 64 keys, 8 warps at head_dim 128. Not below: a 256-row tile doubles the
-    tensor work of the one-token rows that share a mixed step (and its CUDA graph) with a
-    chunk."""
+    From LONG_QUERY tokens on, the fastest tile for one long prompt (benchmarks/DECISIONS.md):
+    128 rows x 128 keys, 4 warps at head_dim 64; 256 rows x 64 keys, 8 warps at head_dim 128."""
     if max_query_len >= LONG_QUERY and head_dim in (64, 128):
         return (128, 128, 4, 3) if head_dim == 64 else (256, 64, 8, 3)
     block_m = 128 if head_dim <= 128 else 64
