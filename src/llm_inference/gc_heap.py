@@ -1,10 +1,7 @@
 """The cyclic GC and long-lived processes: freeze the startup heap, thaw it at exit.
 
-A full (generation 2) collection walks every tracked object: after `import torch`,
-transformers and a model that is ~400,000 objects, ~0.2 s on a CPU core, and it comes every
-few thousand requests' worth of allocations, stalling the step loop meanwhile (measured: a 0.18
-s pause inside `LLM.generate` at batch 256, the same as the 1.4 ms per step by which a batch-256
-decode measurement on the H200 went up in one run). `freeze_startup_heap()` moves everything
+A full (generation 2) collection walks every tracked object (torch, transformers, the model:
+a pause of the step loop, benchmarks/DECISIONS.md). `freeze_startup_heap()` moves everything
 alive into the permanent generation, so later collections scan only what the run creates; vLLM
 does the same after warm-up (`freeze_gc_heap`). Used by the core process, the server, each
 tensor-parallel worker and `LLM` (for its lifetime: `LLM.close()` thaws)."""

@@ -28,7 +28,7 @@ from llm_inference.distributed import custom_all_reduce as car
 from llm_inference.distributed import parallel_state as ps
 from llm_inference.engine.arg_utils import EngineArgs
 from llm_inference.entrypoints import cli
-from llm_inference.executor import multiproc
+from llm_inference.executor import worker_process
 
 KiB, MiB = car.KiB, car.MiB
 
@@ -195,12 +195,12 @@ def test_gloo_ranks_have_no_custom_all_reduce():
 def _init_kwargs(tiny_ckpt, monkeypatch, **engine_kw) -> dict:
     """The keyword arguments a TP=2 worker's join_group passes to init_distributed."""
     seen = {}
-    monkeypatch.setattr(multiproc, "init_distributed", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr(worker_process, "init_distributed", lambda *a, **kw: seen.update(kw))
     threads = torch.get_num_threads()
     try:
         args = EngineArgs(tiny_ckpt, device="cpu", tensor_parallel_size=2, **engine_kw)
         config = args.create_engine_config()
-        assert multiproc.join_group(config, 1, 2, 0) == torch.device("cpu")
+        assert worker_process.join_group(config, 1, 2, 0) == torch.device("cpu")
     finally:
         torch.set_num_threads(threads)
     return seen

@@ -1,18 +1,16 @@
 """A low-latency all-reduce for small messages on one host: PyTorch symmetric memory.
 
-NCCL's latency dominates an all-reduce of a few KB between two NVLink GPUs, and tensor
-parallelism does two per layer per decode step (benchmarks/DECISIONS.md). Here every rank owns
-one persistent buffer allocated with `torch.distributed._symmetric_memory.empty` and mapped
-into every peer (`rendezvous`), and a kernel of `torch.ops.symm_mem` reads the peers' buffers
-directly over NVLink:
+For the few-KB all-reduces of a decode step (two per layer), where NCCL's latency dominates:
+every rank owns one persistent buffer allocated with `torch.distributed._symmetric_memory.empty`
+and mapped into every peer (`rendezvous`), and a kernel of `torch.ops.symm_mem` reads the
+peers' buffers directly over NVLink:
 
 - one-shot (`one_shot_all_reduce_copy_out(buffer, x, "sum", group, x)`): one kernel copies `x`
   into this rank's buffer, waits for every peer to have done the same, sums all the buffers and
-  writes the sum into `x`. Each rank reads all of every peer's message: the fewest steps, so
-  the lowest latency; the choice for small messages.
+  writes the sum into `x`: the lowest latency, for small messages.
 - two-shot (`x` copied into the buffer, then `two_shot_all_reduce_out(buffer, "sum", group,
-  x)`): each rank sums 1/world of the message from every peer, then gathers the other parts;
-  reads less per rank than one-shot: faster for larger messages (ONE_SHOT_MAX_BYTES).
+  x)`): each rank sums 1/world of the message from every peer, then gathers the other parts:
+  less read per rank, for larger messages (ONE_SHOT_MAX_BYTES).
 
 Neither uses NVLink multicast (multimem), which the target machines disable; peer-to-peer
 loads only. (On torch without the fused copy variant, one-shot is a copy then
@@ -55,9 +53,7 @@ import torch.distributed as dist
 
 KiB, MiB = 1 << 10, 1 << 20
 # Largest message through symmetric memory, by world size (also the buffer's size); larger
-# ones (prefill chunks) go to NCCL. From measurements at 2 ranks (benchmarks/all_reduce.py,
-# benchmarks/DECISIONS.md): beyond 8 MiB two-shot no longer beats NCCL. 4 and 8 ranks:
-# starting points, not measured.
+# ones (prefill chunks) go to NCCL (benchmarks/DECISIONS.md, "Its limits at two ranks").
 MAX_BYTES = {2: 8 * MiB, 4: 8 * MiB, 8: 8 * MiB}
 # One-shot up to this size, two-shot above (at 2 ranks the measured crossover).
 ONE_SHOT_MAX_BYTES = {2: 1 * MiB, 4: 256 * KiB, 8: 128 * KiB}

@@ -19,13 +19,10 @@ Invariants:
 - Validation errors (prompt too long, bad params, duplicate id) go to that request only; an
   error of the step loop goes to every waiting request and ends the engine (EngineDeadError
   for later calls).
-- With `engine_process=True` (the default) the engine core (scheduler, executor: the
-  stepping) runs in a process of its own (core_process.py) and the thread is the front end:
-  it waits on the core's pipe and on a wake-up socket for the inbox, applies commands (adding a
-  request validates and registers it here, then sends it to the core) and turns each step's
-  records into outputs (detokenizing here, in parallel with the core's next steps). A core
-  process that dies or fails ends the engine like an error of the step loop. With
-  `engine_process=False` the thread runs the whole engine: schedule, execute, process.
+- With `engine_process=True` (the default) the engine core runs in a process of its own
+  (core_process.py) and the thread is the front end: it waits on the core's pipe and on a
+  wake-up socket for the inbox. A core process that dies or fails ends the engine like an
+  error of the step loop. With `engine_process=False` the thread runs the whole engine.
 """
 
 from __future__ import annotations

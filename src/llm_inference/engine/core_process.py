@@ -1,19 +1,14 @@
-"""The engine core in a process of its own, for the server.
-
-In one process the front end (HTTP, detokenizing, one stream per request) and the core's
-stepping (schedule, launch, update) share one GIL: under load each waits for the other, and
-the GPU waits for both. Here the core runs in a child process (started with `spawn`) and steps
-as fast as the device allows, while the parent's front end works on the steps already done.
+"""The engine core in a process of its own, for the server (ARCHITECTURE.md, "Serving": the
+front end and the core's stepping would otherwise share one GIL).
 
 - `CoreClient` (parent) has the methods of `EngineCore` that the front end calls
   (`add_requests`, `finish_requests`, `stats`, `shutdown`), plus `recv()` for the results of
   the core's steps. It is not thread-safe: one thread (AsyncLLM's) uses it.
-- The child (`_core_main`) builds an `EngineCore` and reports `("ready", (config, stats))`
-  (the core's config: max_model_len as fitted to the cache, which the parent's front end
-  reads as `CoreClient.config`) or the error that stopped it. Then it loops:
-  apply every pending command (waiting for one when nothing is left to run), run a step, hand
-  its results to a sender thread. The sender sends everything that waits as one message, so
-  the step loop never waits on the pipe, and a parent that lags gets several steps at once.
+- The child (`_core_main`, started with `spawn`) builds an `EngineCore` and reports
+  `("ready", (config, stats))` (the core's config: max_model_len as fitted to the cache, which
+  the parent's front end reads as `CoreClient.config`) or the error that stopped it. Then it
+  loops: apply every pending command (waiting for one when nothing is left to run), run a step,
+  hand its results to a sender thread, which sends everything that waits as one message.
 - Messages are pickled over one duplex `multiprocessing` pipe; the parent only unpickles what
   its own child wrote. Commands and results keep their order: a request is added before any
   command that finishes it, and steps arrive in the order they ran.
@@ -92,10 +87,10 @@ def _portable(e: BaseException) -> Exception | None:
 def _core_main(config: EngineConfig, conn: Connection, parent_pid: int, setup) -> None:
     """The body of the core process."""
     from llm_inference.engine.engine_core import EngineCore
-    from llm_inference.executor.multiproc import _watch_parent
+    from llm_inference.executor.worker_process import watch_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
     try:
         core = EngineCore(config)
         if setup is not None:

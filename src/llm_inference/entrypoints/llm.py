@@ -88,8 +88,7 @@ class LLM:
         self.tokenizer = load_tokenizer(config.model_path)
         self.engine = LLMEngine(config, self.tokenizer)
         self._ids = itertools.count()
-        # Full GC collections would walk torch's and the model's objects mid-generate (~0.2 s
-        # pauses): they are frozen until close() (gc_heap.py; vLLM freezes too).
+        # Frozen until close(), so full GC collections skip them (gc_heap.py).
         freeze_startup_heap()
         self._thaw = weakref.finalize(self, thaw_heap)  # at close(), or when collected
 

@@ -1,11 +1,10 @@
 """CUDA graphs for decode steps and for mixed steps (steps with prompt tokens).
 
-An eager step launches some ten kernels per layer; unless the step's GPU work is large, their
-launch cost, not the GPU, sets the step time. So the model's forward is captured once per bucket,
-reading the model runner's persistent input buffers through the attention backend's static
-metadata (`AttentionBackend.graph_metadata`); a step writes its inputs into those buffers, pads
-them to the smallest bucket that fits, and replays that bucket's graph. Logits are then taken at
-`logits_indices` of the graph's hidden output, outside the graph, as for an eager step.
+The model's forward is captured once per bucket, reading the model runner's persistent input
+buffers through the attention backend's static metadata (`AttentionBackend.graph_metadata`); a
+step writes its inputs into those buffers, pads them to the smallest bucket that fits, and
+replays that bucket's graph. Logits are then taken at `logits_indices` of the graph's hidden
+output, outside the graph, as for an eager step.
 
 Decode steps (one token per sequence, max_query_len 1) use batch-size buckets (1, 2, 4, 8, 16,
 32, 48, ... up to `max_num_seqs`) and the split-K decode kernel. Padding rows write no KV
@@ -13,29 +12,18 @@ Decode steps (one token per sequence, max_query_len 1) use batch-size buckets (1
 
 Mixed steps (max_query_len > 1) use token-count buckets T_b, each captured with num_seqs =
 `max_num_seqs` and max_query_len = T_b: never the decode kernel; the tiled kernel's grid,
-T_b // BLOCK_Q + max_num_seqs programs, covers any step of at most T_b tokens. Its tile is
-the one `default_tiles` gives for T_b: for T_b >= 128 the prefill tile (BLOCK_M 128 at
-head_dim <= 128; the long-prefill tile from 4,096), which an eager step uses too once a chunk
-has more than 64 / G tokens; a step of shorter chunks runs with a larger tile than it would
-eagerly (any tile is exact).
-Padding (`InputBuffers.pad_mixed`): tokens [T, T_b) are token 0 at position 0 with slot -1;
-sequences [S, max_num_seqs) have no query rows (query_start_loc = T) and seq_len 0. The unified
-attention kernel never reads a zero-length sequence's seq_len or block table, nor a row past
-query_start_loc[S], and every other layer works row by row, so padding changes no real row.
-Steps longer than the largest bucket run eagerly.
+T_b // BLOCK_Q + max_num_seqs programs, covers any step of at most T_b tokens, with the tile
+`default_tiles` gives for T_b (any tile is exact). Padding (`InputBuffers.pad_mixed`): tokens
+[T, T_b) are token 0 at position 0 with slot -1; sequences [S, max_num_seqs) have no query rows
+(query_start_loc = T) and seq_len 0. The unified attention kernel never reads a zero-length
+sequence's seq_len or block table, nor a row past query_start_loc[S], and every other layer
+works row by row, so padding changes no real row.
 
 Default token buckets (`mixed_buckets`): 128, then multiples of 256 up to 2,048, then
-`max_num_batched_tokens` itself (10 graphs at the default budget of 8,192). Padding costs GPU
-time in proportion to the padded tokens once the GEMMs are compute-bound (from a few hundred
-tokens: benchmarks/DECISIONS.md), while a graph saves a roughly fixed host time per step that async
-scheduling already hides behind GPU work once a step is long. So the ladder is fine (at most
-255 padded tokens) where steps are short and host-bound, stops at 2,048, and adds only the
-full budget above that: a step of chunked prefill fills the budget exactly and pads nothing.
-Steps between 2,048 tokens and the budget run eagerly unless a bucket holds them with at most
-256 tokens of padding (`select`; any bucket list, the override included): a 3,000-token
-prompt padded to 8,192 tokens would put 2.7x its tokens through the GEMMs.
-envs.LLM_INFERENCE_MIXED_CUDA_GRAPH_SIZES overrides the ladder (`mixed_graph_sizes`), for
-A/B benchmarking.
+`max_num_batched_tokens` itself (benchmarks/DECISIONS.md, "Mixed-step graph ladder"). Steps
+longer than 2,048 tokens run eagerly unless a bucket holds them with at most 256 tokens of
+padding (`select`; any bucket list, the override included).
+envs.LLM_INFERENCE_MIXED_CUDA_GRAPH_SIZES overrides the ladder (`mixed_graph_sizes`).
 
 Capture (`CudaGraphs.capture`) goes largest graph first, mixed then decode, through one memory
 pool shared by all graphs: smaller graphs reuse the largest one's activations. That pool

@@ -91,9 +91,8 @@ class InputBuffers:
 
     `stage()` hands out host arrays for the next step: on CUDA the next of STAGES persistent
     pinned copies, in turn, each reused only once the copy that last read it has run (an event
-    recorded after it; with async scheduling at most one step is in flight, so the wait is
-    for a copy two steps old, long done). A step can thus be prepared while the previous one is
-    still being copied. `to_device` copies the whole flat array and the used corner of the
+    recorded after it). A step can thus be prepared while the previous one is still being
+    copied. `to_device` copies the whole flat array and the used corner of the
     table."""
 
     STAGES = 3

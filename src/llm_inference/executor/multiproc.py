@@ -1,30 +1,22 @@
-"""Tensor parallelism on one host: one worker process per rank.
+"""Tensor parallelism on one host: one worker process per rank (executor/worker_process.py).
 
 The engine's process keeps the scheduler; `MultiprocWorkers` starts N processes with the
-`spawn` method (rank r on CUDA device r, or on the CPU), each joined to the parent by two
-one-way `multiprocessing` pipes (calls in, replies out). A worker joins the process group (NCCL
-on CUDA, with the custom all-reduce of distributed/custom_all_reduce.py unless
-`disable_custom_all_reduce`; gloo on CPU; rendezvous on 127.0.0.1 at a port the parent picked
-free), builds its `Worker` (model shard, rank-local paged KV cache) and reports ready.
+`spawn` method, each joined to the parent by two one-way `multiprocessing` pipes (calls in,
+replies out), rendezvous on 127.0.0.1 at a port the parent picked free.
 
 Protocol (every message pickled once, sent as bytes): the parent sends `(seq, method, args)`
-to every rank, in rank order, and each rank replies `(seq, ok, result or traceback text)`. The
-args are plain dataclasses (a SchedulerOutput per step); no tensor is pickled per step. Only
-bytes from these private pipes, written by our own workers, are ever unpickled. Every rank
-replies to every call, so the parent sees an error on any rank; `execute_model` takes rank 0's
-ModelRunnerOutput (the others return None).
+to every rank, in rank order, and each rank replies `(seq, ok, result or traceback text,
+out_of_step)`. The args are plain dataclasses (a SchedulerOutput per step); no tensor is
+pickled per step. Only bytes from these private pipes, written by our own workers, are ever
+unpickled. Every rank replies to every call, so the parent sees an error on any rank;
+`execute_model` takes rank 0's ModelRunnerOutput (the others return None).
 
 Calls are pipelined: `submit()` sends a call and returns a `PendingCall` at once; its
-`result()` reads the replies later (`collective_rpc` is submit + result). Each worker runs its
-calls one at a time in the order sent and replies in that order, so the parent may send step
-n+1 before it reads step n's replies (async scheduling), and any later call (an empty step, a
-`collective_rpc`) simply reads the earlier replies on its way to its own; a reply whose handle
-was dropped is read and discarded. In a worker, a reader thread drains the call pipe at once
-(a send from the parent never waits on a busy worker) and a reply thread sends the replies:
-for a step, rank 0's reply thread waits for the tokens to reach the host (`PendingOutput`)
-while its main thread already launches the next step. The other ranks reply when they have
-launched the step; they need no tokens: every rank holds the sampled tokens on its device
-(sample/tensor_parallel.py), and fills the next step's placeholders from them.
+`result()` reads the replies later (`collective_rpc` is submit + result). Each rank replies in
+the order sent, so the parent may send step n+1 before it reads step n's replies (async
+scheduling), and any later call simply reads the earlier replies on its way to its own; a reply
+whose handle was dropped is read and discarded. Only rank 0 waits for the tokens before it
+replies: every rank holds the sampled tokens on its device (sample/tensor_parallel.py).
 
 Failure handling: the parent waits for replies in slices of a second and checks each process:
 a worker that dies (its reply pipe reaches EOF, or it is no longer alive) makes the call raise
@@ -32,32 +24,24 @@ a worker that dies (its reply pipe reaches EOF, or it is no longer alive) makes 
 traceback, which the parent raises as `WorkerError` (from the `result()` of that call) after
 giving the other ranks a short grace to finish that call (if they do not, they are stuck in a
 collective and the workers are unusable: later calls raise). A step that raises inside
-`execute_model` also makes them unusable: a later step may already be queued on the ranks, and
-ranks that disagree on which step they run would pair up the wrong collectives (the rank that
-raised answers its later steps with an error instead of running them). An error while reporting
-a step's tokens (rank 0's reply thread: NaN logits) comes after every collective of the step,
-so the workers stay usable. A call interrupted while waiting (Ctrl-C) leaves the ranks
-consistent: its replies are read by the next call. Interrupted while sending, the ranks may
-disagree, so the workers are marked unusable.
+`execute_model` also makes them unusable: a later step may already be queued on the ranks. An
+error while reporting a step's tokens (rank 0's reply thread: NaN logits) comes after every
+collective of the step, so the workers stay usable. A call interrupted while waiting (Ctrl-C)
+leaves the ranks consistent: its replies are read by the next call. Interrupted while sending,
+the ranks may disagree, so the workers are marked unusable.
 
 Shutdown (`shutdown()`, also run by a weakref finalizer when the executor is collected or at
 interpreter exit): a `shutdown` call to the workers (skipped when unusable or when replies are
 still owed), then the pipes are closed, each process joined with a timeout, then terminated,
-then killed. Workers ignore SIGINT (the parent handles Ctrl-C and stops them), exit on EOF of
-their call pipe, and a watchdog thread in each exits it when the parent process is gone. No
-shared memory is used.
+then killed. No shared memory is used.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import queue
 import signal
-import sys
-import threading
 import time
-import traceback
 import weakref
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_connections
@@ -66,14 +50,8 @@ from typing import Any
 import torch
 
 from llm_inference.config import EngineConfig, ModelConfig
-from llm_inference.distributed.parallel_state import (
-    destroy_distributed,
-    free_port,
-    init_distributed,
-)
-from llm_inference.executor.pending import PendingOutput
-from llm_inference.executor.worker import Worker, worker_device
-from llm_inference.gc_heap import freeze_startup_heap, thaw_heap
+from llm_inference.distributed.parallel_state import free_port
+from llm_inference.executor.worker_process import worker_main
 
 # At most this many CPU ranks per core: gloo ranks on the CPU are for testing and debugging.
 CPU_RANKS_PER_CORE = 4
@@ -123,140 +101,6 @@ def check_heads_divide(model: ModelConfig, n: int) -> None:
         problems.append(f"intermediate_size ({model.intermediate_size}) is not divisible by it")
     if problems:
         raise ValueError(f"tensor_parallel_size={n} does not fit the model: " + "; ".join(problems))
-
-
-# ---- the worker process ---------------------------------------------------------------------
-
-
-def _watch_parent(parent_pid: int) -> None:
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent_pid:
-            os._exit(1)  # the engine's process is gone: nothing will stop us otherwise
-
-
-def _send(conn: Connection, seq: int, ok: bool, payload: Any, out_of_step: bool = False) -> bool:
-    try:
-        data = pickle.dumps((seq, ok, payload, out_of_step), protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:  # a result that does not pickle: report it instead of never replying
-        data = pickle.dumps((seq, False, traceback.format_exc(), out_of_step))
-    try:
-        conn.send_bytes(data)
-        return True
-    except (OSError, EOFError):  # the parent is gone
-        return False
-
-
-def _read_calls(conn: Connection, calls: queue.SimpleQueue) -> None:
-    """Reader thread: every call from the parent into `calls`; None once the pipe ends."""
-    try:
-        while True:
-            calls.put(pickle.loads(conn.recv_bytes()))
-    except BaseException:  # EOF: the parent closed the pipe or died
-        pass
-    finally:
-        calls.put(None)
-
-
-def _send_replies(conn: Connection, replies: queue.SimpleQueue, calls: queue.SimpleQueue) -> None:
-    """Reply thread: sends the replies in order; a PendingOutput is waited for here."""
-    try:
-        while (reply := replies.get()) is not None:
-            seq, ok, result, out_of_step = reply
-            if isinstance(result, PendingOutput):
-                try:
-                    result = result.result()
-                except Exception:  # reporting the tokens: the step itself ran on every rank
-                    ok, result = False, traceback.format_exc()
-            if not _send(conn, seq, ok, result, out_of_step):
-                break
-    finally:
-        calls.put(None)  # the parent is gone (or this thread failed): stop the main loop
-
-
-def join_group(config: EngineConfig, rank: int, world_size: int, port: int) -> torch.device:
-    """Take rank `rank`'s device (or CPU threads) and join the process group; returns the
-    device."""
-    device = worker_device(config, rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    init_distributed(
-        rank, world_size, port, device,
-        use_custom_all_reduce=not config.parallel.disable_custom_all_reduce,
-        kernel_backend=config.kernel_backend,
-    )  # fmt: skip
-    return device
-
-
-def worker_main(
-    config: EngineConfig,
-    rank: int,
-    world_size: int,
-    port: int,
-    calls_conn: Connection,
-    replies_conn: Connection,
-    parent_pid: int,
-) -> None:
-    """The body of a worker process (started with `spawn`)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    try:
-        device = join_group(config, rank, world_size, port)
-        worker = Worker(config, rank)
-    except BaseException:
-        _send(replies_conn, 0, False, traceback.format_exc())
-        try:
-            destroy_distributed()
-        except Exception:
-            pass
-        return
-    if not _send(replies_conn, 0, True, os.getpid()):
-        return
-    freeze_startup_heap()  # full GC collections would walk torch's objects mid-step
-    calls: queue.SimpleQueue = queue.SimpleQueue()
-    replies: queue.SimpleQueue = queue.SimpleQueue()
-    threading.Thread(target=_read_calls, args=(calls_conn, calls), daemon=True).start()
-    replier = threading.Thread(
-        target=_send_replies, args=(replies_conn, replies, calls), daemon=True
-    )
-    replier.start()
-    exit_code = 1  # unless the loop ends normally
-    failed = False  # a step raised here: later steps could pair up the wrong collectives
-    try:
-        while (call := calls.get()) is not None:
-            seq, method, args = call
-            step = method == "execute_model"
-            if step and failed:
-                text = f"rank {rank} did not run this step: an earlier step raised on it"
-                replies.put((seq, False, text, True))
-                continue
-            try:
-                ok, result = True, getattr(worker, method)(*args)
-            except Exception:
-                ok, result = False, traceback.format_exc()
-                failed = failed or step
-            replies.put((seq, ok, result, step and not ok))
-            if method == "shutdown":
-                break
-        exit_code = 0
-    finally:
-        replies.put(None)
-        replier.join(JOIN_TIMEOUT_S)  # the last replies (the shutdown's) go out first
-        if not replier.is_alive():  # else the process exit closes it under the blocked send
-            replies_conn.close()  # (the call pipe stays with the reader thread until then)
-        if device.type == "cuda":
-            # destroy_process_group can hang after NCCL work was captured in CUDA graphs
-            # (pytorch#115388): leave the communicators to the process exit.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(exit_code)
-        destroy_distributed()
-        thaw_heap()
-
-
-# ---- the parent -----------------------------------------------------------------------------
 
 
 def exit_text(proc) -> str:
@@ -466,10 +310,6 @@ class MultiprocWorkers:
         return WorkerError(f"tensor-parallel worker rank {rank} raised in {call.method}:\n{text}")
 
     # ---- shutdown -------------------------------------------------------------------------
-
-    @property
-    def alive(self) -> bool:
-        return not self._closed and all(p.is_alive() for p in self._procs)
 
     def shutdown(self) -> None:
         """Stop every worker process; safe to call more than once."""

@@ -18,14 +18,12 @@ short ones, not a long one running alone.
   are one small matrix product.
 - Split-K: each sequence's context is cut into `num_splits` chunks of whole tiles, as even as
   its own length allows (ceil(tiles / num_splits) tiles each; trailing splits may get none), so
-  a short context in a launch sized for long ones still spreads over the splits: at batch 1
-  and 200 tokens in 64-token tiles, four programs of one tile each, not one looping over four. Each
+  a short context in a launch sized for long ones still spreads over the splits. Each
   program writes its normalized partial output and its log-sum-exp (base 2) to fp32 scratch,
   and the small `_merge_kernel` combines them with log-sum-exp weights. With
   FUSED_MERGE the last split of each (sequence, KV head) to finish, which it learns from an
-  atomic counter, merges in the same launch instead: one launch less on the host, but slower
-  on the GPU at many splits (benchmarks/DECISIONS.md), so off by default. With one split the
-  program writes the output itself.
+  atomic counter, merges in the same launch instead (off: slower on the GPU). With one split
+  the program writes the output itself.
 - `num_splits` depends only on the batch size, the largest possible context (`max_seq_len`, a
   Python int that defaults to the block-table capacity), the number of SMs and the head shape,
   never on the values in `seq_lens`: no host synchronization, and a fixed grid for CUDA graphs.
@@ -264,6 +262,20 @@ def check_cache(q, k_cache, v_cache) -> None:
         raise ValueError(f"unsupported dtype {q.dtype}")
 
 
+def check_operands(q, k_cache, v_cache, out, **indices: torch.Tensor) -> None:
+    """The index tensors int32 or int64; `out` None or q's shape and dtype; every operand on
+    q's device and contiguous in its last dim."""
+    for name, t in indices.items():
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {out.shape} {out.dtype}")
+    named = dict(q=q, k_cache=k_cache, v_cache=v_cache, out=out, **indices)
+    for name, t in named.items():
+        if t is not None and (t.stride(-1) != 1 or t.device != q.device):
+            raise ValueError(f"{name} must be on {q.device} and contiguous in its last dim")
+
+
 def _check(q, k_cache, v_cache, block_tables, seq_lens, out) -> None:
     check_cache(q, k_cache, v_cache)
     num_seqs = q.shape[0]
@@ -271,15 +283,7 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, out) -> None:
         raise ValueError(f"block_tables must be [{num_seqs}, max_blocks], got {block_tables.shape}")
     if seq_lens.shape != (num_seqs,):
         raise ValueError(f"seq_lens must be [{num_seqs}], got {tuple(seq_lens.shape)}")
-    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
-        if t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {out.shape} {out.dtype}")
-    named = dict(k_cache=k_cache, v_cache=v_cache, out=out, tables=block_tables, lens=seq_lens)
-    for name, t in (("q", q), *named.items()):
-        if t is not None and (t.stride(-1) != 1 or t.device != q.device):
-            raise ValueError(f"{name} must be on {q.device} and contiguous in its last dim")
+    check_operands(q, k_cache, v_cache, out, block_tables=block_tables, seq_lens=seq_lens)
 
 
 def paged_attention_decode(

@@ -22,32 +22,28 @@ token id plus the row's 32-bit key from (seed, step)); only the logs and the rac
 differently from the torch path. A row's token is a pure function of its own logits, parameters and
 (seed, step): never of its batch companions or its row. Of the two logs in x - log(E), E = -log u,
 the inner one stays accurate (libdevice's logf, and a series for u near 1, where log(u) is all
-cancellation). On NVIDIA GPUs the outer one is the hardware's lg2.approx.f32 times ln 2 (FAST_LOG):
-libdevice's logf costs several times its instructions per element, and the race is bound by this
-arithmetic, not by reading the logits. That is safe: E is a normal float in about (3e-8, 17.3),
-where lg2.approx errs by at most 2**-22, absolute for E in (0.5, 2) and relative elsewhere (PTX
-ISA), i.e. by about an ulp of log(E): the size of the rounding of x - log(E) itself. A race value
-moved by d changes a token's odds by a factor of at most exp(d) (1 + 4e-6 here), and changes a
-token only where the row's two best values are that close. Triton's interpreter cannot run inline
-PTX: there (and off NVIDIA) both logs are accurate.
+cancellation). On NVIDIA GPUs the outer one is the hardware's lg2.approx.f32 times ln 2 (FAST_LOG;
+the race is bound by this arithmetic): E is a normal float in about (3e-8, 17.3), where
+lg2.approx errs by about an ulp of log(E), the size of the rounding of x - log(E) itself, so a
+token changes only where the row's two best race values are that close. Triton's interpreter
+cannot run inline PTX: there (and off NVIDIA) both logs are accurate.
 
 Status instead of a token: -1 when the row holds a NaN or +inf logit, -2 when every logit is -inf.
 The caller (the Sampler) turns those into an error or a fallback.
 
-Split rows: one program scanning a 128,256-token row (63 dependent steps) is the whole sampling
-time of a small batch (benchmarks/DECISIONS.md). When no row of the launch filters (no top-k,
-top-p or min-p tensor), the race is split: programs (row, s) scan BLOCK-aligned column ranges
-and write their best value, its index and the range's max logit; `_merge_kernel` then takes,
-per row, the first range holding the largest value, so the token (first index on ties), the
-noise and the statuses are exactly the single program's. Splits are chosen to give about
+Split rows: when no row of the launch filters (no top-k, top-p or min-p tensor), the race is
+split (one program per long row is the whole sampling time of a small batch): programs
+(row, s) scan BLOCK-aligned column ranges and write their best value, its index and the
+range's max logit; `_merge_kernel` then takes, per row, the first range holding the largest
+value, so the token (first index on ties), the noise and the statuses are exactly the single
+program's. Splits are chosen to give about
 SPLIT_PROGRAMS programs in all; a batch large enough to fill the GPU runs unsplit.
 
 Compiles: Triton compiles a kernel again for each new constexpr and each integer argument newly
 equal to 1 or divisible by 16. The batch size and the split count change from step to step, so
 they are not specialized (`do_not_specialize`) and the merge's tile is sized from V: one
-compiled kernel per variant serves every step. Otherwise each new batch size of a run paid a
-compile in the middle of it (benchmarks/first_run.py). `warm_up` compiles the variants an
-engine meets before its first request.
+compiled kernel per variant serves every step. `warm_up` compiles the variants an engine meets
+before its first request.
 """
 
 from __future__ import annotations
@@ -127,11 +123,8 @@ def _race(row_ptr, V, t, key, thr, min_p, m, NOISE: tl.constexpr, FILTER: tl.con
     NOISE; the best value; the max of x, +inf if a logit is NaN or +inf). u is uniform_noise's:
     (mix(mix(v) + key) >> 8 + 0.5) / 2**24 with mix = lowbias32, v = id_offset + column (a
     vocabulary shard's first token id; the returned index is the column). The lanes are
-    reduced once, after the loop: a reduction per block (a cross-warp exchange through shared
-    memory) costs a measurable part of the race (benchmarks/sampler_race.py,
-    benchmarks/DECISIONS.md) and is slow in the interpreter. The noise's hashing and logs take
-    the rest. FAST_LOG: the
-    outer log by lg2.approx (PTX inline asm: CUDA only, not the interpreter; module doc)."""
+    reduced once, after the loop, not per block (benchmarks/DECISIONS.md). FAST_LOG: the outer
+    log by lg2.approx (PTX inline asm: CUDA only, not the interpreter; module doc)."""
     # Per lane: the best value so far, its column (the first on ties: a later column must be
     # strictly better) and the max of x; reduced across lanes once, after the loop.
     best_l = tl.full((BLOCK,), float("-inf"), tl.float32)

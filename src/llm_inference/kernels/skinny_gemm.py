@@ -13,20 +13,14 @@ W once at the memory bandwidth:
   The fused variant loads the gate tile (rows n) and the up tile (rows I + n) of the same
   columns, keeps two accumulators and applies the activation in registers: no [M, 2I]
   intermediate, one launch fewer.
-- Split-K. Few column blocks (down at 1B: N = 2048 is 32 blocks of 64) cannot fill an H200's 132
-  SMs, so K is cut into `split_k` contiguous ranges, program (n, s) covering range s. Partial
-  sums go to a float32 workspace [split_k, M, N] (gate and up side by side when fused) and a
-  second small kernel adds them in split order, then casts (and applies SiLU-and-mul). Not
-  atomics: float32 atomic adds need a zeroed buffer (a memset launch) and, for a bf16 output, a
-  cast launch, so they save no launch, and their order changes from run to run, so would the
-  rounding and, at near-ties, greedy tokens. The workspace is M x N x split_k x 4 bytes (down at
-  1B, M = 16, split 4: 512 KB), small beside W's 32 MB.
-- Configs come from a fixed rule (`default_config`), not `triton.autotune`: autotuning would
-  time candidates at each shape's first call (the engine's eager warm-up before each CUDA graph
-  capture would allow it) but each rank and each run could pick differently, and so round
-  differently. The rule: BLOCK_N 64, BLOCK_K 128 (clamped to small shapes), and split-K doubled
+- Split-K. Few column blocks cannot fill the SMs, so K is cut into `split_k` contiguous ranges,
+  program (n, s) covering range s. Partial sums go to a float32 workspace [split_k, M, N] (gate
+  and up side by side when fused) and a second small kernel adds them in split order, then
+  casts (and applies SiLU-and-mul): not atomics, whose order, and so rounding, changes from run
+  to run.
+- Configs come from a fixed rule (`default_config`), not `triton.autotune`, so that every rank
+  and run rounds alike: BLOCK_N 64, BLOCK_K 128 (clamped to small shapes), and split-K doubled
   while the programs fill less than FILL of the SMs and each range keeps MIN_K_PER_SPLIT.
-  benchmarks/skinny_gemm.py --sweep times alternatives on the GPU to tune it.
 
 M, the batch, is not specialized (`do_not_specialize`): one compiled kernel per config serves
 every decode bucket of 1..16 rows. Rows beyond M are masked, W's rows beyond N are clamped

@@ -164,11 +164,8 @@ def default_tiles(group: int, head_dim: int, max_query_len: int) -> tuple[int, i
 
     128 rows x 64 keys for prefill; for short queries (mixed steps of decodes and small chunks)
     M shrinks to the rows a sequence can fill, max_query_len x G, at least 16 (tensor cores).
-    From LONG_QUERY tokens on, the fastest tile of `benchmarks/unified_attention.py --sweep`
-    for one long prompt (benchmarks/DECISIONS.md): 128 rows x 128 keys, 4 warps at head_dim
-    64; 256 rows x 64 keys, 8 warps at head_dim 128. Not below: a 256-row tile doubles the
-    tensor work of the one-token rows that share a mixed step (and its CUDA graph) with a
-    chunk."""
+    From LONG_QUERY tokens on, the fastest tile for one long prompt (benchmarks/DECISIONS.md):
+    128 rows x 128 keys, 4 warps at head_dim 64; 256 rows x 64 keys, 8 warps at head_dim 128."""
     if max_query_len >= LONG_QUERY and head_dim in (64, 128):
         return (128, 128, 4, 3) if head_dim == 64 else (256, 64, 8, 3)
     block_m = 128 if head_dim <= 128 else 64
@@ -185,16 +182,10 @@ def _check(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out) -> Non
     if cu_seqlens_q.shape != (num_seqs + 1,) or seq_lens.shape != (num_seqs,):
         got = f"{tuple(cu_seqlens_q.shape)} and {tuple(seq_lens.shape)}"
         raise ValueError(f"cu_seqlens_q must be [{num_seqs + 1}] and seq_lens [{num_seqs}]: {got}")
-    named = dict(block_table=block_table, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens)
-    for name, t in named.items():
-        if t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {out.shape} {out.dtype}")
-    named.update(k_cache=k_cache, v_cache=v_cache, out=out)
-    for name, t in (("q", q), *named.items()):
-        if t is not None and (t.stride(-1) != 1 or t.device != q.device):
-            raise ValueError(f"{name} must be on {q.device} and contiguous in its last dim")
+    pa.check_operands(
+        q, k_cache, v_cache, out,
+        block_table=block_table, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
+    )  # fmt: skip
 
 
 def unified_attention(

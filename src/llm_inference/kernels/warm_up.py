@@ -3,7 +3,7 @@
 Triton compiles a kernel the first time a launch meets a new constexpr. With CUDA graphs every
 step replays a captured graph, whose capture compiled what it launches; without them
 (`enforce_eager`) each step runs at its own sizes, and a new variant compiles in the middle of
-a run (benchmarks/first_run.py --enforce-eager; benchmarks/DECISIONS.md). So the Triton ops
+a run. So the Triton ops
 list one step shape per variant (`TritonOps.warm_up_shapes`, from `warm_up_shapes` here), and
 the executor runs each as an all-padding forward when it starts without graphs
 (executor/warm_up.py); the sampler has its own warm-up.
@@ -19,8 +19,7 @@ one step shape for each (attention variant, skinny or not) that the scheduler's 
 Finding the decode variants: the split count grows with the context and falls with the batch,
 so every context length in whole tiles at one sequence, and every batch size at power-of-two
 contexts and at the longest, reach every variant that some (batch, context) pair reaches
-(tests/kernels/test_warm_up_shapes.py checks that against all pairs, with shapes where each
-sweep is needed). That is a few thousand calls of pure Python and a few dozen forwards.
+(tests/kernels/test_warm_up_shapes.py checks that against all pairs).
 """
 
 from __future__ import annotations

@@ -236,14 +236,6 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     )
 
 
-def check_gguf_tensors(path: str | os.PathLike, config: ModelConfig | None = None) -> None:
-    """Check the GGUF file's tensors (Hugging Face names, shapes, types) against `config`
-    (default: the file's own metadata) from the header alone: one CheckpointError listing
-    every missing, unexpected, wrongly shaped or undequantizable tensor."""
-    reader = _open(path)
-    _check_tensors(reader, config or _config(reader, str(path)), str(path))
-
-
 def _check_tensors(reader, config: ModelConfig, path: str) -> None:
     found: dict[str, tuple[int, ...]] = {}
     problems = []

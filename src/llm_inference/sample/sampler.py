@@ -15,10 +15,8 @@ the logits reach step 5 untouched. Step 5 has two implementations with the same 
 (`ops.sample`, kernels/sampling.py), which `Sampler(ops)` calls where `ops.fused_sampler` (the
 Triton ops). Both draw the same uniforms u[b, v] = uniform_noise(keys)[b, v] bit for bit, a pure
 function of (seed_b, step_b, token v), step_b = len(output_token_ids[b]); a request's tokens
-therefore do not depend on which requests share its batch nor on its row. The Triton path
-races in log space (argmax x - log(-log u)) and finds the top-k/top-p threshold without a sort,
-keeping every token tied at the top-p boundary, so the two agree on the token except where
-float rounding decides a near-tie.
+therefore do not depend on which requests share its batch nor on its row. The two agree on the
+token except where float rounding decides a near-tie (kernels/sampling.py says why).
 
 Broken rows (after steps 2-4): a NaN or +inf logit raises ValueError naming the
 rows; a row whose logits are all -inf (e.g. min_tokens masked every token the model allows)

@@ -13,9 +13,8 @@ diffs), so all ranks split the step's rows the same way and call the same collec
   greedy rows may be among them), when the sampler is the fused one: the same, with the race
   of the fused sampler. Its noise is a function of (seed, step, token id) only, so each rank
   races over its slice with the slice's token ids (`Sampler.race_shard`, kernels/sampling.py)
-  and one all-gather of the [3, B] winners (value, token, max logit) picks the
-  first rank holding the largest value: the token `Sampler` draws from the full row. No
-  gather of the logits, no sampling on rank 0 alone, no broadcast;
+  and one all-gather of the [3, B] winners (value, token, max logit) picks the first rank
+  holding the largest value: the token `Sampler` draws from the full row;
 - every other row: the slices are gathered to rank 0, which runs the normal `Sampler` on the
   full logits (a seeded request draws the same tokens at any tensor-parallel size), and one
   broadcast from rank 0 gives every rank its tokens.

@@ -1,5 +1,12 @@
-"""The linear-method interface (vLLM's LinearMethodBase) and the quantization config that
-picks a method (vLLM's QuantizationConfig)."""
+"""Linear methods: how a linear layer stores its weights and computes x @ W^T (vLLM's
+quantization interface, reduced to what the engine uses).
+
+A linear layer (layers/linear.py, and the LM head) owns no matmul: at construction it asks
+`get_linear_method(quant_config, ops)` for its method. A quantization config picks the method
+for a layer; the only config is None: unquantized weights in the model dtype
+(`UnquantizedLinearMethod`). A quantized format (FP8) adds a `QuantizationConfig` and its
+method here.
+"""
 
 from __future__ import annotations
 
@@ -50,3 +57,36 @@ class QuantizationConfig(Protocol):
     """A checkpoint's quantization: picks each linear layer's method."""
 
     def get_linear_method(self, ops: KernelOps) -> LinearMethodBase: ...
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    """One parameter `weight` [sum(output_partition_sizes), input_size_per_partition] (nn.Linear's
+    layout, no bias); `apply` is `ops.linear`, `apply_gate_up_silu` `ops.gate_up_silu` (the
+    Triton ops choose the skinny GEMM where it applies)."""
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        weight_loader: Callable,
+    ) -> None:
+        weight = nn.Parameter(
+            torch.empty(sum(output_partition_sizes), input_size_per_partition),
+            requires_grad=False,
+        )
+        weight.weight_loader = weight_loader
+        layer.register_parameter("weight", weight)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, layer.weight)
+
+    def apply_gate_up_silu(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.gate_up_silu(x, layer.weight)
+
+
+def get_linear_method(quant_config: QuantizationConfig | None, ops: KernelOps) -> LinearMethodBase:
+    """The linear method of a layer under `quant_config` (None: unquantized)."""
+    if quant_config is None:
+        return UnquantizedLinearMethod(ops)
+    return quant_config.get_linear_method(ops)
