@@ -25,7 +25,7 @@ if [ "${BENCH:-0}" = 1 ]; then
     for round in $(seq "${ROUNDS:-2}"); do
       for side in ${OLD_SRC:+old} new; do
         src=src; [ "$side" = old ] && src=$OLD_SRC
-        bench="env PYTHONPATH=$src python3 $src/llm_inference/entrypoints/bench.py"  # that tree's
+        bench="env PYTHONPATH=$src:/tmp/site python3 $src/llm_inference/entrypoints/bench.py"  # that tree's
         echo "== $shape round $round $side ($src)"
         timeout 200 $bench latency --model "$shape" --batches "${BATCHES:-1,8,64,256}" \
           --json "$OUT/latency_${shape}_${side}_$round.json" 2>&1 | grep -v "it/s" | tail -7
