@@ -94,7 +94,8 @@ class EngineCoreOutput:
     `stop_reason` is the stop token id when one of the request's stop_token_ids ended it
     (None for an EOS token, as in vLLM). `prompt_logprobs` (a request
     that asked for them, in its first record): None, then one Logprobs per prompt token after
-    the first.
+    the first. `output_token_ids`, in a request's finishing record only: every output token
+    it made (so a front end that wants only the end may skip the records before it).
     """
 
     request_id: str
@@ -103,6 +104,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     new_logprobs: list[object] | None = None
     prompt_logprobs: list[object | None] | None = None
+    output_token_ids: list[int] | None = None
 
     @property
     def finished(self) -> bool:

@@ -271,7 +271,7 @@ class Scheduler:
                 continue
             if request.num_output_placeholders:  # zero once preempted
                 request.num_output_placeholders -= 1
-            appended = new_tokens
+            appended, finished = new_tokens, False
             outputs, stop_set, max_tokens = (
                 request.output_token_ids,
                 request.stop_token_set,
@@ -289,18 +289,22 @@ class Scheduler:
                     if status is not None:
                         self._finish(request, status)
                         appended = new_tokens[: k + 1]
-                        any_finished = True
+                        finished = any_finished = True
                         break
-            results.append(
-                EngineCoreOutput(
-                    rid,
-                    appended,
-                    request.finish_reason,
-                    request.stop_reason,
-                    None if lp is None else [lp],
-                    _take_prompt_logprobs(request),
+            if finished or lp is not None or request.prompt_logprobs is not None:
+                results.append(
+                    EngineCoreOutput(
+                        rid,
+                        appended,
+                        request.finish_reason,
+                        request.stop_reason,
+                        None if lp is None else [lp],
+                        _take_prompt_logprobs(request),
+                        list(outputs) if finished else None,
+                    )
                 )
-            )
+            else:  # the common record: a running request's new tokens
+                results.append(EngineCoreOutput(rid, appended))
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
             self.waiting = deque(r for r in self.waiting if not r.is_finished)

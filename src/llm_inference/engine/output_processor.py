@@ -112,11 +112,22 @@ class _RequestState:
         )
 
 
+def _quiet(c: _Completion) -> bool:
+    """Whether a FINAL_ONLY completion needs only its finishing record: no logprobs, and no
+    text to follow before the end (no detokenizer, or a deferred one: no stop strings)."""
+    p = c.params
+    no_text = c.detokenizer is None or c.detokenizer.deferred
+    return no_text and p.logprobs is None and p.prompt_logprobs is None
+
+
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, _RequestState] = {}
         self._owner: dict[str, tuple[_RequestState, _Completion]] = {}  # core id -> state
+        # Core ids of FINAL_ONLY completions that need nothing before their finishing record
+        # (`_quiet`): process_outputs drops their other records unread.
+        self._quiet: set[str] = set()
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -152,6 +163,8 @@ class OutputProcessor:
         ids = [child_id(request_id, j, n) for j in range(n)]
         for cid, completion in zip(ids, completions):
             self._owner[cid] = (state, completion)
+            if kind is _FINAL and _quiet(completion):
+                self._quiet.add(cid)
         return ids
 
     def core_ids(self, request_id: str) -> list[str]:
@@ -167,6 +180,7 @@ class OutputProcessor:
         aborted (text held back so far, no tokens)."""
         for cid in self.core_ids(request_id):
             self._owner.pop(cid, None)
+            self._quiet.discard(cid)
         state = self.requests.pop(request_id, None)
         if state is None:
             return None
@@ -195,6 +209,11 @@ class OutputProcessor:
         advanced: dict[str, tuple[_RequestState, list[_Completion]]] = {}
         stopped: list[str] = []
         results = []
+        quiet = self._quiet
+        if quiet:  # their finishing records carry every output token: skip the others
+            outputs = [
+                o for o in outputs if o.finish_reason is not None or o.request_id not in quiet
+            ]
         for out in outputs:
             owner = self._owner.get(out.request_id)
             if owner is None:
@@ -207,6 +226,7 @@ class OutputProcessor:
             done = completion.finish_reason is not None
             if done:
                 self._owner.pop(out.request_id, None)
+                quiet.discard(out.request_id)
             if state.kind is _DELTA and len(state.completions) == 1:  # the server's requests
                 results.append(RequestOutput(state.request_id, state.prompt,
                                              state.prompt_token_ids,
@@ -242,10 +262,12 @@ class OutputProcessor:
                 for lp in out.new_logprobs:
                     total += lp.logprob
                 c.cumulative_logprob = total
+        elif out.output_token_ids is not None:  # a finishing record: the whole output
+            c.token_ids = list(out.output_token_ids)
         else:
             c.token_ids.extend(out.new_token_ids)
-            if out.new_logprobs:
-                c.logprobs.extend(out.new_logprobs)
+        if kind is not _DELTA and out.new_logprobs:
+            c.logprobs.extend(out.new_logprobs)
         detokenizer = c.detokenizer
         if detokenizer is None:
             c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
