@@ -55,20 +55,45 @@ def test_throughput_profile_covers_the_timed_requests_only(llm, monkeypatch):
     assert prof["wall_s"] > 0 and rank["gpu_ms_per_step"] > 0 and rank["top_kernels_ms_per_step"]
 
 
-def test_decode_latency_is_positive_per_batch(llm, monkeypatch):
+def _clocked(monkeypatch):
+    """`_timed_generate` still generates, but reports a time that is a function of the token
+    count (5 ms + 1 ms per token): what the bench computes from it is then exact, whatever the
+    machine's load."""
+    real = bench._timed_generate
+
+    def timed(llm, prompts, params):
+        real(llm, prompts, params)
+        return 0.005 + 0.001 * params.max_tokens
+
+    monkeypatch.setattr(bench, "_timed_generate", timed)
+
+
+def test_decode_latency_is_the_per_step_difference_of_two_runs(llm, monkeypatch):
     monkeypatch.setattr(bench, "VOCAB", 320)  # the tiny tokenizer's vocabulary
+    _clocked(monkeypatch)
     res = bench.decode_latency(llm, batches=(1, 2), prompt_len=4)
-    assert set(res) == {1, 2} and all(ms > 0 for ms in res.values())
+    assert res == {1: pytest.approx(1.0), 2: pytest.approx(1.0)}
 
 
 def test_profile_decode_per_step_kernels(llm, monkeypatch):
-    """The per-step kernel profile of the 8 + new minus 8-token runs (on the CPU: operators)."""
+    """The per-step kernel profile of the 8 + new minus 8-token runs (on the CPU: operators):
+    the wall time per step from the two runs, the ranks' profiles of what ran."""
     monkeypatch.setattr(bench, "VOCAB", 320)
+    _clocked(monkeypatch)
+    profiles, real_profile = [], bench._kernel_profile
+
+    def spy(*args, **kwargs):
+        profiles.append(real_profile(*args, **kwargs))
+        return profiles[-1]
+
+    monkeypatch.setattr(bench, "_kernel_profile", spy)
     res = bench.profile_decode(llm, bs=2, prompt_len=4, new=8)
+    assert res["wall_ms_per_step"] == pytest.approx(1.0)
     (rank,) = res["ranks"]
-    assert res["wall_ms_per_step"] > 0 and res["gpu_ms_per_step"] == rank["gpu_ms_per_step"]
+    assert res["gpu_ms_per_step"] == rank["gpu_ms_per_step"]
+    (long,) = profiles[-1]  # the 8 + new run, one rank
+    assert {"aten::mm", "aten::addmm"} & set(long["kernels"])
     top = rank["top_kernels_ms_per_step"]
-    assert "aten::mm" in top or "aten::addmm" in top
     assert 0 < len(top) <= 15 and list(top.values()) == sorted(top.values(), reverse=True)
 
 
