@@ -14,16 +14,20 @@ from pathlib import Path
 
 import httpx
 from conftest import free_port
+from helpers import make_checkpoint
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
-def test_sigint_aborts_running_requests_and_exits_cleanly(tiny_ckpt):
+def test_sigint_aborts_running_requests_and_exits_cleanly(tmp_path):
+    """The request asks for 60,000 tokens (a long context and a KV cache that holds it): it is
+    still running when the signal comes, however loaded the machine."""
+    ckpt = make_checkpoint(tmp_path, max_position_embeddings=1 << 16)
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "llm_inference.entrypoints.cli", "serve", "--model",
-           str(tiny_ckpt), "--device", "cpu", "--port", str(port), "--served-model-name", "m",
-           "--kv-cache-memory-bytes", str(1 << 20), "--log-level", "warning"]  # fmt: skip
+           str(ckpt), "--device", "cpu", "--port", str(port), "--served-model-name", "m",
+           "--kv-cache-memory-bytes", str(64 << 20), "--log-level", "warning"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -36,7 +40,7 @@ def test_sigint_aborts_running_requests_and_exits_cleanly(tiny_ckpt):
                 assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
                 time.sleep(0.1)
         lines: list[str] = []
-        body = {"model": "m", "prompt": "Hi", "max_tokens": 450, "stream": True,
+        body = {"model": "m", "prompt": "Hi", "max_tokens": 60_000, "stream": True,
                 "ignore_eos": True}  # fmt: skip
 
         def stream() -> None:
