@@ -40,23 +40,15 @@ from llm_inference.sample.sampler import STATUS_BAD, STATUS_EMPTY, Sampler, Samp
 def distributed_argmax(local: torch.Tensor, vocab_start: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Collective. `local` [B, shard] is this rank's slice of the logits, column j being token
     vocab_start + j. Returns, on every rank and on the device, the global argmax per row
-    (lowest index on ties) and its status: the token, or STATUS_BAD where the row holds a NaN
-    or +inf, STATUS_EMPTY where it is all -inf (its token is then 0, the raw argmax)."""
-    idx = local.argmax(dim=-1)  # the first maximum of the slice
+    (lowest index on ties) and its status, as `pick_winners`: each rank's winner is the first
+    maximum of its slice, ranked by its logit."""
+    idx = local.argmax(dim=-1)  # the first maximum of the slice (NaN counts as the largest)
     vals = local.gather(1, idx[:, None])[:, 0].double()  # exact for float32/16 and bfloat16
-    packed = torch.stack([vals, (idx + vocab_start).double()])
-    every = all_gather(packed)  # [ranks, 2, B]
-    maxima, indices = every[:, 0], every[:, 1]
-    best = maxima.argmax(dim=0)  # the first rank holding the largest value
-    tokens = indices.gather(0, best[None])[0].long()
-    top = maxima.gather(0, best[None])[0]
-    bad = (maxima.isnan() | (maxima == float("inf"))).any(dim=0)
-    status = torch.where(top == float("-inf"), STATUS_EMPTY, tokens)
-    return tokens, torch.where(bad, STATUS_BAD, status)
+    return pick_winners(all_gather(torch.stack([vals, (idx + vocab_start).double(), vals])))
 
 
 def pick_winners(every: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`every` [ranks, 3, B] float64: each rank's race winners (value, token id, max logit)
+    """`every` [ranks, 3, B] float64: each rank's winners (value, token id, max logit)
     -> (tokens, status) [B] int64: the token of the first rank holding the largest value (the
     lowest token id on ties, as one race over the whole row); STATUS_BAD where a rank saw a NaN
     or +inf logit, STATUS_EMPTY (token 0) where every logit is -inf."""
