@@ -1,20 +1,12 @@
 """A low-latency all-reduce for small messages on one host: PyTorch symmetric memory.
 
-For the few-KB all-reduces of a decode step (two per layer), where NCCL's latency dominates:
-every rank owns one persistent buffer allocated with `torch.distributed._symmetric_memory.empty`
-and mapped into every peer (`rendezvous`), and a kernel of `torch.ops.symm_mem` reads the
-peers' buffers directly over NVLink:
-
-- one-shot (`one_shot_all_reduce_copy_out(buffer, x, "sum", group, x)`): one kernel copies `x`
-  into this rank's buffer, waits for every peer to have done the same, sums all the buffers and
-  writes the sum into `x`: the lowest latency, for small messages.
-- two-shot (`x` copied into the buffer, then `two_shot_all_reduce_out(buffer, "sum", group,
-  x)`): each rank sums 1/world of the message from every peer, then gathers the other parts:
-  less read per rank, for larger messages (ONE_SHOT_MAX_BYTES).
-
-Neither uses NVLink multicast (multimem), which the target machines disable; peer-to-peer
-loads only. (On torch without the fused copy variant, one-shot is a copy then
-`one_shot_all_reduce_out`.)
+For the few-KB all-reduces of a decode step, where NCCL's latency dominates: every rank owns
+one persistent buffer (`torch.distributed._symmetric_memory.empty`) mapped into every peer
+(`rendezvous`), and a `torch.ops.symm_mem` kernel reads the peers' buffers over NVLink,
+peer-to-peer loads only (no multicast, which the target machines disable): one-shot
+(`one_shot_all_reduce_copy_out`: copy `x` in, wait for the peers, sum every buffer into `x`)
+for small messages, two-shot (each rank sums 1/world of the message, then gathers the rest)
+above ONE_SHOT_MAX_BYTES.
 
 Invariants:
 

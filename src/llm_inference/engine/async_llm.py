@@ -351,10 +351,7 @@ class AsyncLLM:
         """Hand each item to its stream: one thread-safe call per event loop."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, object]]] = {}
         for stream, item in items:
-            batch = by_loop.get(stream.loop)
-            if batch is None:
-                by_loop[stream.loop] = batch = []
-            batch.append((stream, item))
+            by_loop.setdefault(stream.loop, []).append((stream, item))
         for loop, batch in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver, batch)

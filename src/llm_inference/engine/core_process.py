@@ -153,19 +153,14 @@ def _core_main(config: EngineConfig, conn: Connection, parent_pid: int, setup) -
 
 
 def _stop(proc, conn: Connection) -> None:
-    """Ask the child to stop, then join, terminate, kill."""
+    """Ask the child to stop, then close the pipe, join, terminate, kill."""
     try:
         conn.send(("stop",))
     except (OSError, EOFError, ValueError):
         pass
-    proc.join(JOIN_TIMEOUT_S)
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(2.0)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(2.0)
-    conn.close()
+    from llm_inference.executor.multiproc import stop_processes
+
+    stop_processes([proc], [conn], JOIN_TIMEOUT_S)
 
 
 class CoreClient:

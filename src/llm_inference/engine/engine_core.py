@@ -7,17 +7,12 @@ server's default) with the front end on the other side of a pipe. Every step rep
 tokens of every request that got some; what a caller sees of them (each step, or only the end)
 is the front end's choice (engine/output_processor.py).
 
-Start: the workers load the model and report how many KV-cache blocks fit (their config's
-max_model_len only bounds their buffers); the core decides the final max_model_len from that,
-once, and sends it to every worker with the block count in `allocate_kv_cache`.
+Start: the core decides the final max_model_len once, from the KV-cache blocks the workers
+found room for (`_fit_max_model_len`), and sends it to every worker with the block count.
 
-Async scheduling (`EngineConfig.async_scheduling`, on by default): `step()` schedules and
-launches step n+1 before it waits for step n's tokens, so the host work of one step (schedule,
-input building, updating the previous one, and the front end's work on what it returns) runs
-while the device computes. The scheduler counts each sample in flight as a placeholder token,
-and the workers feed it to the next step straight from the device. While a request whose
-sampling needs every token on the host first is live (`SamplingPath.SYNC`: penalties, bad
-words, a choice, logprobs), steps run one at a time.
+Async scheduling (`EngineConfig.async_scheduling`, ARCHITECTURE.md "One step"): `step()`
+launches step n+1 before it waits for step n's tokens, except while a request on
+`SamplingPath.SYNC` is live: then steps run one at a time.
 """
 
 from __future__ import annotations

@@ -236,16 +236,10 @@ class OutputProcessor:
                     del self.requests[state.request_id]
                 continue
             if state.kind is not _FINAL or state.finished:
-                entry = advanced.get(state.request_id)
-                if entry is None:
-                    advanced[state.request_id] = (state, [completion])
-                else:
-                    entry[1].append(completion)
+                advanced.setdefault(state.request_id, (state, []))[1].append(completion)
         for rid, (state, completions) in advanced.items():
-            if state.kind is _DELTA:
-                results.append(state.delta_output(completions))
-            else:
-                results.append(state.output())
+            delta = state.kind is _DELTA
+            results.append(state.delta_output(completions) if delta else state.output())
             if state.finished:
                 del self.requests[rid]
         return results, stopped
@@ -258,10 +252,8 @@ class OutputProcessor:
             c.new_token_ids = out.new_token_ids
             c.new_logprobs = out.new_logprobs
             if out.new_logprobs:
-                total = c.cumulative_logprob or 0.0
-                for lp in out.new_logprobs:
-                    total += lp.logprob
-                c.cumulative_logprob = total
+                start = c.cumulative_logprob or 0.0  # summed in order, as `output` sums
+                c.cumulative_logprob = sum((lp.logprob for lp in out.new_logprobs), start)
         elif out.output_token_ids is not None:  # a finishing record: the whole output
             c.token_ids = list(out.output_token_ids)
         else:

@@ -13,11 +13,8 @@ Decode steps (one token per sequence, max_query_len 1) use batch-size buckets (1
 Mixed steps (max_query_len > 1) use token-count buckets T_b, each captured with num_seqs =
 `max_num_seqs` and max_query_len = T_b: never the decode kernel; the tiled kernel's grid,
 T_b // BLOCK_Q + max_num_seqs programs, covers any step of at most T_b tokens, with the tile
-`default_tiles` gives for T_b (any tile is exact). Padding (`InputBuffers.pad_mixed`): tokens
-[T, T_b) are token 0 at position 0 with slot -1; sequences [S, max_num_seqs) have no query rows
-(query_start_loc = T) and seq_len 0. The unified attention kernel never reads a zero-length
-sequence's seq_len or block table, nor a row past query_start_loc[S], and every other layer
-works row by row, so padding changes no real row.
+`default_tiles` gives for T_b (any tile is exact). Padding changes no real row
+(`InputBuffers.pad_mixed` says why).
 
 Default token buckets (`mixed_buckets`): 128, then multiples of 256 up to 2,048, then
 `max_num_batched_tokens` itself (benchmarks/DECISIONS.md, "Mixed-step graph ladder"). Steps

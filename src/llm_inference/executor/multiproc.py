@@ -117,14 +117,15 @@ def exit_text(proc) -> str:
     return f"exit code {code}"
 
 
-def _stop_workers(procs: list, conns: list[Connection]) -> None:
-    """Close the pipes (idle workers exit on EOF), join, then terminate, then kill."""
+def stop_processes(procs: list, conns: list[Connection], timeout: float = JOIN_TIMEOUT_S) -> None:
+    """Close the pipes (idle children exit on EOF), join (`timeout` seconds in all), then
+    terminate, then kill."""
     for conn in conns:
         try:
             conn.close()
         except OSError:
             pass
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    deadline = time.monotonic() + timeout
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
@@ -179,7 +180,7 @@ class MultiprocWorkers:
         self._calls: dict[int, _Call] = {}  # calls still owed a reply, oldest first
         self._unusable: str | None = None
         self._closed = False
-        self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns)
+        self._finalizer = weakref.finalize(self, stop_processes, self._procs, self._conns)
         ctx = multiprocessing.get_context("spawn")
         port = free_port()
         try:

@@ -6,16 +6,12 @@ the reference signatures are optional: `max_seq_len` for paged attention (sets t
 without a host sync) and keyword `out=` buffers for rms_norm and silu_and_mul. unified_attention
 (mixed prefill chunks and decodes in one launch) takes the same bounds as its reference.
 
-Decided once, when the ops object is built for its device:
-- `pdl`: whether the decode step's kernels launch with programmatic dependent launch
-  (kernels/pdl.py): on a GPU of compute capability 9.0+ with a Triton that has gdc_wait, unless
-  envs.LLM_INFERENCE_PDL says otherwise. Passed to every launcher that takes it.
-- `skinny_gemm`: whether `linear` and `gate_up_silu` may take the skinny GEMM
-  (kernels/skinny_gemm.py; envs.LLM_INFERENCE_SKINNY_GEMM, default on).
+Decided once, for the device: `pdl` (programmatic dependent launch for every launcher that
+takes it; kernels/pdl.py, envs.LLM_INFERENCE_PDL) and `skinny_gemm` (whether `linear` and
+`gate_up_silu` may take the skinny GEMM; envs.LLM_INFERENCE_SKINNY_GEMM).
 Decided per call, from the shapes: the skinny GEMM where it applies (`skinny_applies`: decode
-batches, whose time is the weight bytes; inside a CUDA graph the row count is the graph's
-batch size, so the choice is made once per graph), else F.linear (cuBLAS); the attention
-kernel's variant (unified_attention.plan).
+batches; inside a CUDA graph, once per graph), else F.linear (cuBLAS); the attention kernel's
+variant (unified_attention.plan).
 
 The ops also carry the fused sampler (kernels/sampling.py: `sample`, `race_shard`,
 `warm_up_sampler`; `fused_sampler` True).

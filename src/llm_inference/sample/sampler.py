@@ -90,15 +90,19 @@ def report_status(status: list[int]) -> None:
     if STATUS_BAD not in status and STATUS_EMPTY not in status:  # the common case, at C speed
         return
     bad = [i for i, s in enumerate(status) if s == STATUS_BAD]
+    _check_rows(bad, [i for i, s in enumerate(status) if s == STATUS_EMPTY])
+
+
+def _check_rows(bad: list[int], empty: list[int]) -> None:
+    """Raise for rows with a NaN or +inf logit; warn for emptied rows (given the raw argmax)."""
     if bad:
         raise ValueError(f"sampler: NaN or +inf logits (after penalties) in rows {bad}")
-    empty = [i for i, s in enumerate(status) if s == STATUS_EMPTY]
     if empty:
         warnings.warn(
             f"sampler: rows {empty} had every token masked (min_tokens and stop tokens, or "
             "penalties): took the argmax of the raw logits",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
@@ -183,19 +187,12 @@ def _resolve_status(token_ids: torch.Tensor, raw_logits: torch.Tensor) -> torch.
     """Replace statuses as the module docstring says (one host sync to look)."""
     if not bool((token_ids < 0).any()):
         return token_ids
-    bad = (token_ids == STATUS_BAD).nonzero()[:, 0].tolist()
-    if bad:
-        raise ValueError(f"sampler: NaN or +inf logits (after penalties) in rows {bad}")
     empty = (token_ids == STATUS_EMPTY).nonzero()[:, 0]
     top, arg = raw_logits.index_select(0, empty).float().max(dim=-1)
-    if bool((top == float("-inf")).any()):
+    bad = (token_ids == STATUS_BAD).nonzero()[:, 0].tolist()
+    if not bad and bool((top == float("-inf")).any()):
         raise ValueError(f"sampler: every logit is -inf in rows {empty[top.isneginf()].tolist()}")
-    warnings.warn(
-        f"sampler: rows {empty.tolist()} had every token masked (min_tokens and stop tokens, "
-        "or penalties): took the argmax of the raw logits",
-        RuntimeWarning,
-        stacklevel=3,
-    )
+    _check_rows(bad, empty.tolist())
     return token_ids.index_put((empty,), arg)
 
 

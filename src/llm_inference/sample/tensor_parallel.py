@@ -1,29 +1,18 @@
-"""Sampling under tensor parallelism: each rank holds the logits of its vocabulary slice only.
+"""Sampling under tensor parallelism: each rank holds the logits of its vocabulary slice only
+(ARCHITECTURE.md, "Tensor parallelism").
 
 Every rank knows every request's sampling parameters (each applies the same SchedulerOutput
-diffs), so all ranks split the step's rows the same way and call the same collectives:
-
-- plain greedy rows (temperature 0, SamplingPath.STAGED: nothing changes the logits): each rank
-  takes the max logit and its index over its slice; one all-gather of those [2, B] values, and
-  every rank picks the largest (the lowest rank, hence the lowest global index, on ties), which
-  is torch.argmax over the full row. A row whose gathered maxima hold NaN or +inf, or are all
-  -inf, gets a status (STATUS_BAD, STATUS_EMPTY) that rank 0 reports on the host as the
-  Sampler's `sync=False` path does (ValueError; a warning and the raw argmax).
-- steps whose rows are all STAGED and sample with temperature only (no top-k, top-p or min-p;
-  greedy rows may be among them), when the sampler is the fused one: the same, with the race
-  of the fused sampler. Its noise is a function of (seed, step, token id) only, so each rank
-  races over its slice with the slice's token ids (`Sampler.race_shard`, kernels/sampling.py)
-  and one all-gather of the [3, B] winners (value, token, max logit) picks the first rank
-  holding the largest value: the token `Sampler` draws from the full row;
-- every other row: the slices are gathered to rank 0, which runs the normal `Sampler` on the
-  full logits (a seeded request draws the same tokens at any tensor-parallel size), and one
-  broadcast from rank 0 gives every rank its tokens.
+diffs), so all ranks split the step's rows the same way and call the same collectives: plain
+greedy rows (temperature 0, SamplingPath.STAGED) take `distributed_argmax`; steps whose rows
+are all STAGED and sample with temperature only take `distributed_race` with the fused sampler
+(its noise is keyed by token id, so the slices' winners give the full row's token); every
+other row is gathered to rank 0, which runs the normal `Sampler` (a seeded request draws the
+same tokens at any tensor-parallel size) and broadcasts the tokens. A broken row gets a status
+(STATUS_BAD, STATUS_EMPTY) that rank 0 reports on the host as `Sampler(sync=False)` does.
 
 Every rank ends with the same tokens tensor on its device, so each can feed the samples still
 in flight to the next step (async scheduling) without the host. Nothing here waits for the
 device except the logprobs of rows that ask for them (those steps run synchronously anyway).
-The caller gives the tensors: this rank's logits, the step's staged inputs, and which rows
-take the argmax (sample/staging.py `SamplingRows.argmax_only`).
 """
 
 from __future__ import annotations
@@ -40,23 +29,15 @@ from llm_inference.sample.sampler import STATUS_BAD, STATUS_EMPTY, Sampler, Samp
 def distributed_argmax(local: torch.Tensor, vocab_start: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Collective. `local` [B, shard] is this rank's slice of the logits, column j being token
     vocab_start + j. Returns, on every rank and on the device, the global argmax per row
-    (lowest index on ties) and its status: the token, or STATUS_BAD where the row holds a NaN
-    or +inf, STATUS_EMPTY where it is all -inf (its token is then 0, the raw argmax)."""
-    idx = local.argmax(dim=-1)  # the first maximum of the slice
+    (lowest index on ties) and its status, as `pick_winners`: each rank's winner is the first
+    maximum of its slice, ranked by its logit."""
+    idx = local.argmax(dim=-1)  # the first maximum of the slice (NaN counts as the largest)
     vals = local.gather(1, idx[:, None])[:, 0].double()  # exact for float32/16 and bfloat16
-    packed = torch.stack([vals, (idx + vocab_start).double()])
-    every = all_gather(packed)  # [ranks, 2, B]
-    maxima, indices = every[:, 0], every[:, 1]
-    best = maxima.argmax(dim=0)  # the first rank holding the largest value
-    tokens = indices.gather(0, best[None])[0].long()
-    top = maxima.gather(0, best[None])[0]
-    bad = (maxima.isnan() | (maxima == float("inf"))).any(dim=0)
-    status = torch.where(top == float("-inf"), STATUS_EMPTY, tokens)
-    return tokens, torch.where(bad, STATUS_BAD, status)
+    return pick_winners(all_gather(torch.stack([vals, (idx + vocab_start).double(), vals])))
 
 
 def pick_winners(every: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`every` [ranks, 3, B] float64: each rank's race winners (value, token id, max logit)
+    """`every` [ranks, 3, B] float64: each rank's winners (value, token id, max logit)
     -> (tokens, status) [B] int64: the token of the first rank holding the largest value (the
     lowest token id on ties, as one race over the whole row); STATUS_BAD where a rank saw a NaN
     or +inf logit, STATUS_EMPTY (token 0) where every logit is -inf."""
