@@ -27,7 +27,9 @@ BACKENDS = ("auto", "triton", "reference")
 
 
 class KernelOps(Protocol):
-    """The kernels every layer calls. Shapes are documented in reference.py.
+    """The kernels every layer calls (the kernel modules have more, for their tests and
+    benchmarks: the paged decode alone). Shapes are documented in
+    reference.py.
 
     `fused_sampler`: whether the ops also have the fused sampler of kernels/sampling.py, as
     `sample`, `race_shard` and `warm_up_sampler` (that module's sample, race_shard and
@@ -40,15 +42,15 @@ class KernelOps(Protocol):
         slot_mapping: torch.Tensor,
     ) -> None: ...  # fmt: skip
 
-    def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-        residual: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
-
     def rotary_embedding(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         cos_sin_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 
     def rotary_store_kv(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -61,12 +63,6 @@ class KernelOps(Protocol):
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
 
     def gate_up_silu(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
-
-    def paged_attention_decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-        out: torch.Tensor | None = None, max_seq_len: int | None = None,
-    ) -> torch.Tensor: ...  # fmt: skip
 
     def unified_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -250,11 +250,10 @@ class ReferenceOps:
     store_kv_cache = staticmethod(store_kv_cache)
     rms_norm = staticmethod(rms_norm)
     rotary_embedding = staticmethod(rotary_embedding)
-    rotary_store_kv = staticmethod(rotary_store_kv)
     silu_and_mul = staticmethod(silu_and_mul)
+    rotary_store_kv = staticmethod(rotary_store_kv)
     linear = staticmethod(linear)
     gate_up_silu = staticmethod(gate_up_silu)
-    paged_attention_decode = staticmethod(paged_attention_decode)
     unified_attention = staticmethod(unified_attention)
 
     def warm_up_shapes(

@@ -36,6 +36,13 @@ from llm_inference.kernels.warm_up import StepShape, warm_up_shapes
 
 SKINNY_DTYPES = (torch.float16, torch.bfloat16)
 
+# The module is also the Triton launchers' namespace, with the names of reference.py (tests
+# and benchmarks call them one by one); the engine uses TritonOps.
+__all__ = [
+    "TritonOps", "paged_attention_decode", "rms_norm", "rotary_embedding", "rotary_store_kv",
+    "silu_and_mul", "store_kv_cache", "unified_attention",
+]  # fmt: skip
+
 
 class TritonOps:
     """The Triton kernels on `device` (CUDA; the CPU only under Triton's interpreter, in
@@ -45,8 +52,7 @@ class TritonOps:
     sample = staticmethod(sampling.sample)
     race_shard = staticmethod(sampling.race_shard)
     warm_up_sampler = staticmethod(sampling.warm_up)
-    # kernels without a choice to make
-    store_kv_cache = staticmethod(store_kv_cache)
+    store_kv_cache = staticmethod(store_kv_cache)  # no choice to make
     rotary_embedding = staticmethod(rotary_embedding)
     silu_and_mul = staticmethod(silu_and_mul)
 
@@ -94,14 +100,6 @@ class TritonOps:
     ) -> torch.Tensor:
         return rotary_store_kv(
             positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, pdl=self.pdl
-        )
-
-    def paged_attention_decode(
-        self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, out=None,
-        max_seq_len: int | None = None,
-    ) -> torch.Tensor:  # fmt: skip
-        return paged_attention_decode(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, out, max_seq_len, pdl=self.pdl
         )
 
     def unified_attention(
