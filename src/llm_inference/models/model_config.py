@@ -51,7 +51,8 @@ def read_json_file(path: Path, what: str = "") -> Any:
 
 
 def _token_ids(value: Any, key: str) -> tuple[int, ...]:
-    """`eos_token_id` as JSON spells it (null, an id, or a list of ids) as a tuple."""
+    """`eos_token_id` as JSON spells it (null, an id, or a list of ids) as a tuple; `key`
+    names it in the error."""
     if value is None:
         return ()
     ids = value if isinstance(value, list) else [value]
@@ -78,15 +79,9 @@ def load_hf_config(path: str | os.PathLike) -> ModelConfig:
         gen = read_json_file(gen_file, "generation_config.json")
         if not isinstance(gen, dict):
             raise CheckpointError(f"{gen_file} must hold a JSON object")
-        try:
-            extra = _token_ids(gen.get("eos_token_id"), "eos_token_id")
-        except CheckpointError as e:
-            raise CheckpointError(f"{gen_file}: {e}") from None
+        extra = _token_ids(gen.get("eos_token_id"), f"{gen_file}: eos_token_id")
         if extra:
-            try:
-                own = _token_ids(data.get("eos_token_id"), "eos_token_id")
-            except CheckpointError as e:
-                raise CheckpointError(f"{cfg_file}: {e}") from None
+            own = _token_ids(data.get("eos_token_id"), f"{cfg_file}: eos_token_id")
             merged = list(dict.fromkeys(own + extra))
             data = {**data, "eos_token_id": merged}
     return parse_hf_config(data, source=str(cfg_file))
@@ -96,14 +91,12 @@ def parse_hf_config(d: dict[str, Any], source: str = "config") -> ModelConfig:
     """A ModelConfig from a transformers config dict; CheckpointError, prefixed with `source`,
     naming the key of any missing, mistyped, out-of-range or inconsistent value."""
     try:
-        return _parse(d, source)
+        return _parse(d)
     except CheckpointError as e:
-        if str(e).startswith(source):
-            raise
         raise CheckpointError(f"{source}: {e}") from None
 
 
-def _parse(d: dict[str, Any], source: str) -> ModelConfig:
+def _parse(d: dict[str, Any]) -> ModelConfig:
     if not isinstance(d, dict):
         raise CheckpointError(f"the config must be a JSON object, not {type(d).__name__}")
     model_type = d.get("model_type")
