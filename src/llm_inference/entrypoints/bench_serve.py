@@ -94,31 +94,21 @@ def load_tokenizer(args):
     return AutoTokenizer.from_pretrained(source)
 
 
-def random_text(tokenizer, rng: random.Random, n: int) -> str:
-    """About `n` tokens: random non-special token ids decoded, or `n` plain words."""
+def random_texts(tokenizer, rng: random.Random, lengths: list[int]) -> list[str]:
+    """About n tokens for each n of `lengths`: random non-special token ids decoded, or n plain
+    words."""
     if tokenizer is None:
-        return " ".join(rng.choice(WORDS) for _ in range(n))
+        return [" ".join(rng.choice(WORDS) for _ in range(n)) for n in lengths]
     special = set(tokenizer.all_special_ids)
     ids = [t for t in range(len(tokenizer)) if t not in special]
-    return tokenizer.decode([rng.choice(ids) for _ in range(n)])
+    return [tokenizer.decode([rng.choice(ids) for _ in range(n)]) for n in lengths]
 
 
-def make_prompts(
-    args, rng: random.Random, n: int | None = None, tokenizer=None
-) -> list[tuple[str, int, int]]:
-    """(prompt text, approximate prompt tokens, max output tokens) for `n` requests (default
-    `--num-prompts`), from `tokenizer` (default: load_tokenizer(args))."""
-    n = args.num_prompts if n is None else n
-    tokenizer = load_tokenizer(args) if tokenizer is None else tokenizer
+def make_prompts(args, rng: random.Random, n: int, tokenizer) -> list[tuple[str, int, int]]:
+    """(prompt text, approximate prompt tokens, max output tokens) for `n` requests."""
     ins = _lengths(args.input_len, args.range_ratio, n, rng)
     outs = _lengths(args.output_len, args.range_ratio, n, rng)
-    if tokenizer is None:
-        return [(random_text(None, rng, a), a, b) for a, b in zip(ins, outs)]
-    special = set(tokenizer.all_special_ids)
-    ids = [t for t in range(len(tokenizer)) if t not in special]
-    return [
-        (tokenizer.decode([rng.choice(ids) for _ in range(a)]), a, b) for a, b in zip(ins, outs)
-    ]
+    return list(zip(random_texts(tokenizer, rng, ins), ins, outs))
 
 
 async def send_request(client, url: str, payload: dict, headers: dict) -> RequestResult:
@@ -269,8 +259,8 @@ def run_benchmark(args) -> dict:
     # first turns, then the rest
     prompts = make_prompts(args, rng, args.num_prompts * turns, tokenizer)
     prompts, later = prompts[: args.num_prompts], prompts[args.num_prompts :]
-    prefix = random_text(tokenizer, rng, args.shared_prefix_len) if args.shared_prefix_len else ""
-    prefix = prefix + "\n" if prefix else ""
+    n_prefix = args.shared_prefix_len
+    prefix = random_texts(tokenizer, rng, [n_prefix])[0] + "\n" if n_prefix else ""
     arrival, jobs = 0.0, []
     for i, p in enumerate(prompts):
         if i and args.request_rate != float("inf"):
