@@ -48,17 +48,23 @@ class RequestResult:
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's root URL")
-    p.add_argument("--endpoint", default="/v1/completions")
+    p.add_argument("--endpoint", default="/v1/completions", help="the completions path")
     p.add_argument("--model", default=None, help="model name (default: the server's first)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder for random prompts")
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--input-len", "--random-input-len", type=int, default=256)
-    p.add_argument("--output-len", "--random-output-len", type=int, default=128)
-    p.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.0)
-    p.add_argument("--request-rate", type=float, default=float("inf"))
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send")
+    p.add_argument("--input-len", "--random-input-len", type=int, default=256,
+                   help="prompt tokens per request")  # fmt: skip
+    p.add_argument("--output-len", "--random-output-len", type=int, default=128,
+                   help="output tokens per request")  # fmt: skip
+    p.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.0,
+                   help="lengths uniform in [len * (1 - r), len * (1 + r)]")  # fmt: skip
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, a Poisson process (inf: all at once)")  # fmt: skip
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="most requests in flight at once (default: no limit)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="bearer token to send (default: $OPENAI_API_KEY)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here")
     p.add_argument(
