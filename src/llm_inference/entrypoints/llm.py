@@ -166,7 +166,11 @@ class LLM:
             raise TypeError(f"params must be BeamSearchParams, not {type(params).__name__}")
         prompt_list = self._normalize_prompts(prompts)
         token_ids = self._token_ids(prompt_list)
-        self._validate(token_ids, SamplingParams(max_tokens=1))  # beams stop at max_model_len
+        for i, ids in enumerate(token_ids):  # each checked first: its rounds are other requests
+            try:  # max_tokens=1: beams stop at max_model_len
+                self.engine.validate_request(ids, SamplingParams(max_tokens=1))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from e
         return beam_search(self, token_ids, params, use_tqdm)
 
     def chat(
@@ -225,9 +229,8 @@ class LLM:
                     "ambiguous (one prompt or a batch) and its dtype may not be integer"
                 )
             raise TypeError(
-                f"prompts must be a string, a list of token ids, a prompt dict or a list of "
-                f"those, not "
-                f"{type(prompts).__name__}{hint}"
+                "prompts must be a string, a list of token ids, a prompt dict or a list of "
+                f"those, not {type(prompts).__name__}{hint}"
             )
         if any(_as_token(t) is not None for t in prompts) and not any(
             isinstance(p, (str, list, tuple)) for p in prompts
@@ -278,15 +281,6 @@ class LLM:
                 raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
             sampling_params = [replace(p, max_tokens=max_new_tokens) for p in sampling_params]
         return list(sampling_params)
-
-    def _validate(self, token_ids: list[list[int]], params: SamplingParams) -> None:
-        """Check every prompt of a beam search, naming the bad one (its rounds run other
-        requests: the beams)."""
-        for i, ids in enumerate(token_ids):
-            try:
-                self.engine.validate_request(ids, params)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from e
 
     def _run(self, texts, token_ids, params, use_tqdm: bool) -> list[RequestOutput]:
         prefix = f"{next(self._ids)}-"
