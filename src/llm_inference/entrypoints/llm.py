@@ -185,20 +185,16 @@ class LLM:
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the chat template to one conversation or a list of them, then generate.
-        `continue_final_message`: the last (assistant) message is left open for the model to
-        continue, instead of a new turn (as vLLM's; not with `add_generation_prompt`).
-        `chat_template_kwargs`: extra variables for the template (e.g. Llama 3's
-        `date_string`); `tools`: tool definitions (OpenAI's format) for templates that take
-        them. A message's content is a string or OpenAI's list of text parts, as the server
-        takes it (entrypoints/chat_template.py; other parts: ValueError naming them)."""
+        """Apply the chat template to one conversation or a list of them, as the server does
+        (`chat_template.render_chat`: what messages hold, ValueError naming what is refused),
+        then generate. `continue_final_message`: the last (assistant) message is left open for
+        the model to continue (as vLLM's); `chat_template_kwargs`: extra template variables
+        (e.g. Llama 3's `date_string`); `tools`: OpenAI-format tool definitions."""
         self._engine()
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message needs add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for i, conv in enumerate(conversations):
-            try:  # the server's rendering: content parts flattened, the same template call
+            try:
                 prompts.append(render_chat(
                     self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message, tools=tools,
