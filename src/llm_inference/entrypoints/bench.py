@@ -347,22 +347,18 @@ def format_result(res: dict) -> str:
                 lines += _kernel_lines(v)
         return "\n".join(lines)
     if res["kind"] == "throughput":
-        line = (
+        lines = [
             f"{res['model']}: {res['requests_per_s']:.2f} requests/s, "
             f"{res['output_tok_per_s']:,.0f} output tok/s, {res['total_tok_per_s']:,.0f} "
             f"total tok/s ({res['output_tokens']} output tokens in {res['seconds']:.2f} s)"
-        )
-        if "profile" not in res:
-            return line
-        prof = res["profile"]
-        ranks = ", ".join(f"{r['gpu_ms_per_step']:.3f}" for r in prof["ranks"])
-        lines = [
-            line,
-            f"profiled run: wall {prof['wall_s']:.3f} s, GPU kernels {ranks} s (per rank)",
         ]
-        return "\n".join(
-            lines + [ln.replace(" ms ", " s  ") for ln in _kernel_lines(prof["ranks"][0])]
-        )
+        if prof := res.get("profile"):
+            ranks = ", ".join(f"{r['gpu_ms_per_step']:.3f}" for r in prof["ranks"])
+            lines.append(
+                f"profiled run: wall {prof['wall_s']:.3f} s, GPU kernels {ranks} s (per rank)"
+            )
+            lines += [ln.replace(" ms ", " s  ") for ln in _kernel_lines(prof["ranks"][0])]
+        return "\n".join(lines)
     lines = [f"{res['model']}: decode ms per step (copy {res['copy_bandwidth_TBps']:.2f} TB/s)",
              "| batch | ms/step | floor ms |", "|---|---|---|"]  # fmt: skip
     for key, v in res.items():

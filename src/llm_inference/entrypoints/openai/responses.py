@@ -117,19 +117,13 @@ class ResponseBuilder:
     def vllm_prompt_logprobs(self, lps: list[Logprobs | None] | None) -> list | None:
         """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob,
         decoded_token}} for the token itself and the most likely ones there."""
-        if lps is None:
-            return None
-        out = []
-        for lp in lps:
-            if lp is None:
-                out.append(None)
-                continue
-            entry = {str(t): {"logprob": _lp(v), "decoded_token": self.token_text(t)}
-                     for t, v in lp.top.items()}  # fmt: skip
-            entry[str(lp.token_id)] = {"logprob": _lp(lp.logprob),
-                                       "decoded_token": self.token_text(lp.token_id)}  # fmt: skip
-            out.append(entry)
-        return out
+
+        def entry(lp: Logprobs) -> dict[str, dict]:
+            top = {**lp.top, lp.token_id: lp.logprob}  # the token's own entry included
+            return {str(t): {"logprob": _lp(v), "decoded_token": self.token_text(t)}
+                    for t, v in top.items()}  # fmt: skip
+
+        return None if lps is None else [None if lp is None else entry(lp) for lp in lps]
 
     def logprobs(self, lps: list[Logprobs] | None, offset: int = 0) -> dict[str, Any] | None:
         if lps is None:
