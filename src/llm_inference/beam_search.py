@@ -45,21 +45,14 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
-def beam_search_score(tokens: list[int], cum_logprob: float, eos_ids, length_penalty: float):
-    """vLLM's score: cum_logprob / length ** length_penalty, a final EOS not counted."""
-    length = len(tokens) - (1 if tokens and tokens[-1] in eos_ids else 0)
-    return cum_logprob / (length**length_penalty)
-
-
 class BeamSearch:
     """The beams of several prompts. Each round: `batch()` (the live beams, to run one token
     each with `step_params`), then `advance(tops)` with each one's candidates ({token:
-    logprob}, in batch order); `best()` at the end."""
+    logprob}, in batch order); `best()` at the end. `config`: the engine's EngineConfig."""
 
-    def __init__(self, prompt_ids: list[list[int]], params: BeamSearchParams, eos_ids,
-                 max_model_len: int) -> None:  # fmt: skip
-        self.params, self.max_len = params, max_model_len
-        self.eos = () if params.ignore_eos else tuple(eos_ids)
+    def __init__(self, prompt_ids: list[list[int]], params: BeamSearchParams, config) -> None:
+        self.params, self.max_len = params, config.scheduler.max_model_len
+        self.eos = () if params.ignore_eos else tuple(config.model.eos_token_ids)
         self.live = [[BeamSearchSequence(list(ids))] for ids in prompt_ids]
         self.done: list[list[BeamSearchSequence]] = [[] for _ in prompt_ids]
         self.step_params = SamplingParams(
@@ -68,9 +61,10 @@ class BeamSearch:
         )  # fmt: skip
 
     def _score(self, beam: BeamSearchSequence) -> float:
-        return beam_search_score(
-            beam.tokens, beam.cum_logprob, self.eos, self.params.length_penalty
-        )
+        """vLLM's score: cum_logprob / length ** length_penalty, a final EOS not counted."""
+        tokens = beam.tokens
+        length = len(tokens) - (1 if tokens and tokens[-1] in self.eos else 0)
+        return beam.cum_logprob / length**self.params.length_penalty
 
     def batch(self) -> list[BeamSearchSequence]:
         """The live beams to extend this round (beams that fill the context complete first)."""
@@ -117,8 +111,7 @@ def beam_search(
     """Beam search for each prompt (token ids) on an open `LLM`."""
     from tqdm.auto import tqdm
 
-    search = BeamSearch(prompt_ids, params, llm.config.model.eos_token_ids,
-                        llm.config.scheduler.max_model_len)  # fmt: skip
+    search = BeamSearch(prompt_ids, params, llm.config)
     for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm):
         batch = search.batch()
         if not batch:
@@ -139,9 +132,7 @@ async def async_beam_search(
     """Beam search for one prompt on an `AsyncLLM`, as one finished RequestOutput whose
     `outputs` are the beams, best first (the generated part of each: tokens and text, the
     cumulative log-probability), as vLLM's server answers `use_beam_search`."""
-    config = llm.config
-    search = BeamSearch([prompt_ids], params, config.model.eos_token_ids,
-                        config.scheduler.max_model_len)  # fmt: skip
+    search = BeamSearch([prompt_ids], params, llm.config)
 
     async def one(k: int, tokens: list[int], round_: int) -> dict[int, float]:
         final = None

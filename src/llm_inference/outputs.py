@@ -114,11 +114,10 @@ def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
     merged: dict[int, CompletionOutput] = {}
     for d in deltas:
         for c in d.outputs:
-            m = merged.get(c.index)
-            if m is None:
-                merged[c.index] = c.copy()
+            if c.index in merged:
+                merged[c.index].add(c)
             else:
-                m.add(c)
+                merged[c.index] = c.copy()
     last = deltas[-1]
     outputs = [merged[i] for i in sorted(merged)]
     prompt_lps = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None)

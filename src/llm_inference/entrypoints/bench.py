@@ -47,6 +47,7 @@ BATCHES = (1, 8, 64, 256)
 # longest throughput request, and no prefix caching (repeated prompts would measure cache hits).
 BENCH_DEFAULTS = dict(dtype="bfloat16", max_model_len=4096, gpu_memory_utilization=0.85,
                       enable_prefix_caching=False)  # fmt: skip
+_NO_PROFILE = {"total_ms": 0.0, "kernels": {}}  # subtracted from a profile: the profile itself
 
 
 def random_checkpoint(shape: str, root: Path | None = None) -> Path:
@@ -114,6 +115,15 @@ def step_bytes(config: dict, batch: int, context: int, tp: int = 1) -> int:
     return weights // tp + batch * context * 2 * layers * kv_rank * 2
 
 
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _random_prompts(rng: random.Random, n: int, length: int, ids: int | None = None):
+    """`n` prompts of `length` ids in [0, ids) (default: the vocabulary's but its last 256)."""
+    return [[rng.randrange(ids or VOCAB - 256) for _ in range(length)] for _ in range(n)]
+
+
 def _timed_generate(llm, prompts, params) -> float:
     import torch
 
@@ -131,15 +141,11 @@ def decode_latency(llm, batches=BATCHES, prompt_len: int = 128, seed: int = 0) -
     rng = random.Random(seed)
     out = {}
     for bs in tqdm(batches, desc="latency"):
-        prompts = [[rng.randrange(VOCAB - 256) for _ in range(prompt_len)] for _ in range(bs)]
-
-        def params(n):
-            return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
+        prompts = _random_prompts(rng, bs, prompt_len)
         for _ in range(2):
-            _timed_generate(llm, prompts, params(8))
-        short = statistics.median(_timed_generate(llm, prompts, params(8)) for _ in range(3))
-        long = statistics.median(_timed_generate(llm, prompts, params(136)) for _ in range(3))
+            _timed_generate(llm, prompts, _greedy(8))
+        short = statistics.median(_timed_generate(llm, prompts, _greedy(8)) for _ in range(3))
+        long = statistics.median(_timed_generate(llm, prompts, _greedy(136)) for _ in range(3))
         out[bs] = (long - short) / 128 * 1e3
     return out
 
@@ -161,11 +167,8 @@ def _kernel_profile_throughput(llm, num_prompts: int, **workload) -> dict:
     timed = {}
     run = functools.partial(throughput, llm, num_prompts, warmup=False, **workload)
     ranks = _kernel_profile(llm, lambda: timed.update(run()))
-    empty = {"total_ms": 0.0, "kernels": {}}
-    return {
-        "wall_s": timed["seconds"],
-        "ranks": [_per_step(r, empty, 1000) for r in ranks],  # ms / 1000: seconds
-    }
+    # ms / 1000: seconds
+    return {"wall_s": timed["seconds"], "ranks": [_per_step(r, _NO_PROFILE, 1000) for r in ranks]}
 
 
 def _per_step(long: dict, short: dict, steps: int, top: int = 15) -> dict:
@@ -187,16 +190,12 @@ def profile_decode(llm, bs: int, prompt_len: int = 128, new: int = 64, seed: int
     each rank's profiler (after a profiled warm-up), with the kernels that take the most.
     Wall minus kernel time is host time the GPU waits for."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(VOCAB - 256) for _ in range(prompt_len)] for _ in range(bs)]
-
-    def sp(n):
-        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-    wall = {n: statistics.median(_timed_generate(llm, prompts, sp(n)) for _ in range(3))
+    prompts = _random_prompts(rng, bs, prompt_len)
+    wall = {n: statistics.median(_timed_generate(llm, prompts, _greedy(n)) for _ in range(3))
             for n in (8, 8 + new)}  # fmt: skip
     prof = {}
     for n in (8, 8, 8 + new):  # the first run warms the profiler up
-        prof[n] = _kernel_profile(llm, functools.partial(_timed_generate, llm, prompts, sp(n)))
+        prof[n] = _kernel_profile(llm, functools.partial(_timed_generate, llm, prompts, _greedy(n)))
     ranks = [_per_step(long, short, new) for long, short in zip(prof[8 + new], prof[8])]
     return {
         "wall_ms_per_step": (wall[8 + new] - wall[8]) * 1e3 / new,
@@ -208,14 +207,12 @@ def profile_decode(llm, bs: int, prompt_len: int = 128, new: int = 64, seed: int
 def prefill(llm, seed: int = 0, profile: bool = False, trace_dir: str | None = None) -> dict:
     """ms to prefill one 8,000-token prompt, 64 prompts of 512 tokens (as vLLM's comparison
     script) and one 3,000-token prompt (between the mixed-graph ladder and the budget), each
-    generating one token: median of 5 after 2 warm-ups. With
-    `profile`, also each case's GPU kernel time and top kernels (rank 0), and with `trace_dir`
-    a Chrome trace of each case there."""
+    generating one token: median of 5 after 2 warm-ups. With `profile`, also each case's GPU
+    kernel time and top kernels (rank 0), and with `trace_dir` a Chrome trace of each case."""
     rng = random.Random(seed)
-    cases = {"1x8000": [[rng.randrange(10000) for _ in range(8000)]],
-             "64x512": [[rng.randrange(10000) for _ in range(512)] for _ in range(64)],
-             "1x3000": [[rng.randrange(10000) for _ in range(3000)]]}  # fmt: skip
-    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    cases = {f"{n}x{length}": _random_prompts(rng, n, length, 10000)
+             for n, length in ((1, 8000), (64, 512), (1, 3000))}  # fmt: skip
+    sp = _greedy(1)
     out = {}
     for name, prompts in cases.items():
         for _ in range(2):
@@ -224,11 +221,10 @@ def prefill(llm, seed: int = 0, profile: bool = False, trace_dir: str | None = N
             _timed_generate(llm, prompts, sp) for _ in range(5)
         )
         if profile:
-            empty = {"total_ms": 0.0, "kernels": {}}
             trace = f"{trace_dir}/prefill_{name}" if trace_dir else None
             run = functools.partial(_timed_generate, llm, prompts, sp)
             rank0 = _kernel_profile(llm, run, trace)[0]
-            out[f"profile_{name}"] = _per_step(rank0, empty, 1)
+            out[f"profile_{name}"] = _per_step(rank0, _NO_PROFILE, 1)
     return out
 
 
@@ -351,22 +347,18 @@ def format_result(res: dict) -> str:
                 lines += _kernel_lines(v)
         return "\n".join(lines)
     if res["kind"] == "throughput":
-        line = (
+        lines = [
             f"{res['model']}: {res['requests_per_s']:.2f} requests/s, "
             f"{res['output_tok_per_s']:,.0f} output tok/s, {res['total_tok_per_s']:,.0f} "
             f"total tok/s ({res['output_tokens']} output tokens in {res['seconds']:.2f} s)"
-        )
-        if "profile" not in res:
-            return line
-        prof = res["profile"]
-        ranks = ", ".join(f"{r['gpu_ms_per_step']:.3f}" for r in prof["ranks"])
-        lines = [
-            line,
-            f"profiled run: wall {prof['wall_s']:.3f} s, GPU kernels {ranks} s (per rank)",
         ]
-        return "\n".join(
-            lines + [ln.replace(" ms ", " s  ") for ln in _kernel_lines(prof["ranks"][0])]
-        )
+        if prof := res.get("profile"):
+            ranks = ", ".join(f"{r['gpu_ms_per_step']:.3f}" for r in prof["ranks"])
+            lines.append(
+                f"profiled run: wall {prof['wall_s']:.3f} s, GPU kernels {ranks} s (per rank)"
+            )
+            lines += [ln.replace(" ms ", " s  ") for ln in _kernel_lines(prof["ranks"][0])]
+        return "\n".join(lines)
     lines = [f"{res['model']}: decode ms per step (copy {res['copy_bandwidth_TBps']:.2f} TB/s)",
              "| batch | ms/step | floor ms |", "|---|---|---|"]  # fmt: skip
     for key, v in res.items():

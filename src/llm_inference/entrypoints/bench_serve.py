@@ -48,17 +48,23 @@ class RequestResult:
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's root URL")
-    p.add_argument("--endpoint", default="/v1/completions")
+    p.add_argument("--endpoint", default="/v1/completions", help="the completions path")
     p.add_argument("--model", default=None, help="model name (default: the server's first)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder for random prompts")
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--input-len", "--random-input-len", type=int, default=256)
-    p.add_argument("--output-len", "--random-output-len", type=int, default=128)
-    p.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.0)
-    p.add_argument("--request-rate", type=float, default=float("inf"))
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send")
+    p.add_argument("--input-len", "--random-input-len", type=int, default=256,
+                   help="prompt tokens per request")  # fmt: skip
+    p.add_argument("--output-len", "--random-output-len", type=int, default=128,
+                   help="output tokens per request")  # fmt: skip
+    p.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.0,
+                   help="lengths uniform in [len * (1 - r), len * (1 + r)]")  # fmt: skip
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, a Poisson process (inf: all at once)")  # fmt: skip
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="most requests in flight at once (default: no limit)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="bearer token to send (default: $OPENAI_API_KEY)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here")
     p.add_argument(
@@ -94,31 +100,21 @@ def load_tokenizer(args):
     return AutoTokenizer.from_pretrained(source)
 
 
-def random_text(tokenizer, rng: random.Random, n: int) -> str:
-    """About `n` tokens: random non-special token ids decoded, or `n` plain words."""
+def random_texts(tokenizer, rng: random.Random, lengths: list[int]) -> list[str]:
+    """About n tokens for each n of `lengths`: random non-special token ids decoded, or n plain
+    words."""
     if tokenizer is None:
-        return " ".join(rng.choice(WORDS) for _ in range(n))
+        return [" ".join(rng.choice(WORDS) for _ in range(n)) for n in lengths]
     special = set(tokenizer.all_special_ids)
     ids = [t for t in range(len(tokenizer)) if t not in special]
-    return tokenizer.decode([rng.choice(ids) for _ in range(n)])
+    return [tokenizer.decode([rng.choice(ids) for _ in range(n)]) for n in lengths]
 
 
-def make_prompts(
-    args, rng: random.Random, n: int | None = None, tokenizer=None
-) -> list[tuple[str, int, int]]:
-    """(prompt text, approximate prompt tokens, max output tokens) for `n` requests (default
-    `--num-prompts`), from `tokenizer` (default: load_tokenizer(args))."""
-    n = args.num_prompts if n is None else n
-    tokenizer = load_tokenizer(args) if tokenizer is None else tokenizer
+def make_prompts(args, rng: random.Random, n: int, tokenizer) -> list[tuple[str, int, int]]:
+    """(prompt text, approximate prompt tokens, max output tokens) for `n` requests."""
     ins = _lengths(args.input_len, args.range_ratio, n, rng)
     outs = _lengths(args.output_len, args.range_ratio, n, rng)
-    if tokenizer is None:
-        return [(random_text(None, rng, a), a, b) for a, b in zip(ins, outs)]
-    special = set(tokenizer.all_special_ids)
-    ids = [t for t in range(len(tokenizer)) if t not in special]
-    return [
-        (tokenizer.decode([rng.choice(ids) for _ in range(a)]), a, b) for a, b in zip(ins, outs)
-    ]
+    return list(zip(random_texts(tokenizer, rng, ins), ins, outs))
 
 
 async def send_request(client, url: str, payload: dict, headers: dict) -> RequestResult:
@@ -269,8 +265,8 @@ def run_benchmark(args) -> dict:
     # first turns, then the rest
     prompts = make_prompts(args, rng, args.num_prompts * turns, tokenizer)
     prompts, later = prompts[: args.num_prompts], prompts[args.num_prompts :]
-    prefix = random_text(tokenizer, rng, args.shared_prefix_len) if args.shared_prefix_len else ""
-    prefix = prefix + "\n" if prefix else ""
+    n_prefix = args.shared_prefix_len
+    prefix = random_texts(tokenizer, rng, [n_prefix])[0] + "\n" if n_prefix else ""
     arrival, jobs = 0.0, []
     for i, p in enumerate(prompts):
         if i and args.request_rate != float("inf"):

@@ -98,42 +98,19 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def cmd_bench_serve(args) -> int:
-    return bench_serve.main(args)
-
-
 def cmd_bench_offline(args) -> int:
     bench.run_bench(args)
     return 0
 
 
-# Help for the options that bench_serve.py declares without any (see _fill_help).
-_HELP = {
-    "--endpoint": "the completions path on the server",
-    "--num-prompts": "requests to send",
-    "--input-len": "prompt tokens per request",
-    "--output-len": "output tokens per request",
-    "--range-ratio": "lengths uniform in [len * (1 - r), len * (1 + r)]",
-    "--request-rate": "requests per second, a Poisson process (inf: all at once)",
-    "--max-concurrency": "most requests in flight at once (default: no limit)",
-    "--seed": "random seed of the prompts and arrival times",
-    "--api-key": "bearer token to send (default: $OPENAI_API_KEY)",
-}
-
-
-def _fill_help(parser: argparse.ArgumentParser) -> None:
-    """Give every option of `parser` and its subcommands help text and _HelpFormatter."""
+def _set_formatter(parser: argparse.ArgumentParser) -> None:
+    """_HelpFormatter for `parser` and its subcommands. (An --api-key's help names its default
+    itself: a secret taken from the environment is never printed.)"""
     parser.formatter_class = _HelpFormatter
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
-                _fill_help(sub)
-        elif action.option_strings and action.help is None:
-            action.help = _HELP.get(action.option_strings[0])
-    # Never print a secret taken from the environment as a default.
-    for action in parser._actions:
-        if action.dest == "api_key" and "default" not in (action.help or ""):
-            action.help = (action.help or "") + " (default: none)"
+                _set_formatter(sub)
 
 
 def _add_serve_parsers(sub) -> None:
@@ -141,7 +118,9 @@ def _add_serve_parsers(sub) -> None:
     EngineArgs.add_cli_args(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=8000, help="TCP port")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: none)"
+    )
     s.add_argument(
         "--served-model-name",
         default=None,
@@ -160,7 +139,7 @@ def _add_serve_parsers(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     bs = b.add_parser("serve", help="load-test an OpenAI-compatible server (as vllm bench serve)")
     bench_serve.add_cli_args(bs)
-    bs.set_defaults(func=cmd_bench_serve)
+    bs.set_defaults(func=bench_serve.main)
     kinds = {
         "latency": "decode ms per step at batch 1, 8, 64, 256 beside the floor",
         "throughput": "N requests, in/out lengths uniform in [100, 1024]",
@@ -201,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.set_defaults(func=cmd_convert)
     _add_serve_parsers(sub)
-    _fill_help(parser)
+    _set_formatter(parser)
     return parser
 
 

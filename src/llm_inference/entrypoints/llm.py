@@ -166,7 +166,11 @@ class LLM:
             raise TypeError(f"params must be BeamSearchParams, not {type(params).__name__}")
         prompt_list = self._normalize_prompts(prompts)
         token_ids = self._token_ids(prompt_list)
-        self._validate(token_ids, SamplingParams(max_tokens=1))  # beams stop at max_model_len
+        for i, ids in enumerate(token_ids):  # each checked first: its rounds are other requests
+            try:  # max_tokens=1: beams stop at max_model_len
+                self.engine.validate_request(ids, SamplingParams(max_tokens=1))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from e
         return beam_search(self, token_ids, params, use_tqdm)
 
     def chat(
@@ -181,20 +185,16 @@ class LLM:
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the chat template to one conversation or a list of them, then generate.
-        `continue_final_message`: the last (assistant) message is left open for the model to
-        continue, instead of a new turn (as vLLM's; not with `add_generation_prompt`).
-        `chat_template_kwargs`: extra variables for the template (e.g. Llama 3's
-        `date_string`); `tools`: tool definitions (OpenAI's format) for templates that take
-        them. A message's content is a string or OpenAI's list of text parts, as the server
-        takes it (entrypoints/chat_template.py; other parts: ValueError naming them)."""
+        """Apply the chat template to one conversation or a list of them, as the server does
+        (`chat_template.render_chat`: what messages hold, ValueError naming what is refused),
+        then generate. `continue_final_message`: the last (assistant) message is left open for
+        the model to continue (as vLLM's); `chat_template_kwargs`: extra template variables
+        (e.g. Llama 3's `date_string`); `tools`: OpenAI-format tool definitions."""
         self._engine()
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message needs add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for i, conv in enumerate(conversations):
-            try:  # the server's rendering: content parts flattened, the same template call
+            try:
                 prompts.append(render_chat(
                     self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message, tools=tools,
@@ -225,9 +225,8 @@ class LLM:
                     "ambiguous (one prompt or a batch) and its dtype may not be integer"
                 )
             raise TypeError(
-                f"prompts must be a string, a list of token ids, a prompt dict or a list of "
-                f"those, not "
-                f"{type(prompts).__name__}{hint}"
+                "prompts must be a string, a list of token ids, a prompt dict or a list of "
+                f"those, not {type(prompts).__name__}{hint}"
             )
         if any(_as_token(t) is not None for t in prompts) and not any(
             isinstance(p, (str, list, tuple)) for p in prompts
@@ -278,15 +277,6 @@ class LLM:
                 raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
             sampling_params = [replace(p, max_tokens=max_new_tokens) for p in sampling_params]
         return list(sampling_params)
-
-    def _validate(self, token_ids: list[list[int]], params: SamplingParams) -> None:
-        """Check every prompt of a beam search, naming the bad one (its rounds run other
-        requests: the beams)."""
-        for i, ids in enumerate(token_ids):
-            try:
-                self.engine.validate_request(ids, params)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from e
 
     def _run(self, texts, token_ids, params, use_tqdm: bool) -> list[RequestOutput]:
         prefix = f"{next(self._ids)}-"

@@ -129,8 +129,7 @@ def default_model_dir(gguf_path: Path | None = None) -> Path:
 def ensure_default_model() -> Path:
     """The cached Hugging Face folder of the default model, converting it on first use."""
     gguf_path = default_gguf_path()
-    root = cache_root()
-    name = f"{DEFAULT_MODEL_NAME}-{_cache_key(gguf_path)}"
+    root, name = cache_root(), default_model_dir(gguf_path).name
     try:
         return _ensure_in(root, name, gguf_path)
     except OSError as e:

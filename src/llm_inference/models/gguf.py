@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -90,8 +91,6 @@ def _config(reader, path: str) -> ModelConfig:
     try:
         return _config_unchecked(reader, path)
     except CheckpointError as e:
-        if str(e).startswith(path):
-            raise
         raise CheckpointError(f"{path}: {e}") from None
 
 
@@ -210,18 +209,12 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     """The Hugging Face name of a GGUF tensor; None for tensors that are not parameters."""
     if gguf_name in _NOT_PARAMETERS:
         return None
-    parts = gguf_name.split(".")
-    if len(parts) == 2 and parts[1] == "weight" and parts[0] in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[parts[0]]}.weight"
-    if (
-        len(parts) == 4
-        and parts[0] == "blk"
-        and parts[1].isdecimal()
-        and parts[1] == str(int(parts[1]))  # blk.01 would alias blk.1
-        and parts[3] == "weight"
-        and parts[2] in _LAYER_NAMES
-    ):
-        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}.weight"
+    base = gguf_name.removesuffix(".weight")
+    if base != gguf_name and base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.weight"
+    layer = re.fullmatch(r"blk\.(0|[1-9][0-9]*)\.([a-z_]+)\.weight", gguf_name)  # not blk.01
+    if layer and layer[2] in _LAYER_NAMES:
+        return f"model.layers.{layer[1]}.{_LAYER_NAMES[layer[2]]}.weight"
     raise CheckpointError(
         f"unexpected GGUF tensor {gguf_name!r}: only bias-free Llama tensors are supported"
     )
@@ -286,9 +279,7 @@ def _iter_weights(reader, config: ModelConfig, dtype) -> Iterator[tuple[str, tor
 def load_gguf_tokenizer(path: str | os.PathLike):
     """The file's tokenizer, built by transformers from the GGUF vocabulary, chat template
     included."""
-    # transformers is heavy to import, and only the front end needs a tokenizer (the worker
-    # processes import this module too).
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: only the front end needs a tokenizer
 
     p = Path(path)
     _open(p)

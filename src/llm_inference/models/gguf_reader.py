@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import mmap
 import os
 from pathlib import Path
@@ -93,11 +94,7 @@ class _Cursor:
 
     def string(self, what: str) -> bytes:
         n = self.uint(8, what)
-        if n > self.end - self.pos:
-            self.fail(
-                f"{what}: a string of {n} bytes at offset {self.pos} runs past the end of the "
-                f"file ({self.end} bytes)"
-            )
+        self.need(n, f"{what}: a string of {n} bytes")
         data = bytes(self.buf[self.pos : self.pos + n])
         self.pos += n
         return data
@@ -212,10 +209,7 @@ def scan_gguf_header(path: str | os.PathLike) -> GGUFHeader:
             )
         if offset % alignment:
             raise CheckpointError(f"{where}: data offset {offset} is not {alignment}-aligned")
-        n = 1
-        for d in dims:
-            n *= d
-        nbytes = n // block * type_size
+        nbytes = math.prod(dims) // block * type_size
         start = data_offset + offset
         if start + nbytes > size:
             raise CheckpointError(
@@ -244,9 +238,7 @@ def is_gguf(path: str | os.PathLike) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _read(path: str, size: int, mtime_ns: int) -> GGUFReader:
-    # Parsing the header (tens of thousands of vocabulary strings) is slow and makes many Python
-    # objects: the config and weights steps of one load share one parse, which release_reader
-    # drops. Keyed by size and mtime.
+    """One parse (slow: tens of thousands of vocabulary strings) per file and load."""
     header = scan_gguf_header(path)  # first: the reader trusts every count it reads
     reader = GGUFReader(path)
     reader.checked_header = header

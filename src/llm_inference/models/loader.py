@@ -28,7 +28,7 @@ from llm_inference.models.model_config import (
     check_shapes,
     ignored_tensor,
     load_hf_config,
-    read_json_file,
+    read_json_object,
 )
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -50,9 +50,7 @@ def safetensors_files(folder: Path) -> list[Path]:
         raise CheckpointError(f"checkpoint path does not exist or is not a folder: {folder}")
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        data = read_json_file(index, index.name)
-        if not isinstance(data, dict):
-            raise CheckpointError(f"{index}: {index.name} must hold a JSON object")
+        data = read_json_object(index)
         if "weight_map" not in data:
             raise CheckpointError(f"{index}: {index.name} has no 'weight_map'")
         weight_map = data["weight_map"]
@@ -89,13 +87,6 @@ def safetensors_files(folder: Path) -> list[Path]:
 def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape from the headers of `files` (no data is read); CheckpointError for
     unreadable headers, non-float dtypes and tensors stored twice."""
-    shapes, problems = safetensors_header_check(files)
-    if problems:
-        raise CheckpointError(f"{files[0].parent}: " + " | ".join(problems))
-    return shapes
-
-
-def safetensors_header_check(files: list[Path]) -> tuple[dict[str, tuple[int, ...]], list[str]]:
     shapes: dict[str, tuple[int, ...]] = {}
     where: dict[str, str] = {}
     problems = []
@@ -116,7 +107,9 @@ def safetensors_header_check(files: list[Path]) -> tuple[dict[str, tuple[int, ..
                     where[name] = f.name
         except Exception as e:  # safetensors raises its own error types
             raise CheckpointError(f"cannot read safetensors file {f}: {e}") from e
-    return shapes, problems
+    if problems:
+        raise CheckpointError(f"{files[0].parent}: " + " | ".join(problems))
+    return shapes
 
 
 class LazySlice:
@@ -209,9 +202,7 @@ def load_model(
 
 def load_tokenizer(path: str | Path):
     """The checkpoint's tokenizer (and chat template) through transformers."""
-    # transformers is heavy to import, and only the front end needs a tokenizer (the worker
-    # processes import this module too).
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: only the front end needs a tokenizer
 
     path = Path(path)
     if is_gguf(path):

@@ -36,22 +36,26 @@ _COPIED_KEYS = (
 )  # fmt: skip
 
 
-def read_json_file(path: Path, what: str = "") -> Any:
-    """The JSON value in `path`; CheckpointError (naming the file) if it is too large, not
-    UTF-8 or not JSON."""
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`; CheckpointError (naming the file) if it is too large, not
+    UTF-8, not JSON or not an object."""
     try:
         size = path.stat().st_size
         if size > MAX_JSON_BYTES:
-            raise CheckpointError(f"{path} is too large ({size} bytes) for a {what or 'JSON'} file")
-        return json.loads(path.read_bytes().decode("utf-8"))
+            raise CheckpointError(f"{path} is too large ({size} bytes) for a {path.name} file")
+        data = json.loads(path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from e
     except OSError as e:
         raise CheckpointError(f"cannot read {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: {path.name} must hold a JSON object")
+    return data
 
 
 def _token_ids(value: Any, key: str) -> tuple[int, ...]:
-    """`eos_token_id` as JSON spells it (null, an id, or a list of ids) as a tuple."""
+    """`eos_token_id` as JSON spells it (null, an id, or a list of ids) as a tuple; `key`
+    names it in the error."""
     if value is None:
         return ()
     ids = value if isinstance(value, list) else [value]
@@ -70,23 +74,13 @@ def load_hf_config(path: str | os.PathLike) -> ModelConfig:
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"no config.json in checkpoint folder {folder}")
-    data = read_json_file(cfg_file, "config.json")
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{cfg_file}: config.json must hold a JSON object")
+    data = read_json_object(cfg_file)
     gen_file = folder / "generation_config.json"
     if gen_file.is_file():
-        gen = read_json_file(gen_file, "generation_config.json")
-        if not isinstance(gen, dict):
-            raise CheckpointError(f"{gen_file} must hold a JSON object")
-        try:
-            extra = _token_ids(gen.get("eos_token_id"), "eos_token_id")
-        except CheckpointError as e:
-            raise CheckpointError(f"{gen_file}: {e}") from None
+        gen = read_json_object(gen_file)
+        extra = _token_ids(gen.get("eos_token_id"), f"{gen_file}: eos_token_id")
         if extra:
-            try:
-                own = _token_ids(data.get("eos_token_id"), "eos_token_id")
-            except CheckpointError as e:
-                raise CheckpointError(f"{cfg_file}: {e}") from None
+            own = _token_ids(data.get("eos_token_id"), f"{cfg_file}: eos_token_id")
             merged = list(dict.fromkeys(own + extra))
             data = {**data, "eos_token_id": merged}
     return parse_hf_config(data, source=str(cfg_file))
@@ -96,14 +90,12 @@ def parse_hf_config(d: dict[str, Any], source: str = "config") -> ModelConfig:
     """A ModelConfig from a transformers config dict; CheckpointError, prefixed with `source`,
     naming the key of any missing, mistyped, out-of-range or inconsistent value."""
     try:
-        return _parse(d, source)
+        return _parse(d)
     except CheckpointError as e:
-        if str(e).startswith(source):
-            raise
         raise CheckpointError(f"{source}: {e}") from None
 
 
-def _parse(d: dict[str, Any], source: str) -> ModelConfig:
+def _parse(d: dict[str, Any]) -> ModelConfig:
     if not isinstance(d, dict):
         raise CheckpointError(f"the config must be a JSON object, not {type(d).__name__}")
     model_type = d.get("model_type")

@@ -74,14 +74,10 @@ class GuardMiddleware:
             more = message.get("more_body", False)
             if len(body) > self.max_body_bytes:
                 return await _send_error(send, too_large)
-        replayed = False
+        pending = [{"type": "http.request", "body": body, "more_body": False}]
 
         async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
+            return pending.pop() if pending else await receive()
 
         await self.app(scope, replay, send)
 

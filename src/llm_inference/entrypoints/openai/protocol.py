@@ -1,16 +1,12 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and the OpenAI error format.
 
-Field names and defaults follow OpenAI's API (`logit_bias` and completions' `echo` included);
-`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
-`skip_special_tokens`, `include_stop_str_in_output`, `allowed_token_ids`,
-`truncate_prompt_tokens`, `prompt_logprobs`, `bad_words`, `structured_outputs` (choice
-only; or the older `guided_choice`), `use_beam_search` and `length_penalty` are extra fields,
-as vLLM accepts them. Chat takes `tools` (parsed from the answer as Llama 3 writes calls:
-tool_parser.py). Fields of UNSUPPORTED (other structured outputs, `best_of`, ...) are refused
-with a 400 naming them; other unknown fields are ignored. An explicit null means the field's
-default, as OpenAI and vLLM read it. `n` is bounded here (OpenAI's 1..128); other values are
-range-checked by `SamplingParams` (and `BeamSearchParams`), whose errors name the field.
-Chat content is text only (`content_text`): other content parts are a 400 naming them.
+Field names and defaults follow OpenAI's API, plus the extra fields vLLM accepts (those of
+`_SamplingFields` marked vLLM's: sampling, structured outputs of the choice kind, beam search).
+Fields of UNSUPPORTED are refused with a 400 naming them; other unknown fields are ignored; an
+explicit null means the field's default. `n` is bounded here (OpenAI's 1..128); other values are
+range-checked by `SamplingParams` (and `BeamSearchParams`), whose errors name the field. Chat
+content is text only (`content_text`: other parts are a 400 naming them); chat `tools` are
+parsed from the answer as Llama 3 writes calls (tool_parser.py).
 """
 
 from __future__ import annotations

@@ -26,10 +26,8 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(outputs: list[RequestOutput]) -> dict[str, int]:
-    """Prompt tokens (the tokenized prompts) and completion tokens (all generated ones)."""
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+def usage(prompt: int, completion: int) -> dict[str, int]:
+    """The usage of `prompt` tokens (the tokenized prompts) and `completion` (generated) ones."""
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}  # fmt: skip
 
@@ -119,19 +117,13 @@ class ResponseBuilder:
     def vllm_prompt_logprobs(self, lps: list[Logprobs | None] | None) -> list | None:
         """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob,
         decoded_token}} for the token itself and the most likely ones there."""
-        if lps is None:
-            return None
-        out = []
-        for lp in lps:
-            if lp is None:
-                out.append(None)
-                continue
-            entry = {str(t): {"logprob": _lp(v), "decoded_token": self.token_text(t)}
-                     for t, v in lp.top.items()}  # fmt: skip
-            entry[str(lp.token_id)] = {"logprob": _lp(lp.logprob),
-                                       "decoded_token": self.token_text(lp.token_id)}  # fmt: skip
-            out.append(entry)
-        return out
+
+        def entry(lp: Logprobs) -> dict[str, dict]:
+            top = {**lp.top, lp.token_id: lp.logprob}  # the token's own entry included
+            return {str(t): {"logprob": _lp(v), "decoded_token": self.token_text(t)}
+                    for t, v in top.items()}  # fmt: skip
+
+        return None if lps is None else [None if lp is None else entry(lp) for lp in lps]
 
     def logprobs(self, lps: list[Logprobs] | None, offset: int = 0) -> dict[str, Any] | None:
         if lps is None:
@@ -167,7 +159,9 @@ class ResponseBuilder:
                     choice["prompt_logprobs"] = self.vllm_prompt_logprobs(out.prompt_logprobs)
                 choices.append(choice)
         name = "text_completion" if self.kind == "completion" else "chat.completion"
-        body = {**self._head(name), "choices": choices, "usage": usage(outputs)}
+        prompt = sum(len(o.prompt_token_ids) for o in outputs)
+        completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        body = {**self._head(name), "choices": choices, "usage": usage(prompt, completion)}
         if self.prompt_logprobs and self.kind == "chat":  # one prompt: at the top, as vLLM
             body["prompt_logprobs"] = self.vllm_prompt_logprobs(outputs[0].prompt_logprobs)
         return body
@@ -236,9 +230,7 @@ class DeltaTracker:
         return result
 
     def usage(self) -> dict[str, int]:
-        prompt = sum(self.prompt_tokens.values())
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt + self.completion_tokens}  # fmt: skip
+        return usage(sum(self.prompt_tokens.values()), self.completion_tokens)
 
     def _chunk(self, i: int, c: CompletionOutput) -> dict[str, Any] | None:
         key = (i, c.index)

@@ -92,9 +92,7 @@ class OpenAIServing:
 
     def completion_prompts(self, prompt: Any) -> list[Prompt]:
         """Each prompt's (text, token ids); CPU work: run it in a thread."""
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        elif prompt and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
             prompt = [prompt]
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
