@@ -159,6 +159,9 @@ def test_convert_writes_a_folder_transformers_and_we_load(tmp_path, tiny_ckpt, t
     out = convert_gguf_to_hf(tiny_gguf, tmp_path / "out", dtype=dtype)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype"] == dtype
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # not 0600
     with safe_open(out / "model.safetensors", "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {getattr(torch, dtype)}
     assert load_hf_config(out) == dataclasses.replace(load_hf_config(tiny_ckpt), torch_dtype=dtype)

@@ -299,7 +299,10 @@ def convert_gguf_to_hf(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {name: w.contiguous() for name, w in iter_gguf_weights(gguf_path, torch_dtype)}
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config_dict(config, dtype), indent=2) + "\n")
+    config_file = out / "config.json"
+    config_file.write_text(json.dumps(hf_config_dict(config, dtype), indent=2) + "\n")
+    weights = out / "model.safetensors"
+    save_file(tensors, weights, metadata={"format": "pt"})
+    weights.chmod(config_file.stat().st_mode & 0o777)  # safetensors makes it 0600, not the umask's
     tokenizer.save_pretrained(out)
     return out
