@@ -299,3 +299,18 @@ def test_parser_and_help_import_no_torch():
     )
     src = Path(__file__).resolve().parents[2] / "src"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=src)
+
+
+def test_top_level_help_speaks_to_users(capsys):
+    """`llm-inference --help`: every command in the usage line, a description for users (no
+    source file names, no developer notes), and `bench --help` lists each benchmark."""
+    parser = cli.build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "{generate,chat,convert,serve,bench}" in out
+    assert ".py" not in out and "import" not in out
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert all(kind in out for kind in ("latency", "throughput", "prefill", "serve"))

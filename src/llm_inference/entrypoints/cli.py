@@ -151,8 +151,15 @@ def _add_serve_parsers(sub) -> None:
         bo.set_defaults(func=cmd_bench_offline)
 
 
+DESCRIPTION = (
+    "Run a Llama-family model: generate text, chat, serve an OpenAI-compatible API, convert GGUF "
+    "files and benchmark. Without --model, the bundled SmolLM2-135M-Instruct. "
+    "`llm-inference COMMAND --help` lists a command's options."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llm-inference", description=__doc__)
+    parser = argparse.ArgumentParser(prog="llm-inference", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
