@@ -292,3 +292,18 @@ def test_malformed_json_names_no_field(live_server):
                    headers={**HEADERS, "Content-Type": "application/json"})  # fmt: skip
     err = error(r)
     assert err["param"] is None and "not valid JSON" in err["message"]
+
+
+def test_a_json_body_is_read_whatever_its_content_type(live_server):
+    """curl -d sends application/x-www-form-urlencoded; vLLM reads the JSON body regardless."""
+    import json
+
+    for content_type in (None, "application/x-www-form-urlencoded", "text/plain"):
+        headers = {**HEADERS, **({"Content-Type": content_type} if content_type else {})}
+        r = httpx.post(live_server.url + "/v1/completions", content=json.dumps(COMPLETION),
+                       headers=headers, timeout=60)  # fmt: skip
+        assert r.status_code == 200, (content_type, r.text)
+        assert r.json()["choices"][0]["text"] is not None
+    err = error(httpx.post(live_server.url + "/v1/completions", content=b"prompt=Hi",
+                           headers=HEADERS, timeout=60))  # fmt: skip
+    assert "not valid JSON" in err["message"]

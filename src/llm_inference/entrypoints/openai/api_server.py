@@ -35,6 +35,11 @@ from llm_inference.gc_heap import freeze_startup_heap, thaw_heap
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 _OPEN_PATHS = ("/health", "/metrics")
+JSON = b"application/json"
+
+
+def _without(headers: list, name: bytes) -> list:
+    return [(k, v) for k, v in headers if k.lower() != name]
 
 
 async def _send_error(send, err: APIError, headers: list | None = None) -> None:
@@ -47,7 +52,8 @@ class GuardMiddleware:
     """API key check (Bearer token) and the request body size limit, before any routing.
 
     A body is read whole (up to `max_body_bytes`, else 413) and replayed to the app, so a
-    chunked body without Content-Length is limited too."""
+    chunked body without Content-Length is limited too. Every body is JSON, whatever its
+    Content-Type says (curl's `-d` sends form-encoded), as vLLM reads it."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
@@ -75,6 +81,9 @@ class GuardMiddleware:
             if len(body) > self.max_body_bytes:
                 return await _send_error(send, too_large)
         pending = [{"type": "http.request", "body": body, "more_body": False}]
+        if body and headers.get(b"content-type", b"").split(b";")[0].strip() != JSON:
+            scope = {**scope, "headers": [*_without(scope["headers"], b"content-type"),
+                                          (b"content-type", JSON)]}  # fmt: skip
 
         async def replay():
             return pending.pop() if pending else await receive()
