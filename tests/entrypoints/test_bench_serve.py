@@ -64,3 +64,16 @@ def test_bench_serve_worker_processes(live_server, tmp_path):
     rc, r = _bench(live_server, tmp_path, "--num-workers", "2", "--num-prompts", "3",
                    "--multi-turn", "2", "--max-concurrency", "2")  # fmt: skip
     assert rc == 0 and (r["completed"], r["failed"]) == (6, 0)
+
+
+def test_bench_serve_without_the_key_is_one_error_line(live_server, monkeypatch, capsys):
+    """The server wants an API key and none was given: `error:` naming the 401 and --api-key,
+    exit 1, no traceback; a server that is not there: `error:` naming the address."""
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    assert main(["bench", "serve", "--base-url", live_server.url, "--num-prompts", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "401" in err and "--api-key" in err, err
+    assert "Traceback" not in err
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "127.0.0.1:9" in err, err

@@ -160,8 +160,17 @@ async def send_request(client, url: str, payload: dict, headers: dict) -> Reques
 def _model_name(base_url: str, headers: dict, timeout: float) -> str:
     import httpx
 
-    resp = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=timeout)
-    resp.raise_for_status()
+    try:
+        resp = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=timeout)
+    except httpx.TransportError as e:
+        raise RuntimeError(f"no server answers at {base_url}: {e}") from None
+    if resp.status_code == 401:
+        raise RuntimeError(
+            f"{base_url} refused the API key (401): pass the server's key with --api-key "
+            "or $OPENAI_API_KEY"
+        )
+    if resp.status_code != 200:
+        raise RuntimeError(f"GET {base_url}/v1/models answered {resp.status_code}: {resp.text}")
     return resp.json()["data"][0]["id"]
 
 
