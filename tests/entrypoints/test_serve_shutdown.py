@@ -16,6 +16,9 @@ import httpx
 from conftest import free_port
 from helpers import make_checkpoint
 
+from llm_inference.entrypoints.openai.api_server import served_name
+from llm_inference.models.default_model import DEFAULT_MODEL_NAME
+
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
@@ -53,9 +56,20 @@ def test_sigint_aborts_running_requests_and_exits_cleanly(tmp_path):
             time.sleep(0.01)
         proc.send_signal(signal.SIGINT)
         reader.join(timeout=20)
-        _, err = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=30)
     finally:
         proc.kill()
     assert proc.returncode == 130 and "Traceback" not in err, err
+    # What it serves, said at start (as vLLM logs it)
+    assert f"serving 'm' from {ckpt}" in out and "cpu, float32, reference kernels" in out, out
+    assert "max_model_len 65536, KV cache " in out and f"http://127.0.0.1:{port}/v1" in out
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][len("data: ") :])["choices"][0]["finish_reason"] == "abort"
+
+
+def test_served_name_is_stable_for_the_default_model():
+    """Without --model the id is the default model's name, not its cache folder's (which ends
+    in a hash); a given model is served under the argument as given, as vLLM does."""
+    assert served_name(None, None) == DEFAULT_MODEL_NAME == "SmolLM2-135M-Instruct"
+    assert served_name(None, "/ckpt/Llama-3.2-1B") == "/ckpt/Llama-3.2-1B"
+    assert served_name("m", "/ckpt/Llama-3.2-1B") == "m"

@@ -32,6 +32,7 @@ from llm_inference.entrypoints.openai.protocol import (
 from llm_inference.entrypoints.openai.serving import OpenAIServing
 from llm_inference.entrypoints.openai.streaming import ClientDisconnected
 from llm_inference.gc_heap import freeze_startup_heap, thaw_heap
+from llm_inference.models.default_model import DEFAULT_MODEL_NAME
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 _OPEN_PATHS = ("/health", "/metrics")
@@ -232,6 +233,29 @@ def build_app(
     return app
 
 
+def served_name(served_model_name: str | None, model: str | None) -> str:
+    """The model's id in the API: the one asked for, else the model argument as given (as
+    vLLM), else the default model's name (stable, unlike its cache folder's)."""
+    return served_model_name or model or DEFAULT_MODEL_NAME
+
+
+def startup_summary(llm: AsyncLLM, name: str, url: str, has_key: bool) -> str:
+    """What the server serves, as vLLM logs it at start: the model and where it came from, the
+    device and dtype, the context, the KV cache and the address."""
+    c, blocks = llm.config, llm.stats()["num_kv_blocks"]
+    tp = c.parallel.tensor_parallel_size
+    device = f"{c.device} x {tp} (tensor parallel)" if tp > 1 else c.device
+    graphs = ", CUDA graphs" if c.kernel_backend == "triton" and not c.enforce_eager else ""
+    key = " (API key required)" if has_key else ""
+    return "\n".join([
+        f"llm_inference: serving {name!r} from {c.model_path}",
+        f"llm_inference: {device}, {c.dtype}, {c.kernel_backend} kernels{graphs}",
+        f"llm_inference: max_model_len {c.scheduler.max_model_len}, KV cache {blocks} blocks of "
+        f"{c.cache.block_size} tokens, max_num_seqs {c.scheduler.max_num_seqs}",
+        f"llm_inference: OpenAI-compatible API at {url}/v1{key}",
+    ])  # fmt: skip
+
+
 def run_server(
     model: str | None,
     *,
@@ -247,7 +271,8 @@ def run_server(
     import uvicorn
 
     llm = AsyncLLM(model, **engine_args)
-    name = served_model_name or model or llm.config.model_path.rstrip("/").split("/")[-1]
+    name = served_name(served_model_name, model)
+    print(startup_summary(llm, name, f"http://{host}:{port}", api_key is not None), flush=True)
     app = build_app(llm, name, api_key=api_key, shutdown_llm=True)
     freeze_startup_heap()
 
