@@ -73,3 +73,46 @@ def test_served_name_is_stable_for_the_default_model():
     assert served_name(None, None) == DEFAULT_MODEL_NAME == "SmolLM2-135M-Instruct"
     assert served_name(None, "/ckpt/Llama-3.2-1B") == "/ckpt/Llama-3.2-1B"
     assert served_name("m", "/ckpt/Llama-3.2-1B") == "m"
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """Processes that `pid` started with multiprocessing's spawn (from /proc; not its resource
+    tracker)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:  # gone since the listing
+            continue
+        if int(fields[1]) == pid and b"spawn_main" in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_a_killed_engine_core_stops_the_server_with_an_error(tiny_ckpt):
+    """kill -9 of the engine core process: the server says so and exits non-zero within
+    seconds (a supervisor restarts it), instead of answering 503 for ever."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "llm_inference.entrypoints.cli", "serve", "--model",
+           str(tiny_ckpt), "--device", "cpu", "--port", str(port), "--log-level", "warning",
+           "--kv-cache-memory-bytes", str(1 << 20)]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+                time.sleep(0.1)
+        (core,) = _spawned_children(proc.pid)
+        os.kill(core, signal.SIGKILL)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err
+    assert "the engine stopped" in err and "error: the engine stopped" in err, err
+    assert "Traceback" not in err, err

@@ -142,6 +142,12 @@ class AsyncLLM:
         return dict(self.metrics.snapshot().engine)
 
     @property
+    def error(self) -> BaseException | None:
+        """Why the engine stopped, if it failed (its core process died, a step raised); None
+        while it runs and after a clean shutdown."""
+        return self._error
+
+    @property
     def is_running(self) -> bool:
         return self._error is None and self._thread.is_alive()
 

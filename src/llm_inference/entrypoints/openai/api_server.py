@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import sys
 import time
 from contextlib import asynccontextmanager
 from typing import Any
@@ -281,10 +282,22 @@ def run_server(
             llm.abort_all()
             super().handle_exit(sig, frame)
 
+        async def on_tick(self, counter: int) -> bool:
+            # A dead engine (its core process killed, a step failed) serves nothing: stop, so
+            # that the exit status tells a supervisor to restart the server.
+            if llm.error is not None and not self.should_exit:
+                print(f"llm_inference: the engine stopped ({llm.error}); shutting down",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                self.should_exit = True
+            return await super().on_tick(counter)
+
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=10)  # fmt: skip
     try:
         Server(config).run()
     finally:
+        error = llm.error
         llm.shutdown()
         thaw_heap()
+    if error is not None:
+        raise RuntimeError(f"the engine stopped: {error}")
