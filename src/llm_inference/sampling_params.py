@@ -28,6 +28,18 @@ def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def _is_text(x: object) -> bool:
+    """A non-empty string the tokenizer can take: valid Unicode (JSON's \\ud800 escapes carry
+    lone surrogates, which no UTF-8 encoder accepts)."""
+    if not isinstance(x, str) or not x:
+        return False
+    try:
+        x.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class SamplingPath(enum.IntEnum):
     """How a request's tokens are sampled, decided once from its parameters when they are
     validated (`SamplingParams.sampling_path`). Each path needs everything the ones before it
@@ -68,13 +80,11 @@ class StructuredOutputsParams:
         if isinstance(self.choice, (list, tuple)):
             object.__setattr__(self, "choice", tuple(self.choice))
         if not (
-            isinstance(self.choice, tuple)
-            and self.choice
-            and all(isinstance(c, str) and c for c in self.choice)
+            isinstance(self.choice, tuple) and self.choice and all(_is_text(c) for c in self.choice)
         ):
             raise ValueError(
-                f"structured_outputs.choice must be a non-empty list of non-empty strings, got "
-                f"{self.choice!r}"
+                f"structured_outputs.choice must be a non-empty list of non-empty strings of "
+                f"valid Unicode, got {self.choice!r}"
             )
 
 
@@ -229,8 +239,8 @@ class SamplingParams:
         if not (isinstance(ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in ids)):
             fail("stop_token_ids", "a list of non-negative integers")
         stops = (self.stop,) if isinstance(self.stop, str) else self.stop or ()
-        if not (isinstance(stops, (list, tuple)) and all(isinstance(s, str) and s for s in stops)):
-            fail("stop", "a non-empty string or a list of non-empty strings")
+        if not (isinstance(stops, (list, tuple)) and all(_is_text(s) for s in stops)):
+            fail("stop", "a non-empty string or a list of non-empty strings, of valid Unicode")
         if stops and not self.detokenize:
             fail("stop", "empty when detokenize=False (stop strings need the text)")
         if self.logit_bias is not None and not (
@@ -246,9 +256,9 @@ class SamplingParams:
             fail("truncate_prompt_tokens", "None, -1 (the model's length) or an integer >= 1")
         if self.bad_words is not None and not (
             isinstance(self.bad_words, (list, tuple))
-            and all(isinstance(w, str) and w.strip() for w in self.bad_words)
+            and all(_is_text(w) and w.strip() for w in self.bad_words)
         ):
-            fail("bad_words", "None or a list of non-empty strings")
+            fail("bad_words", "None or a list of non-empty strings of valid Unicode")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 fail("structured_outputs", "None or a StructuredOutputsParams")

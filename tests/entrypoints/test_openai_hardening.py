@@ -307,3 +307,41 @@ def test_a_json_body_is_read_whatever_its_content_type(live_server):
     err = error(httpx.post(live_server.url + "/v1/completions", content=b"prompt=Hi",
                            headers=HEADERS, timeout=60))  # fmt: skip
     assert "not valid JSON" in err["message"]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("stop", ["s"] * 17), ("bad_words", ["w"] * 1025), ("stop_token_ids", [1] * 1025),
+     ("allowed_token_ids", [1] * 16385), ("logit_bias", {str(i): 1 for i in range(1025)}),
+     ("guided_choice", ["c"] * 1025), ("structured_outputs", {"choice": ["c"] * 1025})],
+)  # fmt: skip
+def test_list_fields_are_bounded(live_server, field, value):
+    """Each entry of these lists costs every stream time (front-end tokenizing, a per-step mask,
+    a per-token stop search): above its bound a request is a 400 naming the field."""
+    err = error(post(live_server, "/v1/completions", {**COMPLETION, field: value}))
+    assert err["param"] == field and "at most" in err["message"], err
+
+
+def test_prompts_per_request_are_bounded(live_server):
+    err = error(post(live_server, "/v1/completions", {**COMPLETION, "prompt": ["hi"] * 1025}))
+    assert err["param"] == "prompt" and "at most 1024 prompts" in err["message"]
+    r = post(live_server, "/v1/completions", {**COMPLETION, "prompt": ["hi"] * 3})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3
+
+
+@pytest.mark.parametrize(
+    "field, value, param",
+    [("stop", ["\ud800"], "stop"), ("bad_words", ["a\ud800"], "bad_words"),
+     ("structured_outputs", {"choice": ["\udc00x"]}, "structured_outputs.choice"),
+     ("guided_choice", ["\udc00"], "structured_outputs.choice")],
+)  # fmt: skip
+def test_lone_surrogates_name_their_field(live_server, field, value, param):
+    """JSON's \\ud800 escapes carry lone surrogates: a 400 naming the field they are in (not
+    the tokenizer's TypeError under `prompt`)."""
+    import json
+
+    body = json.dumps({**COMPLETION, field: value}).encode()  # \\ud800 escapes, as JSON allows
+    r = httpx.post(live_server.url + "/v1/completions", content=body,
+                   headers={**HEADERS, "Content-Type": "application/json"}, timeout=60)  # fmt: skip
+    err = error(r)
+    assert err["param"] == param and "valid Unicode" in err["message"], err

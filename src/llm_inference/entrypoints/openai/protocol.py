@@ -20,6 +20,12 @@ from llm_inference.entrypoints.chat_template import content_text
 # OpenAI's limit on `n`. Each of the n completions is a sequence the engine fans out on its
 # one front-end thread, so an unbounded n would stall every request (and grow memory).
 MAX_N = 128
+# Bounds on a request's lists: each entry costs Python work on the server's one front-end
+# thread (tokenizing), in every step (a mask, a bias) or per token (a stop-string search), so
+# an unbounded list stalls every stream. Above a bound: a 400 naming the field.
+LIST_LIMITS = {"stop": 16, "stop_token_ids": 1024, "bad_words": 1024, "logit_bias": 1024,
+               "allowed_token_ids": 16384, "guided_choice": 1024}  # fmt: skip
+MAX_PROMPTS = 1024  # prompts in one completions request
 
 
 class APIError(Exception):
@@ -120,6 +126,23 @@ class _SamplingFields(_NullIsDefault):
             raise ValueError(f"n must be an integer >= 1 and <= {MAX_N}, got {n}")
         return n
 
+    @field_validator(*LIST_LIMITS)
+    @classmethod
+    def _bounded(cls, value: Any, info) -> Any:
+        limit = LIST_LIMITS[info.field_name]
+        if isinstance(value, (list, dict)) and len(value) > limit:
+            raise ValueError(f"at most {limit} entries, got {len(value)}")
+        return value
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _bounded_choice(cls, value: dict | None) -> dict | None:
+        choice = (value or {}).get("choice")
+        limit = LIST_LIMITS["guided_choice"]
+        if isinstance(choice, list) and len(choice) > limit:
+            raise ValueError(f"choice: at most {limit} entries, got {len(choice)}")
+        return value
+
     def field_name(self, param: str) -> str:
         """The request field a `SamplingParams` or `BeamSearchParams` parameter came from, to
         name it in that parameter's error."""
@@ -139,6 +162,14 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _bounded_prompts(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts, got {len(prompt)}")
+        return prompt
 
 
 class ChatMessage(BaseModel):
