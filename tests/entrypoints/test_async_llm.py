@@ -249,7 +249,10 @@ def test_lagging_consumer_gets_merged_deltas(allm, offline_llm):
         outs = []
         async for out in allm.generate(PROMPTS[4], params, output_kind=kind):
             outs.append(out)
-            time.sleep(0.05)  # blocks the event loop: the engine thread steps on meanwhile
+            if len(outs) == 1:  # block the event loop until the engine is done: however fast
+                deadline = time.monotonic() + 60  # it steps, every later delta is pending
+                while allm.stats()["num_unfinished_requests"] and time.monotonic() < deadline:
+                    time.sleep(0.01)
         return outs
 
     deltas = asyncio.run(lagging(RequestOutputKind.DELTA))
