@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from llm_inference import LLM
 from llm_inference.entrypoints import bench
@@ -69,7 +70,6 @@ def _clocked(monkeypatch):
 
 
 def test_decode_latency_is_the_per_step_difference_of_two_runs(llm, monkeypatch):
-    monkeypatch.setattr(bench, "VOCAB", 320)  # the tiny tokenizer's vocabulary
     _clocked(monkeypatch)
     res = bench.decode_latency(llm, batches=(1, 2), prompt_len=4)
     assert res == {1: pytest.approx(1.0), 2: pytest.approx(1.0)}
@@ -78,7 +78,6 @@ def test_decode_latency_is_the_per_step_difference_of_two_runs(llm, monkeypatch)
 def test_profile_decode_per_step_kernels(llm, monkeypatch):
     """The per-step kernel profile of the 8 + new minus 8-token runs (on the CPU: operators):
     the wall time per step from the two runs, the ranks' profiles of what ran."""
-    monkeypatch.setattr(bench, "VOCAB", 320)
     _clocked(monkeypatch)
     profiles, real_profile = [], bench._kernel_profile
 
@@ -156,3 +155,27 @@ def test_run_bench_passes_the_engine_flags_with_bench_defaults(tiny_ckpt, monkey
     assert seen["async_scheduling"] is False
     assert {k: seen[k] for k in bench.BENCH_DEFAULTS} == bench.BENCH_DEFAULTS
     assert "pdl" not in seen and "skinny_gemm" not in seen
+
+
+def test_a_named_shape_on_the_cpu_is_one_error_before_any_work(monkeypatch, capsys):
+    """`bench latency --model llama-3.2-1b` without a GPU: one `error:` line naming the shape,
+    its size and what to do, before a byte of the random checkpoint is written."""
+    from llm_inference.entrypoints import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(bench, "random_checkpoint", lambda *a: pytest.fail("wrote a checkpoint"))
+    assert cli.main(["bench", "latency", "--model", "llama-3.2-1b"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: the named shape llama-3.2-1b (2.5 GB") and "--model" in err
+    assert bench.shape_bytes("llama-3.1-8b") == 2 * 8_030_261_248  # Llama-3.1-8B's parameters
+
+
+def test_latency_on_the_cpu_has_no_floor(tiny_ckpt, capsys):
+    """Without a GPU there is no copy bandwidth to measure: the table says '-' for the floor."""
+    from llm_inference.entrypoints import cli
+
+    argv = ["bench", "latency", "--model", str(tiny_ckpt), "--device", "cpu", "--batches", "1",
+            "--dtype", "float32", "--max-model-len", "512"]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "decode ms per step\n" in out and "| 1 | " in out and out.rstrip().endswith("| - |")

@@ -81,6 +81,15 @@ def random_checkpoint(shape: str, root: Path | None = None) -> Path:
     return folder
 
 
+def shape_bytes(shape: str) -> int:
+    """The bf16 bytes of a named shape's weights (what `random_checkpoint` writes)."""
+    s = SHAPES[shape]
+    h, q, kv = s["hidden_size"], s["num_attention_heads"], s["num_key_value_heads"]
+    layer = 2 * h * q * s["head_dim"] + 2 * h * kv * s["head_dim"] + 3 * h * s["intermediate_size"]
+    embeddings = VOCAB * h * (1 if s["tie_word_embeddings"] else 2)
+    return 2 * (embeddings + s["num_hidden_layers"] * (layer + 2 * h) + h)
+
+
 def copy_bandwidth(device: str = "cuda", nbytes: int = 1 << 30) -> float:
     """Device-to-device copy of `nbytes` random bytes (median of 10): bytes read + written per
     second."""
@@ -119,9 +128,11 @@ def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def _random_prompts(rng: random.Random, n: int, length: int, ids: int | None = None):
-    """`n` prompts of `length` ids in [0, ids) (default: the vocabulary's but its last 256)."""
-    return [[rng.randrange(ids or VOCAB - 256) for _ in range(length)] for _ in range(n)]
+def _random_prompts(llm, rng: random.Random, n: int, length: int, ids: int | None = None):
+    """`n` prompts of `length` ids in [0, ids) (default: the model's vocabulary but its last
+    256, which hold special tokens)."""
+    ids = ids or max(1, llm.config.model.vocab_size - 256)
+    return [[rng.randrange(ids) for _ in range(length)] for _ in range(n)]
 
 
 def _timed_generate(llm, prompts, params) -> float:
@@ -141,7 +152,7 @@ def decode_latency(llm, batches=BATCHES, prompt_len: int = 128, seed: int = 0) -
     rng = random.Random(seed)
     out = {}
     for bs in tqdm(batches, desc="latency"):
-        prompts = _random_prompts(rng, bs, prompt_len)
+        prompts = _random_prompts(llm, rng, bs, prompt_len)
         for _ in range(2):
             _timed_generate(llm, prompts, _greedy(8))
         short = statistics.median(_timed_generate(llm, prompts, _greedy(8)) for _ in range(3))
@@ -190,7 +201,7 @@ def profile_decode(llm, bs: int, prompt_len: int = 128, new: int = 64, seed: int
     each rank's profiler (after a profiled warm-up), with the kernels that take the most.
     Wall minus kernel time is host time the GPU waits for."""
     rng = random.Random(seed)
-    prompts = _random_prompts(rng, bs, prompt_len)
+    prompts = _random_prompts(llm, rng, bs, prompt_len)
     wall = {n: statistics.median(_timed_generate(llm, prompts, _greedy(n)) for _ in range(3))
             for n in (8, 8 + new)}  # fmt: skip
     prof = {}
@@ -210,7 +221,7 @@ def prefill(llm, seed: int = 0, profile: bool = False, trace_dir: str | None = N
     generating one token: median of 5 after 2 warm-ups. With `profile`, also each case's GPU
     kernel time and top kernels (rank 0), and with `trace_dir` a Chrome trace of each case."""
     rng = random.Random(seed)
-    cases = {f"{n}x{length}": _random_prompts(rng, n, length, 10000)
+    cases = {f"{n}x{length}": _random_prompts(llm, rng, n, length, 10000)
              for n, length in ((1, 8000), (64, 512), (1, 3000))}  # fmt: skip
     sp = _greedy(1)
     out = {}
@@ -280,8 +291,12 @@ def add_bench_args(p: argparse.ArgumentParser, kind: str | None = None) -> None:
         p.add_argument("kind", choices=["latency", "throughput", "prefill"])
     else:
         p.set_defaults(kind=kind)
-    p.add_argument("--model", default="llama-3.2-1b",
-                   help=f"checkpoint folder or a named shape: {', '.join(SHAPES)}")  # fmt: skip
+    p.add_argument(
+        "--model", default=None,
+        help=f"a checkpoint folder, or a named shape ({', '.join(SHAPES)}: random bf16 weights, "
+        f"written once under {tempfile.gettempdir()}/llm_inference_bench/; 2.5, 6.4 and 16 GB) "
+        "(default: llama-3.2-1b on a GPU, the default model on the CPU)",
+    )  # fmt: skip
     p.add_argument("--num-prompts", type=int, default=256, help="throughput requests")
     p.add_argument(
         "--disable-detokenize", action="store_true",
@@ -300,11 +315,23 @@ def add_bench_args(p: argparse.ArgumentParser, kind: str | None = None) -> None:
 
 
 def run_bench(args) -> dict:
-    from llm_inference import LLM  # not at the top: torch, only when an engine is made
+    import torch  # not at the top: torch, only when an engine is made
 
-    folder = random_checkpoint(args.model) if args.model in SHAPES else Path(args.model)
+    from llm_inference import LLM
+    from llm_inference.models.default_model import DEFAULT_MODEL_NAME, resolve_model
+
+    cuda = (args.device or "cuda").startswith("cuda") and torch.cuda.is_available()
+    model = args.model or ("llama-3.2-1b" if cuda else None)
+    if model in SHAPES and not cuda:
+        raise ValueError(
+            f"the named shape {model} ({shape_bytes(model) / 1e9:.1f} GB of random weights) is "
+            "for a GPU, and none is in use here: on the CPU, give --model a checkpoint folder "
+            "or leave it out for the default model"
+        )
+    folder = random_checkpoint(model) if model in SHAPES else resolve_model(model)
     config = json.loads((Path(folder) / "config.json").read_text())
-    res: dict = {"model": args.model, "kind": args.kind, "tp": args.tensor_parallel_size}
+    res: dict = {"model": model or DEFAULT_MODEL_NAME, "kind": args.kind,
+                 "tp": args.tensor_parallel_size}  # fmt: skip
     engine_args = dataclasses.replace(EngineArgs.from_cli_args(args), model=str(folder))
     if engine_args.disable_custom_all_reduce:
         res["disable_custom_all_reduce"] = True
@@ -320,12 +347,15 @@ def run_bench(args) -> dict:
         elif args.kind == "prefill":
             res.update(prefill(llm, profile=bool(args.profile), trace_dir=args.trace_dir))
         else:
-            bw = copy_bandwidth()
-            res["copy_bandwidth_TBps"] = bw / 1e12
+            bw = copy_bandwidth() if cuda else None  # the floor is the GPU's
+            if bw:
+                res["copy_bandwidth_TBps"] = bw / 1e12
             batches = [int(b) for b in args.batches.split(",")]
             for bs, ms in decode_latency(llm, batches).items():
-                floor = step_bytes(config, bs, 128 + 72, args.tensor_parallel_size) / bw * 1e3
-                res[f"bs{bs}"] = {"ms_per_step": ms, "floor_ms": floor}
+                res[f"bs{bs}"] = {"ms_per_step": ms}
+                if bw:
+                    step = step_bytes(config, bs, 128 + 72, args.tensor_parallel_size)
+                    res[f"bs{bs}"]["floor_ms"] = step / bw * 1e3
             for bs in [int(b) for b in args.profile.split(",") if b]:
                 res[f"profile_bs{bs}"] = profile_decode(llm, bs)
     print(format_result(res))
@@ -359,11 +389,13 @@ def format_result(res: dict) -> str:
             )
             lines += [ln.replace(" ms ", " s  ") for ln in _kernel_lines(prof["ranks"][0])]
         return "\n".join(lines)
-    lines = [f"{res['model']}: decode ms per step (copy {res['copy_bandwidth_TBps']:.2f} TB/s)",
-             "| batch | ms/step | floor ms |", "|---|---|---|"]  # fmt: skip
+    copy = f" (copy {res['copy_bandwidth_TBps']:.2f} TB/s)" if "copy_bandwidth_TBps" in res else ""
+    lines = [f"{res['model']}: decode ms per step{copy}", "| batch | ms/step | floor ms |",
+             "|---|---|---|"]  # fmt: skip
     for key, v in res.items():
         if key.startswith("bs"):
-            lines.append(f"| {key[2:]} | {v['ms_per_step']:.3f} | {v['floor_ms']:.3f} |")
+            floor = f"{v['floor_ms']:.3f}" if "floor_ms" in v else "-"
+            lines.append(f"| {key[2:]} | {v['ms_per_step']:.3f} | {floor} |")
         elif key.startswith("profile_bs"):
             ranks = ", ".join(f"{r['gpu_ms_per_step']:.3f}" for r in v["ranks"])
             lines.append(
