@@ -306,3 +306,41 @@ def test_prompt_logprobs_stream_once(allm, offline_llm):
     assert len(want.prompt_logprobs) == len(want.prompt_token_ids)
     cumulative = asyncio.run(collect(RequestOutputKind.CUMULATIVE))
     assert all(o.prompt_logprobs == want.prompt_logprobs for o in cumulative)
+
+
+def test_shutdown_of_a_front_end_stuck_on_the_core_pipe_ends(tiny_ckpt, monkeypatch):
+    """The front-end thread blocked sending to a core that does not read (as with a huge
+    request while the core steps): shutdown() still returns, after its timeout, by killing the
+    core process; the waiting request gets EngineDeadError."""
+    import threading
+
+    from llm_inference.engine import async_llm
+    from llm_inference.engine.core_process import CoreClient
+
+    monkeypatch.setattr(async_llm, "SHUTDOWN_TIMEOUT_S", 1.0)
+    llm = AsyncLLM(str(tiny_ckpt), **ENGINE_ARGS)
+    pid, core, blocked, result = llm.core_process.pid, llm.core_process, threading.Event(), []
+
+    def stuck(self, cmd):  # as Connection.send blocks on a full pipe: until it breaks
+        blocked.set()
+        while is_running(pid):
+            time.sleep(0.01)
+        raise BrokenPipeError
+
+    def request():
+        try:
+            asyncio.run(_final(llm, "x", SamplingParams(max_tokens=2)))
+        except Exception as e:  # noqa: BLE001 - what the request ended with
+            result.append(e)
+
+    monkeypatch.setattr(CoreClient, "_command", stuck)
+    client = threading.Thread(target=request, daemon=True)
+    client.start()
+    assert blocked.wait(30)  # the engine thread is stuck sending the request
+    closer = threading.Thread(target=llm.shutdown, daemon=True)
+    closer.start()
+    closer.join(timeout=30)
+    client.join(timeout=30)
+    assert not closer.is_alive() and not is_running(pid), "shutdown hung"
+    assert len(result) == 1 and isinstance(result[0], EngineDeadError), result
+    core.shutdown()

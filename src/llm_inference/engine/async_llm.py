@@ -52,6 +52,9 @@ from llm_inference.outputs import (
 )
 from llm_inference.sampling_params import SamplingParams
 
+# How long shutdown() waits for the engine thread before it kills the core process.
+SHUTDOWN_TIMEOUT_S = 10.0
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped (an error in a step, or shutdown)."""
@@ -214,10 +217,15 @@ class AsyncLLM:
         self._command(("abort_all",))
 
     def shutdown(self) -> None:
-        """Stop the engine thread (running requests get EngineDeadError) and free the engine."""
+        """Stop the engine thread (running requests get EngineDeadError) and free the engine.
+        A thread that has not stopped after SHUTDOWN_TIMEOUT_S (stuck sending to a core that
+        does not read) gets its core process killed, which breaks the pipe it waits on."""
         if self._thread.is_alive():
             self._command((_STOP,))
-            self._thread.join()
+            self._thread.join(SHUTDOWN_TIMEOUT_S)
+            if self._thread.is_alive() and self.core_process is not None:
+                self.core_process.kill()
+                self._thread.join(SHUTDOWN_TIMEOUT_S)
         if self._wake_w is not None:
             self._wake_w.close()  # a later _command's send fails quietly
             self._wake_r.close()

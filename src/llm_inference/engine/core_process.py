@@ -255,5 +255,9 @@ class CoreClient:
         self._stats = steps[-1][3]
         return steps
 
+    def kill(self) -> None:
+        """End the core process now (SIGKILL): a front end blocked on the pipe gets an error."""
+        self._proc.kill()
+
     def shutdown(self) -> None:
         self._finalizer()
