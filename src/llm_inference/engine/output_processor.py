@@ -254,8 +254,8 @@ class OutputProcessor:
             if out.new_logprobs:
                 start = c.cumulative_logprob or 0.0  # summed in order, as `output` sums
                 c.cumulative_logprob = sum((lp.logprob for lp in out.new_logprobs), start)
-        elif out.output_token_ids is not None:  # a finishing record: the whole output
-            c.token_ids = list(out.output_token_ids)
+        elif out.output_token_ids is not None:  # a finishing record: the whole output, a
+            c.token_ids = out.output_token_ids  # list the core made for this record alone
         else:
             c.token_ids.extend(out.new_token_ids)
         if kind is not _DELTA and out.new_logprobs:

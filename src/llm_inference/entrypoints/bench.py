@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from llm_inference.engine.arg_utils import EngineArgs
+from llm_inference.engine.arg_utils import EngineArgs, resolve_device
 from llm_inference.sampling_params import SamplingParams
 
 SHAPES = {
@@ -315,12 +315,10 @@ def add_bench_args(p: argparse.ArgumentParser, kind: str | None = None) -> None:
 
 
 def run_bench(args) -> dict:
-    import torch  # not at the top: torch, only when an engine is made
-
-    from llm_inference import LLM
+    from llm_inference import LLM  # not at the top: torch, only when an engine is made
     from llm_inference.models.default_model import DEFAULT_MODEL_NAME, resolve_model
 
-    cuda = (args.device or "cuda").startswith("cuda") and torch.cuda.is_available()
+    cuda = resolve_device(args.device).startswith("cuda")  # the engine's own choice
     model = args.model or ("llama-3.2-1b" if cuda else None)
     if model in SHAPES and not cuda:
         raise ValueError(
