@@ -47,7 +47,8 @@ SPLIT_SIGNATURE = dict(
 )  # fmt: skip
 SAMPLE_SIGNATURE = dict(
     logits_ptr="*bf16", stride="i32", keys_ptr="*i32", temp_ptr="*fp32", greedy_ptr="*u8",
-    top_k_ptr="*i32", top_p_ptr="*fp32", min_p_ptr="*fp32", out_ptr="*i64", V="i32",
+    top_k_ptr="*i32", top_p_ptr="*fp32", min_p_ptr="*fp32", win_ptr="*fp64", out_ptr="*i64",
+    V="i32", B="i32",
 )  # fmt: skip
 
 
@@ -64,7 +65,8 @@ def test_split_race_log_for_sm90(fast):
 
 @needs_compiler
 def test_sample_kernel_log_for_sm90():
-    """Both noisy races of the single-program kernel (filtered and plain rows) use it."""
+    """The filtered race of the per-row kernel (rows whose unfiltered winner is dropped)
+    uses it."""
     consts = dict(
         HAS_GREEDY=True, HAS_TOP_K=True, HAS_TOP_P=True, HAS_MIN_P=True, FAST_LOG=True,
         BLOCK=sampling.BLOCK, SEARCH_BLOCK=sampling.SEARCH_BLOCK, NP=sampling.NP,

@@ -227,6 +227,41 @@ def check_split_race_exact(_, device: str = "cpu"):
         assert out.tolist() == want, splits
 
 
+def kept_set(x: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """The tokens a filtered row keeps, from the definitions (float64 masses): fewer than
+    top_k tokens above, less than top_p of the top-k set's mass above, exp(x - max) >= min_p."""
+    above = x[None, :] > x[:, None]  # [j, i]: token i above token j
+    in_k = above.sum(1) < top_k
+    w = (x.double() - x.max().double()).exp()
+    mass_above = (above & in_k[None, :]).double() @ w
+    in_p = mass_above < top_p * w[in_k].sum()
+    return in_k & in_p & ((x - x.max()).exp() >= min_p)
+
+
+def check_filtered_rows_exact(_, device: str = "cpu"):
+    """A filtered row's token is the race over its kept tokens exactly: the race with the other
+    logits set to -inf. The unfiltered winner is kept on some rows (the one-pass test) and
+    dropped on others (the exact search): both occur here."""
+    from llm_inference.kernels import sampling
+
+    B, width = 48, 1000
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(B, width, generator=gen)
+    keys = torch.randint(0, 2**32, (B,), generator=gen)
+    temp = torch.full((B,), 0.9)
+    free = sampling.sample(logits, keys, temp)
+    for k, p, mp in ((width, 0.6, 0.0), (30, 1.0, 0.0), (width, 1.0, 0.2), (50, 0.8, 0.1)):
+        kept = torch.stack([kept_set(row / 0.9, k, p, mp) for row in logits])
+        want = sampling.sample(logits.masked_fill(~kept, float("-inf")), keys, temp)
+        got = sampling.sample(
+            logits, keys, temp,
+            top_k=torch.full((B,), k), top_p=torch.full((B,), p), min_p=torch.full((B,), mp),
+        )  # fmt: skip
+        assert got.tolist() == want.tolist(), (k, p, mp)
+        dropped = (got != free).sum().item()  # rows whose unfiltered winner was not kept
+        assert 0 < dropped < B, (k, p, mp, dropped)
+
+
 def check_shard_race_exact(_, device: str = "cpu", width: int = 5000, ranks=(2, 3)):
     """Tensor parallel's race (sample/tensor_parallel.py): each rank races over its vocabulary
     slice with the slice's token ids (kernels/sampling.py race_shard, the last slice padded
@@ -296,6 +331,7 @@ CHECKS |= {
     "broken_rows": (check_broken_rows, None),
     "broken_rows_torch": (check_broken_rows, None),
     "split_race_exact": (check_split_race_exact, None),
+    "filtered_rows_exact": (check_filtered_rows_exact, None),
     "shard_race_exact": (check_shard_race_exact, None),
 }
 

@@ -1,21 +1,30 @@
-"""Fused sampling in Triton: temperature, top-k, top-p, min-p and the seeded race, one program per
-row of logits [B, V] (float32, or bfloat16/float16 read as float32; last dim contiguous; already
+"""Fused sampling in Triton: temperature, top-k, top-p, min-p and the seeded race over the rows of
+logits [B, V] (float32, or bfloat16/float16 read as float32; last dim contiguous; already
 penalized and min_tokens-masked) -> token ids [B] int64.
 
 For row b, with l = logits[b] and x = l / temperature[b]:
   * greedy rows: argmax(l), first index on ties; one pass;
   * rows without top-k/top-p/min-p: argmax(x - log(-log u)) (Gumbel-max, i.e. the exponential
     race argmax(p / E), E = -log u ~ Exp(1), written in log space); one pass;
-  * filtered rows: a stats pass (max m, smallest finite value), a threshold search for top-k
-    (count of x >= t reaches k), then one for top-p over the top-k set (mass of x >= t reaches
-    top_p * mass of the top-k set), then the race over the kept tokens
-    {x >= thr and exp(x - m) >= min_p}. No sort: each search pass counts (or sums) the row above
-    NP pivots spread between two element values lo <= answer <= up, then moves lo up to the
-    smallest element above the highest pivot that still reaches the target, and up down to the
-    largest element below the lowest one that does not. Pivot NP-1 is `up` itself, so every pass
-    settles or removes an element; in practice the value range shrinks NP-1 fold per pass.
-    Ties at the threshold are all kept (top-k as the torch reference; top-p keeps the tied
-    tokens the reference's sort order would split). The row maximum is always kept.
+  * filtered rows: the race over the kept tokens {x >= thr and exp(x - m) >= min_p}, where
+    thr keeps the top-k tokens, then of those the top-p nucleus. The race over all tokens
+    runs first (as for unfiltered rows); its winner w is the filtered race's winner too when
+    it is kept, which one more pass decides: fewer than k tokens have x > x_w, and their
+    mass sum exp(x - m) is under top_p * the mass of the row (of the top-k set, with top-k;
+    there the test takes the mass of the x >= x_w, a part of that set: sufficient, not
+    necessary). That holds for a row with probability about 1 - (the mass outside the
+    kept set) >= top_p (top-p alone), so most rows cost two passes. Else the exact search:
+    a stats pass (max m, smallest finite value), a threshold search for top-k (count of
+    x >= t reaches k), then one for top-p over the top-k set (mass of x >= t reaches
+    top_p * mass of the top-k set), then the filtered race. No sort: each search pass counts
+    (or sums) the row above NP pivots spread between two element values lo <= answer <= up,
+    then moves lo up to the smallest element above the highest pivot that still reaches the
+    target, and up down to the largest element below the lowest one that does not. Pivot NP-1
+    is `up` itself, so every pass settles or removes an element; in practice the value range
+    shrinks NP-1 fold per pass. Ties at the threshold are all kept (top-k as the torch
+    reference; top-p keeps the tied tokens the reference's sort order would split). The row
+    maximum is always kept. Both tests sum in a fixed order, so a row's path and token are
+    a function of the row alone (they may round a mass exactly at the boundary differently).
 
 Noise: u[b, v] is bit for bit `sample.sampler.uniform_noise(keys)[b, v]` (lowbias32 hash of the
 token id plus the row's 32-bit key from (seed, step)); only the logs and the race arithmetic round
@@ -31,13 +40,13 @@ cannot run inline PTX: there (and off NVIDIA) both logs are accurate.
 Status instead of a token: -1 when the row holds a NaN or +inf logit, -2 when every logit is -inf.
 The caller (the Sampler) turns those into an error or a fallback.
 
-Split rows: when no row of the launch filters (no top-k, top-p or min-p tensor), the race is
-split (one program per long row is the whole sampling time of a small batch): programs
-(row, s) scan BLOCK-aligned column ranges and write their best value, its index and the
-range's max logit; `_merge_kernel` then takes, per row, the first range holding the largest
-value, so the token (first index on ties), the noise and the statuses are exactly the single
-program's. Splits are chosen to give about
-SPLIT_PROGRAMS programs in all; a batch large enough to fill the GPU runs unsplit.
+Split rows: the race over all tokens is split (one program per long row is the whole sampling
+time of a small batch): programs (row, s) scan BLOCK-aligned column ranges and write their best
+value, its index and the range's max logit; `_merge_kernel` then takes, per row, the first range
+holding the largest value, so the token (first index on ties), the noise and the statuses are
+exactly the single program's. Splits are chosen to give about SPLIT_PROGRAMS programs in all; a
+batch large enough to fill the GPU runs unsplit. When a row of the launch filters (a top-k, top-p
+or min-p tensor is given), the merge hands its winners to `_sample_kernel`, one program per row.
 
 Compiles: Triton compiles a kernel again for each new constexpr and each integer argument newly
 equal to 1 or divisible by 16. The batch size and the split count change from step to step, so
@@ -94,25 +103,27 @@ def _search(row_ptr, V, t, m, lo, up, target, MASS: tl.constexpr, BLOCK: tl.cons
     W = tl.full((), -1.0, tl.float32) if MASS else target.to(tl.float32)
     while lo < up:
         piv = lo * (1.0 - frac) + up * frac
-        piv = tl.where(j == NP - 1, up, tl.where(j == 0, lo, piv))
-        S = tl.zeros((NP,), tl.float32)
-        mn = tl.full((NP,), float("inf"), tl.float32)
-        mx = tl.full((NP,), float("-inf"), tl.float32)
+        piv = tl.where(j == NP - 1, up, tl.where(j == 0, lo, piv))[None, :]
+        # Per lane and pivot, reduced once after the loop (a reduction per tile costs more
+        # than the tile's arithmetic)
+        S = tl.zeros((BLOCK, NP), tl.float32)
+        mn = tl.full((BLOCK, NP), float("inf"), tl.float32)
+        mx = tl.full((BLOCK, NP), float("-inf"), tl.float32)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / t
-            ge = x[:, None] >= piv[None, :]
+            ge = x[:, None] >= piv
             if MASS:
-                w = tl.exp(x - m)[:, None]
+                S += tl.where(ge, tl.exp(x - m)[:, None], 0.0)
             else:
-                w = tl.full((BLOCK, 1), 1.0, tl.float32)
-            S += tl.sum(tl.where(ge, w, 0.0), axis=0)
-            mn = tl.minimum(mn, tl.min(tl.where(ge, x[:, None], float("inf")), axis=0))
-            mx = tl.maximum(mx, tl.max(tl.where(ge, float("-inf"), x[:, None]), axis=0))
+                S += ge.to(tl.float32)
+            mn = tl.minimum(mn, tl.where(ge, x[:, None], float("inf")))
+            mx = tl.maximum(mx, tl.where(ge, float("-inf"), x[:, None]))
+        S = tl.sum(S, axis=0)
         W = tl.where(W < 0.0, target * tl.sum(tl.where(j == 0, S, 0.0)), W)
         valid = S >= W
-        lo = tl.maximum(lo, tl.max(tl.where(valid, mn, float("-inf"))))
-        up = tl.minimum(up, tl.min(tl.where(valid, float("inf"), mx)))
+        lo = tl.maximum(lo, tl.max(tl.where(valid, tl.min(mn, axis=0), float("-inf"))))
+        up = tl.minimum(up, tl.min(tl.where(valid, float("inf"), tl.max(mx, axis=0))))
     return lo
 
 
@@ -172,15 +183,38 @@ def _race(row_ptr, V, t, key, thr, min_p, m, NOISE: tl.constexpr, FILTER: tl.con
 
 
 @triton.jit
+def _above(row_ptr, V, t, m, xw, BLOCK: tl.constexpr):
+    """Over x = logits / t, one pass: (mass exp(x - m) of the x > xw, their count, the mass of
+    the x >= xw, the mass of every x). Per-lane sums reduced once, in a fixed order."""
+    above = tl.zeros((BLOCK,), tl.float32)
+    count = tl.zeros((BLOCK,), tl.float32)
+    at = tl.zeros((BLOCK,), tl.float32)
+    total = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / t
+        w = tl.exp(x - m)
+        above += tl.where(x > xw, w, 0.0)
+        count += (x > xw).to(tl.float32)
+        at += tl.where(x >= xw, w, 0.0)
+        total += w
+    return tl.sum(above), tl.sum(count), tl.sum(at), tl.sum(total)
+
+
+@triton.jit(do_not_specialize=["B"])
 def _sample_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, top_k_ptr, top_p_ptr,
-                   min_p_ptr, out_ptr, V,
+                   min_p_ptr, win_ptr, out_ptr, V, B,
                    HAS_GREEDY: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
                    HAS_MIN_P: tl.constexpr, FAST_LOG: tl.constexpr, BLOCK: tl.constexpr,
                    SEARCH_BLOCK: tl.constexpr, NP: tl.constexpr):  # fmt: skip
+    """Row b's token from its unfiltered race winner (win [3, B], `_split_race`'s raw output):
+    the winner itself on greedy and unfiltered rows, and on filtered rows that keep it (one
+    pass: the winner's mass and rank); else the filtered race (module doc, "Filtered rows")."""
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
     t = tl.load(temp_ptr + row)
-    key = tl.load(keys_ptr + row).to(tl.uint32)
+    idx = tl.load(win_ptr + B + row).to(tl.int32)
+    top = tl.load(win_ptr + 2 * B + row).to(tl.float32)  # max of x; +-inf: a status
     greedy = tl.full((), 0, tl.int32)
     k = tl.full((), V, tl.float32)
     p = tl.full((), 1.0, tl.float32)
@@ -193,23 +227,30 @@ def _sample_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, top_k_ptr
         p = tl.load(top_p_ptr + row)
     if HAS_MIN_P:
         min_p = tl.load(min_p_ptr + row)
-    if greedy != 0:
-        idx, _, top = _race(row_ptr, V, 1.0, key, 0.0, 0.0, 0.0, False, False, False, BLOCK, 0, 0)
-    elif (k < V) | (p < 1.0) | (min_p > 0.0):
-        m, fmin = _stats(row_ptr, V, t, BLOCK)
-        ok = (m > float("-inf")) & (m < float("inf"))
-        thr = fmin
-        if HAS_TOP_K:
-            if ok & (k < V):
-                thr = _search(row_ptr, V, t, m, fmin, m, k, False, SEARCH_BLOCK, NP)
-        if HAS_TOP_P:
-            if ok & (p < 1.0):
-                thr = _search(row_ptr, V, t, m, thr, m, p, True, SEARCH_BLOCK, NP)
-        idx, _, top = _race(row_ptr, V, t, key, thr, min_p, m, True, True, FAST_LOG, BLOCK, 0,
-                            0)  # fmt: skip
-    else:
-        idx, _, top = _race(row_ptr, V, t, key, 0.0, 0.0, 0.0, True, False, FAST_LOG, BLOCK, 0,
-                            0)  # fmt: skip
+    filtered = (k < V) | (p < 1.0) | (min_p > 0.0)
+    if (greedy == 0) & filtered & (top > float("-inf")) & (top < float("inf")):
+        m = top
+        xw = tl.load(row_ptr + idx).to(tl.float32) / t
+        dropped = tl.exp(xw - m) < min_p
+        if (k < V) | (p < 1.0):
+            above, count, at, total = _above(row_ptr, V, t, m, xw, BLOCK)
+            # kept: fewer than k tokens above it, and less than top_p of the mass above it (of
+            # the top-k set's mass, which the x >= xw are part of: with top-k, a sufficient test)
+            W = p * tl.where(k < V, at, total)
+            dropped = dropped | (count >= k) | ((p < 1.0) & (above >= W))
+        if dropped:
+            thr = tl.full((), float("-inf"), tl.float32)
+            if (k < V) | (p < 1.0):
+                _, thr = _stats(row_ptr, V, t, BLOCK)  # the smallest finite x
+                if HAS_TOP_K:
+                    if k < V:
+                        thr = _search(row_ptr, V, t, m, thr, m, k, False, SEARCH_BLOCK, NP)
+                if HAS_TOP_P:
+                    if p < 1.0:
+                        thr = _search(row_ptr, V, t, m, thr, m, p, True, SEARCH_BLOCK, NP)
+            key = tl.load(keys_ptr + row).to(tl.uint32)
+            idx, _, top = _race(row_ptr, V, t, key, thr, min_p, m, True, True, FAST_LOG, BLOCK,
+                                0, 0)  # fmt: skip
     _store_token(out_ptr + row, idx, top)
 
 
@@ -341,15 +382,17 @@ def sample(
     dummy = temperature  # never read where the matching HAS_* flag is off
     block = min(BLOCK, triton.next_power_of_2(V))
     splits = race_splits(B, V, block)
-    if splits > 1 and top_k is None and top_p is None and min_p is None:
+    if top_k is None and top_p is None and min_p is None:
         return _split_race(logits, keys, temperature, greedy, dummy, out, splits, block)
+    win = torch.empty(3 * B, dtype=torch.float64, device=dev)
+    _split_race(logits, keys, temperature, greedy, dummy, win, splits, block, raw=True)
     # On the GPU tiles fit the registers; on CPU (the interpreter) fewer, larger steps are faster.
     search_block = SEARCH_BLOCK if logits.is_cuda else min(4096, triton.next_power_of_2(V))
     _sample_kernel[(B,)](
         logits, logits.stride(0), keys, temperature,
         _greedy_arg(greedy, dummy),
         dummy if top_k is None else top_k, dummy if top_p is None else top_p,
-        dummy if min_p is None else min_p, out, V,
+        dummy if min_p is None else min_p, win, out, V, B,
         HAS_GREEDY=greedy is not None, HAS_TOP_K=top_k is not None,
         HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None, FAST_LOG=_fast_log(logits),
         BLOCK=block, SEARCH_BLOCK=search_block, NP=NP,
