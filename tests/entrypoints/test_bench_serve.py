@@ -6,6 +6,7 @@ import json
 
 from conftest import API_KEY, MODEL_NAME
 
+from llm_inference.entrypoints import bench_serve
 from llm_inference.entrypoints.cli import main
 
 FIELDS = ["completed", "failed", "duration_s", "request_throughput", "output_throughput",
@@ -77,3 +78,26 @@ def test_bench_serve_without_the_key_is_one_error_line(live_server, monkeypatch,
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error:") and "127.0.0.1:9" in err, err
+
+
+def test_a_token_without_text_still_arrives():
+    """Tokens that decode to no text yet (a partial character) come as chunks with an empty
+    text: timed as arrivals (as vLLM's bench does), so such a request is a success."""
+    import asyncio
+
+    import httpx
+
+    events = [{"choices": [{"index": 0, "text": "", "finish_reason": None}]},
+              {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]},
+              {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}]  # fmt: skip
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+
+    async def run():
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+        async with httpx.AsyncClient(transport=transport) as client:
+            payload = {"prompt": "hi", "_prompt_len": 1}
+            return await bench_serve.send_request(client, "http://x/v1/completions", payload, {})
+
+    result = asyncio.run(run())
+    assert result.success and not result.error and result.ttft > 0 and len(result.itl) == 1
+    assert (result.prompt_len, result.output_len, result.text) == (3, 2, "")

@@ -137,11 +137,13 @@ async def send_request(client, url: str, payload: dict, headers: dict) -> Reques
                 if chunk.get("usage"):
                     result.output_len = chunk["usage"]["completion_tokens"]
                     result.prompt_len = chunk["usage"]["prompt_tokens"]
-                choices = chunk.get("choices") or []
-                first = choices[0] if choices else {}
-                piece = first.get("text") or (first.get("delta") or {}).get("content")
-                if piece:
-                    result.text += piece
+                # A chunk with a choice is a token's arrival, even with no text (a partial
+                # character, a special token): timed as vLLM's bench times it.
+                if choices := chunk.get("choices"):
+                    first = choices[0]
+                    result.text += (
+                        first.get("text") or (first.get("delta") or {}).get("content") or ""
+                    )
                     now = time.perf_counter()
                     if result.ttft == 0.0:
                         result.ttft = now - start
