@@ -1,8 +1,10 @@
 """The benches' datasets (entrypoints/bench_datasets.py): each dataset's lengths, ShareGPT's
-parsing and filtering, and the one-line errors of bad options."""
+parsing and filtering, the one-line errors of bad options, and benchmarks/vllm_throughput.py
+building the very requests `bench throughput` sends."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import random
@@ -14,7 +16,9 @@ import pytest
 
 from llm_inference.entrypoints import bench
 from llm_inference.entrypoints.bench_datasets import Workload
-from llm_inference.entrypoints.cli import main
+from llm_inference.entrypoints.cli import build_parser, main
+
+VLLM_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_throughput.py"
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +132,35 @@ def test_sharegpt_parsing_and_filtering(tmp_path, tokenizer):
     texts = [r.text for r in many.requests(vocab=0, tokenizer=tokenizer)]
     assert texts == [r.text for r in requests] * 2 + [r.text for r in requests[:2]]
     assert w.describe(*_lens(requests))["dataset_path"] == str(path)
+
+
+def test_vllm_script_builds_the_requests_bench_throughput_sends(tiny_ckpt, tmp_path, tokenizer):
+    """benchmarks/vllm_throughput.py (importable without vLLM): for the same options, the same
+    prompt ids and max_tokens as `bench throughput`, and vLLM sampling arguments that match."""
+    spec = importlib.util.spec_from_file_location("vllm_throughput", VLLM_SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    path, _ = _sharegpt_file(tmp_path, tokenizer)
+    vocab = json.loads((tiny_ckpt / "config.json").read_text())["vocab_size"]
+    cases = [
+        ["--dataset", "lognormal", "--input-len", "20", "--output-len", "9", "--sigma", "0.5"],
+        ["--dataset", "sharegpt", "--dataset-path", str(path), "--top-k", "5", "--top-p", "0.9"],
+        ["--dataset", "uniform", "--temperature", "0"],
+    ]
+    for flags in cases:
+        flags = ["--model", str(tiny_ckpt), "--num-prompts", "7", "--seed", "4", *flags]
+        workload, prompts, kwargs = script.build_requests(
+            script.build_parser().parse_args(flags), tiny_ckpt
+        )
+        args = build_parser().parse_args(["bench", "throughput", *flags])
+        ours, params = bench.throughput_requests(Workload.from_args(args), args.model, tiny_ckpt)
+        assert workload == Workload.from_args(args) and prompts == ours, flags
+        assert kwargs == [
+            dict(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_tokens,
+                 ignore_eos=True, detokenize=False, seed=i)
+            for i, p in enumerate(params)
+        ]  # fmt: skip
+        assert max(t for p in prompts for t in p) < vocab  # the model's ids, not 10,000's
 
 
 BAD_OPTIONS = [
