@@ -212,3 +212,18 @@ def test_throughput_cli_with_a_dataset(tiny_ckpt, tmp_path, monkeypatch, capsys)
         "workload: fixed, 2 requests, mean prompt 12 and output 5 tokens, temperature 0.6, "
         "top-p 1.0, top-k 20" in printed
     )
+
+
+def test_throughput_requests_longer_than_max_model_len_are_one_error(tiny_ckpt, capsys):
+    """A workload whose longest request does not fit `--max-model-len` stops before the engine
+    starts, naming both."""
+    from llm_inference.entrypoints import cli
+
+    argv = ["bench", "throughput", "--model", str(tiny_ckpt), "--device", "cpu",
+            "--dataset", "fixed", "--input-len", "40", "--output-len", "30",
+            "--max-model-len", "64"]  # fmt: skip
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: the workload's longest request is 70 tokens") and (
+        "--max-model-len 64" in err
+    )

@@ -353,6 +353,12 @@ def run_bench(args) -> dict:
     if workload:  # drawn before the engine starts: a bad dataset fails at once
         detok = not args.disable_detokenize
         prompts, params = throughput_requests(workload, model, folder, detok)
+        longest = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
+        if longest > args.max_model_len:
+            raise ValueError(
+                f"the workload's longest request is {longest} tokens (prompt + output), over "
+                f"--max-model-len {args.max_model_len}: raise it or shorten the lengths"
+            )
     with LLM(**dataclasses.asdict(engine_args)) as llm:
         if workload:
             res.update(throughput(llm, prompts, params))
