@@ -8,7 +8,7 @@ and says how they are sampled (temperature, top-p, top-k; always `ignore_eos`).
 - `fixed`: every prompt `--input-len` tokens, every output `--output-len`.
 - `lognormal`: lengths from a lognormal with median `--input-len` / `--output-len` and log-space
   standard deviation `--sigma` (at 1.0, half the draws lie within a factor 2 of the median and
-  the mean is 1.65 times it, as in chat traffic), clipped to [1, 8 x median] (2% of the draws).
+  the mean is 1.65 times it: a long tail), clipped to [1, 8 x median] (2% of the draws).
 - `sharegpt`: the conversations of a ShareGPT JSON file (`--dataset-path`), read as vLLM's
   benchmark reads them: the first human turn is the prompt, the token count of the gpt reply
   after it is max_tokens; pairs with a side under 4 tokens, a prompt over 1,024 or both over
