@@ -76,9 +76,10 @@ class Workload:
             raise ValueError("--dataset sharegpt needs --dataset-path, a ShareGPT JSON file")
         if self.dataset != "sharegpt" and self.dataset_path is not None:
             raise ValueError(f"--dataset-path is read by --dataset sharegpt, not {self.dataset}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"--temperature must be >= 0 and --top-p in (0, 1], got "
-                             f"{self.temperature} and {self.top_p}")  # fmt: skip
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k != -1 and self.top_k < 1:
             raise ValueError(f"--top-k must be -1 (off) or at least 1, got {self.top_k}")
 
