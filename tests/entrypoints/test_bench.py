@@ -3,12 +3,18 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from llm_inference import LLM
 from llm_inference.entrypoints import bench
+from llm_inference.entrypoints.bench_datasets import Workload
 from llm_inference.entrypoints.cli import build_parser
+
+# 5 requests, prompt and output lengths uniform in [3, 9]
+SMALL = Workload(num_prompts=5, input_len=6, output_len=6, range_ratio=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -18,30 +24,25 @@ def llm(tiny_ckpt):
 
 
 def test_throughput_counts_every_requested_token(llm):
-    res = bench.throughput(llm, num_prompts=5, lo=3, hi=9, ids=300)
-    assert res["output_tokens"] >= 5 * 3 and res["output_tok_per_s"] > 0
+    prompts, params = bench.throughput_workload(SMALL, ids=300)
+    res = bench.throughput(llm, prompts, params)
+    assert res["output_tokens"] == sum(p.max_tokens for p in params) >= 5 * 3
+    assert res["requests_per_s"] > 0 and res["output_tok_per_s"] > 0
     assert res["total_tok_per_s"] > res["output_tok_per_s"]
     assert llm.stats()["num_free_kv_blocks"] == llm.stats()["num_kv_blocks"]
 
 
-def test_throughput_without_detokenizing(llm, monkeypatch):
+def test_throughput_without_detokenizing(llm):
     """`--disable-detokenize` (as in vLLM's bench): the same workload, token ids only; the
     tokens are those of the run that makes text."""
-    prompts, params = bench.throughput_workload(5, 3, 9, ids=300, detokenize=False)
-    same_prompts, with_text = bench.throughput_workload(5, 3, 9, ids=300)
+    prompts, params = bench.throughput_workload(SMALL, ids=300, detokenize=False)
+    same_prompts, with_text = bench.throughput_workload(SMALL, ids=300)
     assert prompts == same_prompts and not any(p.detokenize for p in params)
     assert [p.max_tokens for p in params] == [p.max_tokens for p in with_text]
     ids_only = llm.generate(prompts, params, use_tqdm=False)
     texts = llm.generate(prompts, with_text, use_tqdm=False)
     assert all(o.text == "" for o in ids_only) and any(o.text for o in texts)
     assert [o.token_ids for o in ids_only] == [o.token_ids for o in texts]
-    seen = {}
-    monkeypatch.setattr(bench, "_timed_generate",
-                        lambda llm, prompts, params: seen.update(p=params) or 1.0)  # fmt: skip
-    bench.throughput(llm, num_prompts=5, lo=3, hi=9, ids=300, detokenize=False)
-    assert not any(p.detokenize for p in seen["p"])
-    args = build_parser().parse_args(["bench", "throughput", "--disable-detokenize"])
-    assert args.disable_detokenize
 
 
 def test_throughput_profile_covers_the_timed_requests_only(llm, monkeypatch):
@@ -50,7 +51,7 @@ def test_throughput_profile_covers_the_timed_requests_only(llm, monkeypatch):
     calls = []
     real = bench._timed_generate
     monkeypatch.setattr(bench, "_timed_generate", lambda *a: calls.append(len(a[1])) or real(*a))
-    prof = bench._kernel_profile_throughput(llm, 5, lo=3, hi=9, ids=300)
+    prof = bench._kernel_profile_throughput(llm, *bench.throughput_workload(SMALL, ids=300))
     assert calls == [5]
     (rank,) = prof["ranks"]
     assert prof["wall_s"] > 0 and rank["gpu_ms_per_step"] > 0 and rank["top_kernels_ms_per_step"]
@@ -179,3 +180,50 @@ def test_latency_on_the_cpu_has_no_floor(tiny_ckpt, capsys):
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "decode ms per step\n" in out and "| 1 | " in out and out.rstrip().endswith("| - |")
+
+
+def test_throughput_cli_with_a_dataset(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    """`bench throughput --dataset fixed --disable-detokenize` end to end on the CPU: the mix it
+    ran (mean lengths, sampling) beside today's figures, in the printout and under `--json`'s
+    `workload`; every request (the warm-up's too) asks for token ids only."""
+    from llm_inference.entrypoints import cli
+
+    sent, real = [], bench._timed_generate
+    monkeypatch.setattr(bench, "_timed_generate", lambda *a: sent.extend(a[2]) or real(*a))
+    out = tmp_path / "throughput.json"
+    argv = ["bench", "throughput", "--model", str(tiny_ckpt), "--device", "cpu", "--dtype",
+            "float32", "--max-model-len", "64", "--dataset", "fixed", "--num-prompts", "2",
+            "--input-len", "12", "--output-len", "5", "--top-k", "20", "--disable-detokenize",
+            "--json", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert len(sent) == 2 + 2 and not any(p.detokenize for p in sent)
+    res = json.loads(out.read_text())
+    today = {"model", "kind", "tp", "seconds", "requests_per_s", "output_tok_per_s",
+             "total_tok_per_s", "output_tokens"}  # fmt: skip
+    assert set(res) == today | {"workload", "detokenize"} and res["detokenize"] is False
+    assert res["output_tokens"] == 2 * 5
+    assert res["workload"] == {
+        "dataset": "fixed", "num_prompts": 2, "seed": 0, "input_len": 12, "output_len": 5,
+        "temperature": 0.6, "top_p": 1.0, "top_k": 20, "mean_prompt_len": 12.0,
+        "mean_output_len": 5.0,
+    }  # fmt: skip
+    printed = capsys.readouterr().out
+    assert (
+        "workload: fixed, 2 requests, mean prompt 12 and output 5 tokens, temperature 0.6, "
+        "top-p 1.0, top-k 20" in printed
+    )
+
+
+def test_throughput_requests_longer_than_max_model_len_are_one_error(tiny_ckpt, capsys):
+    """A workload whose longest request does not fit `--max-model-len` stops before the engine
+    starts, naming both."""
+    from llm_inference.entrypoints import cli
+
+    argv = ["bench", "throughput", "--model", str(tiny_ckpt), "--device", "cpu",
+            "--dataset", "fixed", "--input-len", "40", "--output-len", "30",
+            "--max-model-len", "64"]  # fmt: skip
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: the workload's longest request is 70 tokens") and (
+        "--max-model-len 64" in err
+    )

@@ -6,11 +6,13 @@ import json
 
 from conftest import API_KEY, MODEL_NAME
 
+from llm_inference.entrypoints import bench_serve
 from llm_inference.entrypoints.cli import main
 
 FIELDS = ["completed", "failed", "duration_s", "request_throughput", "output_throughput",
           "total_token_throughput", "total_input_tokens", "total_output_tokens"] + [
-    f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p99")
+    f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
+    for s in ("mean", "median", "p90", "p99")
 ]  # fmt: skip
 
 
@@ -77,3 +79,62 @@ def test_bench_serve_without_the_key_is_one_error_line(live_server, monkeypatch,
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error:") and "127.0.0.1:9" in err, err
+
+
+def test_bench_serve_sends_the_dataset_and_its_sampling(
+    live_server, tmp_path, tiny_ckpt, monkeypatch
+):
+    """`--dataset sharegpt`: the conversations' own prompts, each with its reply's token count
+    as max_tokens, and the sampling options in every request; by default temperature 0 and no
+    top_k (an extension not every server takes)."""
+    from llm_inference.models.loader import load_tokenizer
+
+    sent, real = [], bench_serve.send_request
+
+    async def spy(client, url, payload, headers):
+        sent.append(dict(payload))
+        return await real(client, url, payload, headers)
+
+    monkeypatch.setattr(bench_serve, "send_request", spy)
+    replies = {f"Question {i}: where is Paris?": "In France, dear." * (i + 1) for i in range(3)}
+    data = [{"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+            for q, a in replies.items()]  # fmt: skip
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    rc, r = _bench(live_server, tmp_path, "--dataset", "sharegpt", "--dataset-path", str(path),
+                   "--tokenizer", str(tiny_ckpt), "--temperature", "0.8", "--top-p", "0.9",
+                   "--top-k", "5")  # fmt: skip
+    assert rc == 0 and (r["completed"], r["workload"]["dataset"]) == (6, "sharegpt")
+    tok = load_tokenizer(tiny_ckpt)
+    assert {p["prompt"] for p in sent} == set(replies)
+    for p in sent:
+        assert p["max_tokens"] == len(tok(replies[p["prompt"]], add_special_tokens=False).input_ids)
+        assert (p["temperature"], p["top_p"], p["top_k"]) == (0.8, 0.9, 5)
+    assert r["total_output_tokens"] == sum(p["max_tokens"] for p in sent)
+    sent.clear()
+    rc, r = _bench(live_server, tmp_path, "--num-prompts", "2")
+    assert rc == 0 and r["workload"]["input_range"] == [10, 10]
+    assert [(p["temperature"], p["top_p"], "top_k" in p) for p in sent] == [(0.0, 1.0, False)] * 2
+
+
+def test_a_token_without_text_still_arrives():
+    """Tokens that decode to no text yet (a partial character) come as chunks with an empty
+    text: timed as arrivals (as vLLM's bench does), so such a request is a success."""
+    import asyncio
+
+    import httpx
+
+    events = [{"choices": [{"index": 0, "text": "", "finish_reason": None}]},
+              {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]},
+              {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}]  # fmt: skip
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+
+    async def run():
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+        async with httpx.AsyncClient(transport=transport) as client:
+            payload = {"prompt": "hi", "_prompt_len": 1}
+            return await bench_serve.send_request(client, "http://x/v1/completions", payload, {})
+
+    result = asyncio.run(run())
+    assert result.success and not result.error and result.ttft > 0 and len(result.itl) == 1
+    assert (result.prompt_len, result.output_len, result.text) == (3, 2, "")

@@ -4,15 +4,15 @@
   taken as the difference of a 136-token and an 8-token greedy generation over 128 steps
   (the method of vLLM's comparison script), beside the floor: the bytes of weights and KV
   one step reads, over a device-copy bandwidth measured in the same run.
-- `throughput`: N requests (default 256) with prompt and output lengths uniform in
-  [100, 1024], random token ids, temperature 0.6, `ignore_eos`: requests/s, output and total
-  tokens/s.
+- `throughput`: N requests (default 256) of a dataset (bench_datasets.py; default: prompt and
+  output lengths uniform in [100, 1024], random token ids), temperature 0.6, `ignore_eos`:
+  requests/s, output and total tokens/s, and the workload with its mean lengths.
 
 `--model` takes a checkpoint folder or a named shape (`llama-3.2-1b`, `llama-3.2-3b`,
 `llama-3.1-8b`) written once with random weights (bf16) into a temporary folder. The engine
 flags are `EngineArgs`' (engine/arg_utils.py), with bench's own defaults (`BENCH_DEFAULTS`).
-Only the public API (`LLM`, `EngineArgs`, `SamplingParams`) is used, so the file also runs as
-a script (`python3 .../bench.py latency ...`).
+Only the public API (`LLM`, `EngineArgs`, `SamplingParams`) and bench_datasets are used, so the
+file also runs as a script (`python3 .../bench.py latency ...`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from llm_inference.engine.arg_utils import EngineArgs, resolve_device
+from llm_inference.entrypoints.bench_datasets import Workload, add_workload_args, workload_line
 from llm_inference.sampling_params import SamplingParams
 
 SHAPES = {
@@ -42,6 +43,7 @@ SHAPES = {
                          tie_word_embeddings=False, rope_factor=8.0),
 }  # fmt: skip
 VOCAB = 128256
+PROMPT_IDS = 10000  # throughput's random prompt ids are in [0, 10000) (the model's if smaller)
 BATCHES = (1, 8, 64, 256)
 # The engine options bench runs with unless told otherwise: half precision, room for the
 # longest throughput request, and no prefix caching (repeated prompts would measure cache hits).
@@ -171,12 +173,12 @@ def _kernel_profile(llm, run, trace_dir: str | None = None) -> list[dict]:
     return ranks
 
 
-def _kernel_profile_throughput(llm, num_prompts: int, **workload) -> dict:
+def _kernel_profile_throughput(llm, prompts, params) -> dict:
     """The throughput workload again (after the unprofiled run: no second warm-up) under each
     rank's profiler: its wall seconds (slower than unprofiled) and per rank the GPU kernel
     seconds and the top kernels, of the timed requests alone."""
     timed = {}
-    run = functools.partial(throughput, llm, num_prompts, warmup=False, **workload)
+    run = functools.partial(throughput, llm, prompts, params, warmup=False)
     ranks = _kernel_profile(llm, lambda: timed.update(run()))
     # ms / 1000: seconds
     return {"wall_s": timed["seconds"], "ranks": [_per_step(r, _NO_PROFILE, 1000) for r in ranks]}
@@ -240,35 +242,47 @@ def prefill(llm, seed: int = 0, profile: bool = False, trace_dir: str | None = N
 
 
 def throughput_workload(
-    num_prompts: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0, ids: int = 10000,
-    detokenize: bool = True,
+    workload: Workload | None = None, ids: int = PROMPT_IDS, detokenize: bool = True,
+    tokenizer=None,
 ):  # fmt: skip
-    """(prompts, params) of the throughput benchmark: prompt ids in [0, ids), lengths and
-    max_tokens uniform in [lo, hi], temperature 0.6, ignore_eos, request i seeded with i;
-    `detokenize=False`: token ids only (vLLM's `--disable-detokenize`)."""
-    rng = random.Random(seed)
-    lengths = [rng.randint(lo, hi) for _ in range(num_prompts)]
-    prompts = [[rng.randrange(ids) for _ in range(n)] for n in lengths]
+    """(prompts, params) of the throughput benchmark: `workload`'s requests (default: 256 of
+    `uniform`; random prompt ids in [0, ids), sharegpt's tokenized by `tokenizer`), sampled as it
+    says, `ignore_eos`, request i seeded with i; `detokenize=False`: token ids only (vLLM's
+    `--disable-detokenize`)."""
+    workload = workload or Workload()
+    requests = workload.requests(ids, tokenizer)
     params = [
         SamplingParams(
-            temperature=0.6,
+            temperature=workload.temperature,
+            top_p=workload.top_p,
+            top_k=workload.top_k,
             ignore_eos=True,
-            max_tokens=rng.randint(lo, hi),
+            max_tokens=r.max_tokens,
             seed=i,
             detokenize=detokenize,
         )
-        for i in range(num_prompts)
+        for i, r in enumerate(requests)
     ]
-    return prompts, params
+    return [r.prompt_ids for r in requests], params
 
 
-def throughput(
-    llm, num_prompts: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0, ids: int = 10000,
-    warmup: bool = True, detokenize: bool = True,
-):  # fmt: skip
-    """The 256-request workload (`throughput_workload`); after a warm-up on the first 8
-    (unless `warmup` is False: a run right after another)."""
-    prompts, params = throughput_workload(num_prompts, lo, hi, seed, ids, detokenize)
+def throughput_requests(workload: Workload, model: str | None, folder, detokenize: bool = True):
+    """`throughput_workload` for the model `--model` names, resolved to `folder`: prompt ids
+    below its vocabulary size, sharegpt's tokens counted by its tokenizer, or for a named shape
+    (whose random tokenizer knows no words) by the default model's."""
+    vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
+    tokenizer = None
+    if workload.dataset == "sharegpt":
+        from llm_inference.models.default_model import resolve_model
+        from llm_inference.models.loader import load_tokenizer
+
+        tokenizer = load_tokenizer(resolve_model(None) if model in SHAPES else folder)
+    return throughput_workload(workload, min(PROMPT_IDS, vocab), detokenize, tokenizer)
+
+
+def throughput(llm, prompts, params, warmup: bool = True) -> dict:
+    """`prompts` (`throughput_workload`) timed in one generate call, after a warm-up on the
+    first 8 (unless `warmup` is False: a run right after another)."""
     if warmup:
         _timed_generate(llm, prompts[:8], params[:8])
     dt = _timed_generate(llm, prompts, params)
@@ -276,7 +290,7 @@ def throughput(
     n_in = sum(map(len, prompts))
     return {
         "seconds": dt,
-        "requests_per_s": num_prompts / dt,
+        "requests_per_s": len(prompts) / dt,
         "output_tok_per_s": n_out / dt,
         "total_tok_per_s": (n_in + n_out) / dt,
         "output_tokens": n_out,
@@ -285,8 +299,9 @@ def throughput(
 
 def add_bench_args(p: argparse.ArgumentParser, kind: str | None = None) -> None:
     """The options of `bench latency|throughput|prefill` (`kind` fixed by the subcommand, else
-    an argument as when this file runs as a script): the workload's, then the engine's
-    (`EngineArgs`, with BENCH_DEFAULTS)."""
+    an argument as when this file runs as a script): the workload's (throughput's dataset and
+    sampling: bench_datasets), then the engine's (`EngineArgs`, with BENCH_DEFAULTS; `--seed`
+    also draws the throughput workload)."""
     if kind is None:
         p.add_argument("kind", choices=["latency", "throughput", "prefill"])
     else:
@@ -298,6 +313,7 @@ def add_bench_args(p: argparse.ArgumentParser, kind: str | None = None) -> None:
         "(default: llama-3.2-1b on a GPU, the default model on the CPU)",
     )  # fmt: skip
     p.add_argument("--num-prompts", type=int, default=256, help="throughput requests")
+    add_workload_args(p)
     p.add_argument(
         "--disable-detokenize", action="store_true",
         help="throughput: token ids only, no text (as vLLM's flag of that name)",
@@ -326,6 +342,7 @@ def run_bench(args) -> dict:
             "for a GPU, and none is in use here: on the CPU, give --model a checkpoint folder "
             "or leave it out for the default model"
         )
+    workload = Workload.from_args(args) if args.kind == "throughput" else None
     folder = random_checkpoint(model) if model in SHAPES else resolve_model(model)
     config = json.loads((Path(folder) / "config.json").read_text())
     res: dict = {"model": model or DEFAULT_MODEL_NAME, "kind": args.kind,
@@ -333,15 +350,24 @@ def run_bench(args) -> dict:
     engine_args = dataclasses.replace(EngineArgs.from_cli_args(args), model=str(folder))
     if engine_args.disable_custom_all_reduce:
         res["disable_custom_all_reduce"] = True
+    if workload:  # drawn before the engine starts: a bad dataset fails at once
+        detok = not args.disable_detokenize
+        prompts, params = throughput_requests(workload, model, folder, detok)
+        longest = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
+        if longest > args.max_model_len:
+            raise ValueError(
+                f"the workload's longest request is {longest} tokens (prompt + output), over "
+                f"--max-model-len {args.max_model_len}: raise it or shorten the lengths"
+            )
     with LLM(**dataclasses.asdict(engine_args)) as llm:
-        if args.kind == "throughput":
-            detok = not args.disable_detokenize
-            res.update(throughput(llm, args.num_prompts, detokenize=detok))
-            if not detok:
+        if workload:
+            res.update(throughput(llm, prompts, params))
+            res["workload"] = workload.describe(list(map(len, prompts)),
+                                                [p.max_tokens for p in params])  # fmt: skip
+            if args.disable_detokenize:
                 res["detokenize"] = False
             if args.profile:  # a second run, profiled: each rank's kernel time against the wall
-                ranks = _kernel_profile_throughput(llm, args.num_prompts, detokenize=detok)
-                res["profile"] = ranks
+                res["profile"] = _kernel_profile_throughput(llm, prompts, params)
         elif args.kind == "prefill":
             res.update(prefill(llm, profile=bool(args.profile), trace_dir=args.trace_dir))
         else:
@@ -378,7 +404,8 @@ def format_result(res: dict) -> str:
         lines = [
             f"{res['model']}: {res['requests_per_s']:.2f} requests/s, "
             f"{res['output_tok_per_s']:,.0f} output tok/s, {res['total_tok_per_s']:,.0f} "
-            f"total tok/s ({res['output_tokens']} output tokens in {res['seconds']:.2f} s)"
+            f"total tok/s ({res['output_tokens']} output tokens in {res['seconds']:.2f} s)",
+            workload_line(res["workload"]),
         ]
         if prof := res.get("profile"):
             ranks = ", ".join(f"{r['gpu_ms_per_step']:.3f}" for r in prof["ranks"])

@@ -1,14 +1,17 @@
 """`llm-inference bench serve`: a load generator for any OpenAI-compatible server (ours or
-vLLM's), like `vllm bench serve` with its random dataset.
+vLLM's), like `vllm bench serve`.
 
-Prompts are random token ids decoded to text (with `--tokenizer`, default `--model` when it is
-a local folder) or random words; lengths are `--input-len` / `--output-len`, or drawn uniformly
-from [len * (1 - r), len * (1 + r)] with `--range-ratio r`. Requests stream completions with
-`ignore_eos`; they arrive as a Poisson process at `--request-rate` (inf: all at once), at most
-`--max-concurrency` at a time, each at its time from the start (not after the previous one's
-wait). `--num-workers N` shares them among N client processes started together: a server
-streaming tens of thousands of chunks a second outruns one Python reader, whose delays would
-show as inter-token latency. Times are reported in milliseconds, throughputs per second.
+Requests come from the datasets of `bench throughput` (bench_datasets.py), with this bench's
+defaults: `uniform` with `--input-len 256 --output-len 128 --range-ratio 0` (fixed lengths),
+temperature 0. Synthetic prompts are random token ids decoded to text (with `--tokenizer`,
+default `--model` when it is a local folder) or random words; sharegpt's are the conversations'
+own text (counted with that tokenizer). Requests stream completions with `ignore_eos` and the
+workload's temperature, top-p and top-k; they arrive as a Poisson process at `--request-rate`
+(inf: all at once), at most `--max-concurrency` at a time, each at its time from the start (not
+after the previous one's wait). `--num-workers N` shares them among N client processes started
+together: a server streaming tens of thousands of chunks a second outruns one Python reader,
+whose delays would show as inter-token latency. Times are reported in milliseconds (mean,
+median, p90, p99, as vLLM's), throughputs per second.
 
 `--multi-turn T` replays chats instead: each of `--num-prompts` conversations sends T requests
 one after another, each the whole conversation so far (an optional shared system prompt of
@@ -26,6 +29,8 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
+
+from llm_inference.entrypoints.bench_datasets import Workload, add_workload_args, workload_line
 
 _WORD_LIST = """the of and to in is that it was for on are as with his they at be this from have
 or by one had not but what all were when we there can an your which their said if do will each
@@ -50,14 +55,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's root URL")
     p.add_argument("--endpoint", default="/v1/completions", help="the completions path")
     p.add_argument("--model", default=None, help="model name (default: the server's first)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder for random prompts")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder for random prompts and sharegpt's counts")  # fmt: skip
     p.add_argument("--num-prompts", type=int, default=100, help="requests to send")
-    p.add_argument("--input-len", "--random-input-len", type=int, default=256,
-                   help="prompt tokens per request")  # fmt: skip
-    p.add_argument("--output-len", "--random-output-len", type=int, default=128,
-                   help="output tokens per request")  # fmt: skip
-    p.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.0,
-                   help="lengths uniform in [len * (1 - r), len * (1 + r)]")  # fmt: skip
+    add_workload_args(p, input_len=256, output_len=128, temperature=0.0)
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, a Poisson process (inf: all at once)")  # fmt: skip
     p.add_argument("--max-concurrency", type=int, default=None,
@@ -82,13 +83,6 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    "chunks than one Python process reads on time)")  # fmt: skip
 
 
-def _lengths(mean: int, ratio: float, n: int, rng: random.Random) -> list[int]:
-    if not 0 <= ratio < 1:
-        raise ValueError(f"--range-ratio must be in [0, 1), got {ratio}")
-    lo, hi = max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
-    return [rng.randint(lo, hi) for _ in range(n)]
-
-
 def load_tokenizer(args):
     """The tokenizer that random prompts are drawn from (`--tokenizer`, else `--model` when it
     is a local folder), or None: prompts of plain words."""
@@ -100,21 +94,26 @@ def load_tokenizer(args):
     return AutoTokenizer.from_pretrained(source)
 
 
-def random_texts(tokenizer, rng: random.Random, lengths: list[int]) -> list[str]:
-    """About n tokens for each n of `lengths`: random non-special token ids decoded, or n plain
-    words."""
+def _vocabulary(tokenizer):
+    """(size, decode): synthetic prompts are ids in [0, size), turned into text as random
+    non-special tokens of `tokenizer`, or plain words without one."""
     if tokenizer is None:
-        return [" ".join(rng.choice(WORDS) for _ in range(n)) for n in lengths]
+        return len(WORDS), lambda ids: " ".join(WORDS[i] for i in ids)
     special = set(tokenizer.all_special_ids)
-    ids = [t for t in range(len(tokenizer)) if t not in special]
-    return [tokenizer.decode([rng.choice(ids) for _ in range(n)]) for n in lengths]
+    tokens = [t for t in range(len(tokenizer)) if t not in special]
+    return len(tokens), lambda ids: tokenizer.decode([tokens[i] for i in ids])
 
 
-def make_prompts(args, rng: random.Random, n: int, tokenizer) -> list[tuple[str, int, int]]:
+def make_prompts(
+    workload: Workload, rng: random.Random, n: int, tokenizer, vocabulary
+) -> list[tuple[str, int, int]]:
     """(prompt text, approximate prompt tokens, max output tokens) for `n` requests."""
-    ins = _lengths(args.input_len, args.range_ratio, n, rng)
-    outs = _lengths(args.output_len, args.range_ratio, n, rng)
-    return list(zip(random_texts(tokenizer, rng, ins), ins, outs))
+    if workload.dataset == "sharegpt" and tokenizer is None:
+        raise ValueError("--dataset sharegpt counts tokens with the model's tokenizer: pass "
+                         "--tokenizer (a model folder)")  # fmt: skip
+    size, decode = vocabulary
+    return [(r.text or decode(r.prompt_ids), len(r.prompt_ids), r.max_tokens)
+            for r in workload.requests(size, tokenizer, n, rng)]  # fmt: skip
 
 
 async def send_request(client, url: str, payload: dict, headers: dict) -> RequestResult:
@@ -137,11 +136,13 @@ async def send_request(client, url: str, payload: dict, headers: dict) -> Reques
                 if chunk.get("usage"):
                     result.output_len = chunk["usage"]["completion_tokens"]
                     result.prompt_len = chunk["usage"]["prompt_tokens"]
-                choices = chunk.get("choices") or []
-                first = choices[0] if choices else {}
-                piece = first.get("text") or (first.get("delta") or {}).get("content")
-                if piece:
-                    result.text += piece
+                # A chunk with a choice is a token's arrival, even with no text (a partial
+                # character, a special token): timed as vLLM's bench times it.
+                if choices := chunk.get("choices"):
+                    first = choices[0]
+                    result.text += (
+                        first.get("text") or (first.get("delta") or {}).get("content") or ""
+                    )
                     now = time.perf_counter()
                     if result.ttft == 0.0:
                         result.ttft = now - start
@@ -192,6 +193,7 @@ class _Settings:
     timeout: float
     max_concurrency: int | None
     multi_turn: bool
+    sampling: dict  # temperature, top_p and top_k (when on)
 
 
 async def _drive(jobs: list[_Job], s: _Settings, start: float) -> tuple[list, float]:
@@ -204,7 +206,7 @@ async def _drive(jobs: list[_Job], s: _Settings, start: float) -> tuple[list, fl
         gate = asyncio.Semaphore(s.max_concurrency or len(jobs) or 1)
 
         def payload(prompt: str, n_in: int, n_out: int) -> dict:
-            return {"model": s.model, "prompt": prompt, "max_tokens": n_out, "temperature": 0.0,
+            return {"model": s.model, "prompt": prompt, "max_tokens": n_out, **s.sampling,
                     "stream": True, "stream_options": {"include_usage": True},
                     "ignore_eos": True, "_prompt_len": n_in}  # fmt: skip
 
@@ -270,12 +272,15 @@ def run_benchmark(args) -> dict:
     """Send every request (Poisson arrivals, bounded concurrency) and summarize them."""
     rng = random.Random(args.seed)
     turns = max(1, args.multi_turn)
+    workload = Workload.from_args(args)
     tokenizer = load_tokenizer(args)
+    size, decode = vocabulary = _vocabulary(tokenizer)
     # first turns, then the rest
-    prompts = make_prompts(args, rng, args.num_prompts * turns, tokenizer)
+    prompts = make_prompts(workload, rng, args.num_prompts * turns, tokenizer, vocabulary)
+    described = workload.describe([p[1] for p in prompts], [p[2] for p in prompts])
     prompts, later = prompts[: args.num_prompts], prompts[args.num_prompts :]
     n_prefix = args.shared_prefix_len
-    prefix = random_texts(tokenizer, rng, [n_prefix])[0] + "\n" if n_prefix else ""
+    prefix = decode([rng.randrange(size) for _ in range(n_prefix)]) + "\n" if n_prefix else ""
     arrival, jobs = 0.0, []
     for i, p in enumerate(prompts):
         if i and args.request_rate != float("inf"):
@@ -284,8 +289,11 @@ def run_benchmark(args) -> dict:
     base = args.base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = args.model or _model_name(base, headers, args.timeout)
+    sampling = {"temperature": workload.temperature, "top_p": workload.top_p}
+    if workload.top_k != -1:  # an extension (vLLM's): sent only when asked for
+        sampling["top_k"] = workload.top_k
     settings = _Settings(base + args.endpoint, headers, model, prefix, args.timeout,
-                         args.max_concurrency, turns > 1)  # fmt: skip
+                         args.max_concurrency, turns > 1, sampling)  # fmt: skip
     workers = min(getattr(args, "num_workers", 1), len(jobs), args.max_concurrency or len(jobs))
     if workers > 1:
         done, start, end = _run_workers(jobs, settings, workers)
@@ -293,7 +301,7 @@ def run_benchmark(args) -> dict:
         start = time.time()
         done, end = asyncio.run(_drive(jobs, settings, start))
     results = [r for d in done for r in (d if isinstance(d, list) else [d])]
-    return summarize(results, end - start, args, model)
+    return summarize(results, end - start, args, model) | {"workload": described}
 
 
 def _stats(name: str, values: list[float]) -> dict[str, float]:
@@ -301,6 +309,7 @@ def _stats(name: str, values: list[float]) -> dict[str, float]:
 
     ms = np.array(values or [0.0]) * 1000
     return {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
+            f"p90_{name}_ms": float(np.percentile(ms, 90)),
             f"p99_{name}_ms": float(np.percentile(ms, 99))}  # fmt: skip
 
 
@@ -337,19 +346,18 @@ def print_report(r: dict) -> None:
             ("Output token throughput (tok/s)", f"{r['output_throughput']:.2f}"),
             ("Total token throughput (tok/s)", f"{r['total_token_throughput']:.2f}")]  # fmt: skip
     for metric in ("ttft", "tpot", "itl", "e2el"):
-        for stat in ("mean", "median", "p99"):
+        for stat in ("mean", "median", "p90", "p99"):
             rows.append((f"{stat.capitalize()} {metric.upper()} (ms)",
                          f"{r[f'{stat}_{metric}_ms']:.2f}"))  # fmt: skip
     for label, value in rows:
         print(f"{label:<40}{value:>20}")
+    print(workload_line(r["workload"]))
     for err in r["errors"]:
         print(f"error: {err}")
     print("=" * 60)
 
 
 def main(args) -> int:
-    if args.num_prompts < 1:
-        raise ValueError(f"--num-prompts must be at least 1, got {args.num_prompts}")
     if args.multi_turn < 0 or args.shared_prefix_len < 0:
         raise ValueError("--multi-turn and --shared-prefix-len must be >= 0")
     if args.request_rate <= 0:

@@ -142,7 +142,7 @@ def _add_serve_parsers(sub) -> None:
     bs.set_defaults(func=bench_serve.main)
     kinds = {
         "latency": "decode ms per step at batch 1, 8, 64, 256 beside the floor",
-        "throughput": "N requests, in/out lengths uniform in [100, 1024]",
+        "throughput": "N requests of a dataset (default: lengths uniform in [100, 1024])",
         "prefill": "time to first token of one 8,000-token prompt and of 64 x 512",
     }
     for kind, text in kinds.items():

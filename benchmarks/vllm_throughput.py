@@ -1,0 +1,97 @@
+"""vLLM's offline `LLM.generate` on the requests `llm-inference bench throughput` sends.
+
+The same dataset, seed and sampling options (bench_datasets.py, through bench's own
+`throughput_requests`: the same prompt ids and max_tokens), each request seeded with its index
+as ours is; a warm-up on the first 8, then all of them in one timed call; the results under
+bench throughput's `--json` keys, plus `vllm` (its version). vLLM starts as
+../shared/vllm/vllm_bench.py starts it: the random-weight checkpoint of a named shape (bench's
+`random_checkpoint`, the one our bench loads), no tokenizer, token ids only, its defaults
+otherwise. Note that vLLM draws a seeded request's sampling noise row by row (`random_sample`),
+a cost ours does not have. Run where vLLM is installed, from the repository root:
+
+    PYTHONPATH=src python3 benchmarks/vllm_throughput.py --model llama-3.2-1b --dataset lognormal
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from llm_inference.entrypoints import bench
+from llm_inference.entrypoints.bench_datasets import Workload, add_workload_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    shapes = ", ".join(bench.SHAPES)
+    p.add_argument("--model", default="llama-3.2-1b",
+                   help=f"a checkpoint folder or a named shape ({shapes})")  # fmt: skip
+    p.add_argument("--num-prompts", type=int, default=256, help="requests")
+    p.add_argument("--seed", type=int, default=0, help="the workload's seed (bench's --seed)")
+    add_workload_args(p)
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs")
+    p.add_argument("--max-model-len", type=int, default=4096, help="as bench's default")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step (default: vLLM's)")  # fmt: skip
+    p.add_argument("--json", default=None, help="also write the results to this file")
+    return p
+
+
+def build_requests(args, folder) -> tuple[Workload, list[list[int]], list[dict]]:
+    """The workload, its prompt ids and each request's vLLM `SamplingParams` arguments: those
+    of `bench throughput` with the same options."""
+    workload = Workload.from_args(args)
+    prompts, params = bench.throughput_requests(workload, args.model, folder)
+    kwargs = [dict(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                   max_tokens=p.max_tokens, ignore_eos=True, detokenize=False, seed=p.seed)
+              for p in params]  # fmt: skip
+    return workload, prompts, kwargs
+
+
+def main() -> None:
+    parser = build_parser()
+    args = parser.parse_args()
+    model = args.model
+    try:
+        Workload.from_args(args)  # a bad option stops here, before a checkpoint is written
+        folder = bench.random_checkpoint(model) if model in bench.SHAPES else Path(model)
+        workload, prompts, kwargs = build_requests(args, folder)
+    except ValueError as e:
+        parser.error(str(e))
+    import torch
+    import vllm
+
+    extra = {"max_num_batched_tokens": args.max_num_batched_tokens}
+    llm = vllm.LLM(str(folder), skip_tokenizer_init=True, max_model_len=args.max_model_len,
+                   gpu_memory_utilization=0.85, max_num_seqs=256, enable_prefix_caching=False,
+                   seed=0, tensor_parallel_size=args.tensor_parallel_size,
+                   **{k: v for k, v in extra.items() if v is not None})  # fmt: skip
+    inputs = [{"prompt_token_ids": ids} for ids in prompts]
+    params = [vllm.SamplingParams(**kw) for kw in kwargs]
+
+    def timed(n: int) -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate(inputs[:n], params[:n], use_tqdm=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    timed(8)  # the warm-up, as bench throughput's
+    dt = timed(len(inputs))
+    n_in, n_out = sum(map(len, prompts)), sum(kw["max_tokens"] for kw in kwargs)
+    res = {
+        "model": model, "kind": "throughput", "tp": args.tensor_parallel_size,
+        "seconds": dt, "requests_per_s": len(prompts) / dt, "output_tok_per_s": n_out / dt,
+        "total_tok_per_s": (n_in + n_out) / dt, "output_tokens": n_out,
+        "workload": workload.describe(list(map(len, prompts)), [kw["max_tokens"] for kw in kwargs]),
+        "detokenize": False, "vllm": vllm.__version__,
+    }  # fmt: skip
+    print(f"vLLM {vllm.__version__}, " + bench.format_result(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
