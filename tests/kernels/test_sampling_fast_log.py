@@ -70,6 +70,7 @@ def test_sample_kernel_log_for_sm90():
     consts = dict(
         HAS_GREEDY=True, HAS_TOP_K=True, HAS_TOP_P=True, HAS_MIN_P=True, FAST_LOG=True,
         BLOCK=sampling.BLOCK, SEARCH_BLOCK=sampling.SEARCH_BLOCK, NP=sampling.NP,
+        RETRIES=sampling.RETRIES,
     )  # fmt: skip
     ptx = _ptx(sampling._sample_kernel, SAMPLE_SIGNATURE, consts)
     assert ptx.count("lg2.approx.f32") > 0

@@ -7,13 +7,16 @@ For row b, with l = logits[b] and x = l / temperature[b]:
   * rows without top-k/top-p/min-p: argmax(x - log(-log u)) (Gumbel-max, i.e. the exponential
     race argmax(p / E), E = -log u ~ Exp(1), written in log space); one pass;
   * filtered rows: the race over the kept tokens {x >= thr and exp(x - m) >= min_p}, where
-    thr keeps the top-k tokens, then of those the top-p nucleus. The race over all tokens
-    runs first (as for unfiltered rows); its winner w is the filtered race's winner too when
-    it is kept, which one more pass decides: fewer than k tokens have x > x_w, and their
-    mass sum exp(x - m) is under top_p * the mass of the row (of the top-k set, with top-k;
-    there the test takes the mass of the x >= x_w, a part of that set: sufficient, not
-    necessary). That holds for a row with probability about 1 - (the mass outside the
-    kept set) >= top_p (top-p alone), so most rows cost two passes. Else the exact search:
+    thr keeps the top-k tokens, then of those the top-p nucleus: the kept tokens are all the
+    x above some value. The race over all tokens runs first (as for unfiltered rows); its
+    winner w is the filtered race's winner too when it is kept, which one more pass decides:
+    fewer than k tokens have x > x_w, and their mass sum exp(x - m) is under top_p * the mass
+    of the row (of the top-k set, with top-k; there the test takes the mass of the x >= x_w, a
+    part of that set: sufficient, not necessary). That holds for a row with probability about
+    1 - (the mass outside the kept set), >= top_p with top-p alone, so most rows cost two
+    passes. A winner surely dropped drops every x <= x_w with it: the race runs again over
+    the x > x_w, up to RETRIES times (with top-p alone, rarely more than once). Else the exact
+    search:
     a stats pass (max m, smallest finite value), a threshold search for top-k (count of
     x >= t reaches k), then one for top-p over the top-k set (mass of x >= t reaches
     top_p * mass of the top-k set), then the filtered race. No sort: each search pass counts
@@ -23,7 +26,7 @@ For row b, with l = logits[b] and x = l / temperature[b]:
     is `up` itself, so every pass settles or removes an element; in practice the value range
     shrinks NP-1 fold per pass. Ties at the threshold are all kept (top-k as the torch
     reference; top-p keeps the tied tokens the reference's sort order would split). The row
-    maximum is always kept. Both tests sum in a fixed order, so a row's path and token are
+    maximum is always kept. The tests sum in a fixed order, so a row's path and token are
     a function of the row alone (they may round a mass exactly at the boundary differently).
 
 Noise: u[b, v] is bit for bit `sample.sampler.uniform_noise(keys)[b, v]` (lowbias32 hash of the
@@ -65,6 +68,7 @@ BLOCK = 2048  # race and stats passes: elements per step
 SPLIT_PROGRAMS = 512  # split race: about this many programs per launch (a few per SM)
 SEARCH_BLOCK = 256  # search passes: a [SEARCH_BLOCK, NP] tile per step
 NP = 16  # pivots per search pass
+RETRIES = 4  # filtered rows: races above a dropped winner before the exact search
 STATUS_BAD = -1  # a NaN or +inf logit in the row
 STATUS_EMPTY = -2  # every logit of the row is -inf
 _BAD = tl.constexpr(STATUS_BAD)  # kernels may read globals only as constexpr (Triton 3.6)
@@ -201,15 +205,40 @@ def _above(row_ptr, V, t, m, xw, BLOCK: tl.constexpr):
     return tl.sum(above), tl.sum(count), tl.sum(at), tl.sum(total)
 
 
+@triton.jit
+def _verdict(row_ptr, V, t, m, xw, k, p, min_p, BLOCK: tl.constexpr):
+    """(unsure, out) for a token of value xw: the filters may drop it (the test that keeps it
+    fails), and they surely drop it. Kept: fewer than k tokens above, less than top_p of the
+    mass above (of the top-k set's mass; with top-k, the mass of the x >= xw stands in for
+    it: a sufficient test, and the whole mass for a sure one), exp(xw - m) >= min_p."""
+    unsure = tl.exp(xw - m) < min_p
+    out = unsure
+    if (k < V) | (p < 1.0):
+        above, count, at, total = _above(row_ptr, V, t, m, xw, BLOCK)
+        unsure = unsure | (count >= k) | ((p < 1.0) & (above >= p * tl.where(k < V, at, total)))
+        out = out | (count >= k) | ((p < 1.0) & (above >= p * total))
+    return unsure, out
+
+
+@triton.jit
+def _next_up(x):
+    """The smallest float32 above a finite x."""
+    b = x.to(tl.int32, bitcast=True)
+    b = tl.where(x >= 0.0, b + 1, b - 1)
+    return tl.where(x == 0.0, 1, b).to(tl.float32, bitcast=True)
+
+
 @triton.jit(do_not_specialize=["B"])
 def _sample_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, top_k_ptr, top_p_ptr,
                    min_p_ptr, win_ptr, out_ptr, V, B,
                    HAS_GREEDY: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
                    HAS_MIN_P: tl.constexpr, FAST_LOG: tl.constexpr, BLOCK: tl.constexpr,
-                   SEARCH_BLOCK: tl.constexpr, NP: tl.constexpr):  # fmt: skip
+                   SEARCH_BLOCK: tl.constexpr, NP: tl.constexpr,
+                   RETRIES: tl.constexpr):  # fmt: skip
     """Row b's token from its unfiltered race winner (win [3, B], `_split_race`'s raw output):
-    the winner itself on greedy and unfiltered rows, and on filtered rows that keep it (one
-    pass: the winner's mass and rank); else the filtered race (module doc, "Filtered rows")."""
+    the winner itself on greedy and unfiltered rows and where the filters keep it; else the
+    race again above a dropped winner, at most RETRIES times; else the exact search (module
+    doc, "Filtered rows")."""
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
     t = tl.load(temp_ptr + row)
@@ -230,15 +259,17 @@ def _sample_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, top_k_ptr
     filtered = (k < V) | (p < 1.0) | (min_p > 0.0)
     if (greedy == 0) & filtered & (top > float("-inf")) & (top < float("inf")):
         m = top
+        key = tl.load(keys_ptr + row).to(tl.uint32)
         xw = tl.load(row_ptr + idx).to(tl.float32) / t
-        dropped = tl.exp(xw - m) < min_p
-        if (k < V) | (p < 1.0):
-            above, count, at, total = _above(row_ptr, V, t, m, xw, BLOCK)
-            # kept: fewer than k tokens above it, and less than top_p of the mass above it (of
-            # the top-k set's mass, which the x >= xw are part of: with top-k, a sufficient test)
-            W = p * tl.where(k < V, at, total)
-            dropped = dropped | (count >= k) | ((p < 1.0) & (above >= W))
-        if dropped:
+        unsure, out = _verdict(row_ptr, V, t, m, xw, k, p, min_p, BLOCK)
+        tries = 0
+        while unsure & out & (tries < RETRIES):  # the kept tokens are all above xw
+            idx, _, top = _race(row_ptr, V, t, key, _next_up(xw), min_p, m, True, True,
+                                FAST_LOG, BLOCK, 0, 0)  # fmt: skip
+            xw = tl.load(row_ptr + idx).to(tl.float32) / t
+            unsure, out = _verdict(row_ptr, V, t, m, xw, k, p, min_p, BLOCK)
+            tries += 1
+        if unsure:
             thr = tl.full((), float("-inf"), tl.float32)
             if (k < V) | (p < 1.0):
                 _, thr = _stats(row_ptr, V, t, BLOCK)  # the smallest finite x
@@ -248,7 +279,6 @@ def _sample_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, top_k_ptr
                 if HAS_TOP_P:
                     if p < 1.0:
                         thr = _search(row_ptr, V, t, m, thr, m, p, True, SEARCH_BLOCK, NP)
-            key = tl.load(keys_ptr + row).to(tl.uint32)
             idx, _, top = _race(row_ptr, V, t, key, thr, min_p, m, True, True, FAST_LOG, BLOCK,
                                 0, 0)  # fmt: skip
     _store_token(out_ptr + row, idx, top)
@@ -395,7 +425,7 @@ def sample(
         dummy if min_p is None else min_p, win, out, V, B,
         HAS_GREEDY=greedy is not None, HAS_TOP_K=top_k is not None,
         HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None, FAST_LOG=_fast_log(logits),
-        BLOCK=block, SEARCH_BLOCK=search_block, NP=NP,
+        BLOCK=block, SEARCH_BLOCK=search_block, NP=NP, RETRIES=RETRIES,
         num_warps=8,
     )  # fmt: skip
     return out
