@@ -21,8 +21,10 @@ Invariants:
   for later calls).
 - With `engine_process=True` (the default) the engine core runs in a process of its own
   (core_process.py) and the thread is the front end: it waits on the core's pipe and on a
-  wake-up socket for the inbox. A core process that dies or fails ends the engine like an
-  error of the step loop. With `engine_process=False` the thread runs the whole engine.
+  wake-up socket for the inbox, and never on a send (`CoreClient` hands commands to its
+  sender thread), so outputs keep flowing while a request of many prompts goes to the core. A
+  core process that dies or fails ends the engine like an error of the step loop. With
+  `engine_process=False` the thread runs the whole engine.
 """
 
 from __future__ import annotations
@@ -218,8 +220,8 @@ class AsyncLLM:
 
     def shutdown(self) -> None:
         """Stop the engine thread (running requests get EngineDeadError) and free the engine.
-        A thread that has not stopped after SHUTDOWN_TIMEOUT_S (stuck sending to a core that
-        does not read) gets its core process killed, which breaks the pipe it waits on."""
+        A thread that has not stopped after SHUTDOWN_TIMEOUT_S (stuck reading a message that a
+        frozen core left half-written) gets its core process killed, which breaks the pipe."""
         if self._thread.is_alive():
             self._command((_STOP,))
             self._thread.join(SHUTDOWN_TIMEOUT_S)
@@ -324,7 +326,7 @@ class AsyncLLM:
         except (ValueError, TypeError) as e:
             self._send([(stream, e)])
             return
-        except BaseException:  # the engine broke (a dead core process): it hears of it too
+        except BaseException:  # the engine itself broke: this request hears of it too
             streams[stream.request_id] = stream
             raise
         streams[stream.request_id] = stream
