@@ -274,6 +274,10 @@ class CoreClient:
         self._stats = steps[-1][3]
         return steps
 
+    def is_alive(self) -> bool:
+        """Whether the core process runs (any thread may ask)."""
+        return self._proc.is_alive()
+
     def kill(self) -> None:
         """End the core process now (SIGKILL): a front end stuck in `recv` gets an error."""
         self._proc.kill()
