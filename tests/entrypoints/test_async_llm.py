@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -308,24 +309,70 @@ def test_prompt_logprobs_stream_once(allm, offline_llm):
     assert all(o.prompt_logprobs == want.prompt_logprobs for o in cumulative)
 
 
-def test_shutdown_of_a_front_end_stuck_on_the_core_pipe_ends(tiny_ckpt, monkeypatch):
-    """The front-end thread blocked sending to a core that does not read (as with a huge
-    request while the core steps): shutdown() still returns, after its timeout, by killing the
-    core process; the waiting request gets EngineDeadError."""
-    import threading
+def test_outputs_flow_while_a_send_to_the_core_waits(tiny_ckpt):
+    """A core that reads no command for a while (it reads between steps: a request of many
+    prompts fills the pipe meanwhile): the send to it waits, and a running stream keeps getting
+    its tokens all along; the waiting requests run once it reads."""
+    llm = AsyncLLM(str(tiny_ckpt), **ENGINE_ARGS)
+    conn = llm.core_process._conn
+    send, held, read = conn.send, threading.Event(), threading.Event()
 
+    def full_pipe(message):  # as Connection.send on a pipe that the core does not read
+        held.set()
+        read.wait()
+        send(message)
+
+    long = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+    async def main():
+        stream = llm.generate("The quick brown fox", long, output_kind=RequestOutputKind.DELTA)
+        tokens = len((await anext(stream)).outputs[0].token_ids)
+        conn.send = full_pipe
+        many = [asyncio.create_task(_final(llm, f"hi {i}", short)) for i in range(50)]
+        assert await asyncio.to_thread(held.wait, 30)  # the send waits on the core
+        unstuck = threading.Timer(60, read.set)  # ends the test if the stream stalls too
+        unstuck.start()
+        while_held = 0
+        async for out in stream:
+            tokens += len(out.outputs[0].token_ids)
+            if read.is_set():
+                break
+            while_held += 1
+            if while_held == 10:
+                read.set()  # the core reads at last
+        unstuck.cancel()
+        read.set()
+        async for out in stream:
+            tokens += len(out.outputs[0].token_ids)
+        return while_held, tokens, await asyncio.gather(*many)
+
+    try:
+        while_held, tokens, outs = asyncio.run(main())
+    finally:
+        read.set()
+        llm.shutdown()
+    assert while_held == 10, "the stream stalled while the send to the core waited"
+    assert tokens == 300
+    assert [len(o.token_ids) for o in outs] == [2] * 50
+
+
+def test_shutdown_of_a_front_end_stuck_on_the_core_pipe_ends(tiny_ckpt, monkeypatch):
+    """The front-end thread stuck reading the core's pipe (a message that a frozen core left
+    half-written): shutdown() still returns, after its timeout, by killing the core process;
+    the waiting request gets EngineDeadError."""
     from llm_inference.engine import async_llm
-    from llm_inference.engine.core_process import CoreClient
+    from llm_inference.engine.core_process import CoreClient, EngineCoreError
 
     monkeypatch.setattr(async_llm, "SHUTDOWN_TIMEOUT_S", 1.0)
     llm = AsyncLLM(str(tiny_ckpt), **ENGINE_ARGS)
     pid, core, blocked, result = llm.core_process.pid, llm.core_process, threading.Event(), []
 
-    def stuck(self, cmd):  # as Connection.send blocks on a full pipe: until it breaks
+    def stuck(self, timeout=None):  # as Connection.recv waits for the rest: until it breaks
         blocked.set()
         while is_running(pid):
             time.sleep(0.01)
-        raise BrokenPipeError
+        raise EngineCoreError("the engine core process exited")
 
     def request():
         try:
@@ -333,10 +380,10 @@ def test_shutdown_of_a_front_end_stuck_on_the_core_pipe_ends(tiny_ckpt, monkeypa
         except Exception as e:  # noqa: BLE001 - what the request ended with
             result.append(e)
 
-    monkeypatch.setattr(CoreClient, "_command", stuck)
+    monkeypatch.setattr(CoreClient, "recv", stuck)
     client = threading.Thread(target=request, daemon=True)
     client.start()
-    assert blocked.wait(30)  # the engine thread is stuck sending the request
+    assert blocked.wait(30)  # the engine thread is stuck reading the core's step
     closer = threading.Thread(target=llm.shutdown, daemon=True)
     closer.start()
     closer.join(timeout=30)

@@ -21,8 +21,12 @@ Invariants:
   for later calls).
 - With `engine_process=True` (the default) the engine core runs in a process of its own
   (core_process.py) and the thread is the front end: it waits on the core's pipe and on a
-  wake-up socket for the inbox. A core process that dies or fails ends the engine like an
-  error of the step loop. With `engine_process=False` the thread runs the whole engine.
+  wake-up socket for the inbox, and never on a send (`CoreClient` hands commands to its
+  sender thread), so outputs keep flowing while a request of many prompts goes to the core. A
+  core process that dies or fails ends the engine like an error of the step loop. With
+  `engine_process=False` the thread runs the whole engine.
+- `health()` says why the engine cannot serve: stopped, its core process gone, or requests
+  running and no step back for STALL_TIMEOUT_S (the server's /health answers 503).
 """
 
 from __future__ import annotations
@@ -54,6 +58,9 @@ from llm_inference.sampling_params import SamplingParams
 
 # How long shutdown() waits for the engine thread before it kills the core process.
 SHUTDOWN_TIMEOUT_S = 10.0
+# Requests running and no step back for this long: health() reports the engine stuck. A step
+# takes milliseconds to seconds (a full token budget of prompt on a CPU); a minute is a hang.
+STALL_TIMEOUT_S = 60.0
 
 
 class EngineDeadError(RuntimeError):
@@ -112,7 +119,8 @@ class AsyncLLM:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
         self._error: BaseException | None = None
-        self._streams: dict[str, _Stream] = {}  # running requests; engine thread only
+        self._streams: dict[str, _Stream] = {}  # running requests; changed by the thread only
+        self._progress_at = time.monotonic()  # the last step received, or an idle spell's end
         # of those, not yet scheduled, by the core id of their first completion
         self._unscheduled: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # orders "add" against the thread's final drain
@@ -153,6 +161,23 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return self._error is None and self._thread.is_alive()
+
+    def health(self) -> str | None:
+        """Why the engine cannot serve now, or None: it has stopped, its core process has
+        exited, or requests are running and no step has come back for STALL_TIMEOUT_S (a hung
+        device or core: is_running says nothing of it, and they would wait forever)."""
+        if self._error is not None:
+            return f"the engine has stopped: {self._error}"
+        if not self.is_running:
+            return "the engine has been shut down"
+        if self.core_process is not None and not self.core_process.is_alive():
+            return "the engine core process has exited"
+        running = len(self._streams)  # before the clock: _add restarts it, then adds
+        silent = time.monotonic() - self._progress_at
+        if running and silent > STALL_TIMEOUT_S:
+            return (f"the engine is stuck: no step for {silent:.0f} s with {running} requests "
+                    "running")  # fmt: skip
+        return None
 
     # ---- asyncio side ---------------------------------------------------------------------
 
@@ -218,8 +243,8 @@ class AsyncLLM:
 
     def shutdown(self) -> None:
         """Stop the engine thread (running requests get EngineDeadError) and free the engine.
-        A thread that has not stopped after SHUTDOWN_TIMEOUT_S (stuck sending to a core that
-        does not read) gets its core process killed, which breaks the pipe it waits on."""
+        A thread that has not stopped after SHUTDOWN_TIMEOUT_S (stuck reading a message that a
+        frozen core left half-written) gets its core process killed, which breaks the pipe."""
         if self._thread.is_alive():
             self._command((_STOP,))
             self._thread.join(SHUTDOWN_TIMEOUT_S)
@@ -275,6 +300,7 @@ class AsyncLLM:
             if self.engine.has_unfinished_requests():
                 start = time.monotonic()
                 outputs = self.engine.step()
+                self._progress_at = time.monotonic()
                 self._note_scheduled(start)
                 self._dispatch(streams, outputs, time.monotonic())
             self._refresh_stats()
@@ -293,7 +319,9 @@ class AsyncLLM:
                 if not self._take_commands(streams, block=False):
                     return
             if core in ready:
-                for records, scheduled, start, _ in core.recv(timeout=0):
+                steps = core.recv(timeout=0)
+                self._progress_at = time.monotonic()
+                for records, scheduled, start, _ in steps:
                     outputs = self.engine.process_core_outputs(records)
                     self._note_scheduled(start, scheduled)
                     self._dispatch(streams, outputs, time.monotonic())
@@ -324,9 +352,11 @@ class AsyncLLM:
         except (ValueError, TypeError) as e:
             self._send([(stream, e)])
             return
-        except BaseException:  # the engine broke (a dead core process): it hears of it too
+        except BaseException:  # the engine itself broke: this request hears of it too
             streams[stream.request_id] = stream
             raise
+        if not streams:  # the stall clock of health() starts now
+            self._progress_at = time.monotonic()
         streams[stream.request_id] = stream
         self._unscheduled[core_ids[0]] = stream
 

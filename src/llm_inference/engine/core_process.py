@@ -8,10 +8,17 @@ front end and the core's stepping would otherwise share one GIL).
   `("ready", (config, stats))` (the core's config: max_model_len as fitted to the cache, which
   the parent's front end reads as `CoreClient.config`) or the error that stopped it. Then it
   loops: apply every pending command (waiting for one when nothing is left to run), run a step,
-  hand its results to a sender thread, which sends everything that waits as one message.
+  hand its results to its sender thread.
 - Messages are pickled over one duplex `multiprocessing` pipe; the parent only unpickles what
   its own child wrote. Commands and results keep their order: a request is added before any
   command that finishes it, and steps arrive in the order they ran.
+- Once started, neither side writes to the pipe from the thread that reads it: each queues
+  its messages for its sender thread (`_sender`), which ships everything waiting as one
+  message. The core reads commands only between steps and the front end reads results only
+  between its own work, so a reader that wrote could wait on a peer that waits on it: a front
+  end sending a request of many prompts while the core steps would stop reading results
+  (every stream paused, the core's sender blocked in turn). So each direction always has a
+  reader that waits on nothing but the pipe.
 - A step's result is `(records, scheduled, start, stats)`: the core's `EngineCoreOutput`s, the
   ids first scheduled in that step and when it started (for queue time), and the core's stats
   after it. Records of requests the front end has already dropped are ignored there. A core
@@ -54,22 +61,23 @@ class EngineCoreError(RuntimeError):
 # ---- the child ------------------------------------------------------------------------------
 
 
-def _send_results(conn: Connection, results: queue.SimpleQueue) -> None:
-    """Sender thread: every step result waiting goes out as one message."""
-    while (item := results.get()) is not None:
+def _sender(conn: Connection, items: queue.SimpleQueue, kind: str) -> None:
+    """A sender thread: everything waiting in `items` goes out as one message `(kind, [item,
+    ...])`, until None. The threads that queue never wait on the pipe (module docstring)."""
+    while (item := items.get()) is not None:
         batch = [item]
         while True:
             try:
-                item = results.get_nowait()
+                item = items.get_nowait()
             except queue.Empty:
                 break
             if item is None:
-                results.put(None)
+                items.put(None)
                 break
             batch.append(item)
         try:
-            conn.send(("steps", batch))
-        except (OSError, EOFError):  # the parent is gone
+            conn.send((kind, batch))
+        except (OSError, EOFError):  # the other side is gone: its reader hears of it there
             return
 
 
@@ -100,7 +108,7 @@ def _core_main(config: EngineConfig, conn: Connection, parent_pid: int, setup) -
         return
     freeze_startup_heap()
     results: queue.SimpleQueue = queue.SimpleQueue()
-    sender = threading.Thread(target=_send_results, args=(conn, results), daemon=True)
+    sender = threading.Thread(target=_sender, args=(conn, results, "steps"), daemon=True)
     try:
         conn.send(("ready", (core.config, core.stats())))
         sender.start()
@@ -108,17 +116,10 @@ def _core_main(config: EngineConfig, conn: Connection, parent_pid: int, setup) -
         running = True
         while running:
             block = not core.has_unfinished_requests()
-            while block or conn.poll():
+            while running and (block or conn.poll()):
                 block = False
-                cmd = conn.recv()  # EOFError: the parent closed the pipe
-                if cmd[0] == "add":
-                    core.add_requests(cmd[1])
-                    unscheduled.update(r.request_id for r in cmd[1])
-                elif cmd[0] == "finish":
-                    core.finish_requests(cmd[1], cmd[2])
-                elif cmd[0] == "stop":
-                    running = False
-                    break
+                _, commands = conn.recv()  # EOFError: the parent closed the pipe
+                running = _apply(core, commands, unscheduled)
             if running and not core.has_unfinished_requests():
                 results.put(([], [], time.monotonic(), core.stats()))  # idle: the stats only
             elif running:
@@ -136,10 +137,11 @@ def _core_main(config: EngineConfig, conn: Connection, parent_pid: int, setup) -
         results.put(None)
         if sender.is_alive():
             sender.join(JOIN_TIMEOUT_S)  # the steps before the error go out first
-        try:
-            conn.send(("error", traceback.format_exc(), _portable(e)))
-        except (OSError, EOFError):
-            pass
+        if not sender.is_alive():  # else it is stuck mid-message: the closed pipe tells
+            try:
+                conn.send(("error", traceback.format_exc(), _portable(e)))
+            except (OSError, EOFError):
+                pass
     finally:
         results.put(None)
         if sender.is_alive():
@@ -149,15 +151,32 @@ def _core_main(config: EngineConfig, conn: Connection, parent_pid: int, setup) -
         thaw_heap()
 
 
+def _apply(core, commands: list[tuple], unscheduled: set[str]) -> bool:
+    """Apply a message's commands to the core; False on stop."""
+    for cmd in commands:
+        if cmd[0] == "add":
+            core.add_requests(cmd[1])
+            unscheduled.update(r.request_id for r in cmd[1])
+        elif cmd[0] == "finish":
+            core.finish_requests(cmd[1], cmd[2])
+        elif cmd[0] == "stop":
+            return False
+    return True
+
+
 # ---- the parent -----------------------------------------------------------------------------
 
 
-def _stop(proc, conn: Connection) -> None:
-    """Ask the child to stop, then close the pipe, join, terminate, kill."""
-    try:
-        conn.send(("stop",))
-    except (OSError, EOFError, ValueError):
-        pass
+def _stop(proc, conn: Connection, commands: queue.SimpleQueue, sender: threading.Thread) -> None:
+    """Ask the child to stop (after the commands before), then close the pipe, join,
+    terminate, kill. A child that reads nothing for JOIN_TIMEOUT_S (stuck in a step) is killed
+    first, which fails the sender's write: the pipe is not closed under it."""
+    commands.put(("stop",))
+    commands.put(None)
+    sender.join(JOIN_TIMEOUT_S)
+    if sender.is_alive():
+        proc.kill()
+        sender.join(JOIN_TIMEOUT_S)
     from llm_inference.executor.multiproc import stop_processes
 
     stop_processes([proc], [conn], JOIN_TIMEOUT_S)
@@ -179,7 +198,13 @@ class CoreClient:
         )
         self._proc.start()
         child_conn.close()
-        self._finalizer = mp_util.Finalize(self, _stop, (self._proc, self._conn), exitpriority=50)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # read by `_sender` only
+        self._sender = threading.Thread(target=_sender, args=(self._conn, self._commands,
+                                        "commands"), name="llm_inference-core-sender",
+                                        daemon=True)  # fmt: skip
+        self._sender.start()
+        stop_args = (self._proc, self._conn, self._commands, self._sender)
+        self._finalizer = mp_util.Finalize(self, _stop, stop_args, exitpriority=50)
         try:
             kind, payload = self._recv_message()
             if kind != "ready":
@@ -224,18 +249,12 @@ class CoreClient:
     # ---- what the front end calls -----------------------------------------------------------
 
     def add_requests(self, requests: list[Request]) -> None:
-        self._command(("add", requests))
+        """Queue the requests for the sender thread: returns at once, whatever the pipe holds.
+        A core that has died is heard of in `recv()`."""
+        self._commands.put(("add", requests))
 
     def finish_requests(self, request_ids, status: RequestStatus) -> None:
-        self._command(("finish", list(request_ids), status))
-
-    def _command(self, cmd: tuple) -> None:
-        try:
-            self._conn.send(cmd)
-        except OSError:  # the child is gone: raise its error, or that it exited
-            while self._recv_message(timeout=2.0) is not None:
-                pass  # results of steps before it failed: nobody will read them now
-            raise EngineCoreError(f"the engine core process exited ({self._exit_text()})") from None
+        self._commands.put(("finish", list(request_ids), status))
 
     def stats(self) -> dict[str, int]:
         """The core's stats after the last step received."""
@@ -255,8 +274,12 @@ class CoreClient:
         self._stats = steps[-1][3]
         return steps
 
+    def is_alive(self) -> bool:
+        """Whether the core process runs (any thread may ask)."""
+        return self._proc.is_alive()
+
     def kill(self) -> None:
-        """End the core process now (SIGKILL): a front end blocked on the pipe gets an error."""
+        """End the core process now (SIGKILL): a front end stuck in `recv` gets an error."""
         self._proc.kill()
 
     def shutdown(self) -> None:

@@ -4,7 +4,8 @@ Routes: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokeniz
 /metrics. Every error is answered in OpenAI's format with its status: 400 bad parameters or a
 prompt the engine refuses, 401 a missing or wrong API key (when one is set; /health and
 /metrics stay open), 404 an unknown model, 413 a body over the size limit, 500 anything
-unexpected (a bug: logged with its traceback).
+unexpected (a bug: logged with its traceback), 503 from /health when the engine cannot serve
+(`AsyncLLM.health`: stopped, or stuck with requests running).
 """
 
 from __future__ import annotations
@@ -175,8 +176,9 @@ def build_app(
 
     @app.get("/health")
     async def health():
-        if not llm.is_running:
-            raise APIError(503, "the engine is not running", type="server_error")
+        reason = llm.health()  # stopped, its core gone, or stuck with requests running
+        if reason is not None:
+            raise APIError(503, reason, type="server_error")
         return {}
 
     @app.get("/metrics")
