@@ -262,8 +262,8 @@ class ModelRunner:
         pending.prompt_logprobs = prompt_lps
         return pending
 
-    # logits rows at a time: [128, V] float32 is 66 MB at V=128k, a few of them at once (the
-    # memory profile does not count them)
+    # logits rows at a time: [128, V] float32 is 66 MB at V=128k, a few of them at once (less
+    # than the profiled sampler step holds at max_num_seqs >= 128 rows)
     PROMPT_LOGPROB_ROWS = 128
 
     def _prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs) -> dict | None:
