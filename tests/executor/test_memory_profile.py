@@ -59,9 +59,9 @@ class FakeCuda:
         self.peak = weights
         for name in ("empty_cache", "synchronize", "reset_peak_memory_stats"):
             monkeypatch.setattr(torch.cuda, name, lambda *a: None)
-        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: weights)
-        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: self.peak)
-        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: self.peak)
+        for counter in ("memory_allocated", "memory_reserved"):  # nothing is freed
+            monkeypatch.setattr(torch.cuda, counter, lambda d: self.peak)
+            monkeypatch.setattr(torch.cuda, f"max_{counter}", lambda d: self.peak)
         monkeypatch.setattr(
             torch.cuda, "mem_get_info", lambda d: (total - self.peak - non_torch, total)
         )
