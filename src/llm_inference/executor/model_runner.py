@@ -87,7 +87,7 @@ class ModelRunner:
         peak. It keeps the activations of the largest mixed graph's forward (logits are taken
         outside the graphs), scaled from the profiled forward's: every kernel's memory is
         linear in the tokens. Reserved, not allocated, bytes: the segments a step's tensors
-        come in are what the device lends (about an eighth more at 16k tokens)."""
+        come in are what the device lends (a fifth more at 16k tokens on the 8B shape)."""
         dev = self.device
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
