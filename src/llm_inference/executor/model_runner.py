@@ -22,6 +22,7 @@ from llm_inference.kernels import get_ops
 from llm_inference.models.loader import load_model
 from llm_inference.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
 from llm_inference.sample.tensor_parallel import sample_tensor_parallel
+from llm_inference.sampling_params import MAX_LOGPROBS, SamplingParams
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -64,9 +65,8 @@ class ModelRunner:
         return per_layer * len(attn) * self.dtype.itemsize
 
     def determine_num_blocks(self) -> int:
-        """Blocks that fit in `kv_cache_memory_bytes`, or in the memory left on the device
-        (`gpu_memory_utilization` of it) after a warm-up forward of a full token budget and
-        room for the CUDA graphs' activations."""
+        """Blocks that fit in `kv_cache_memory_bytes`, or on CUDA in what the memory profile
+        leaves of `gpu_memory_utilization` (`_profile_free_memory`)."""
         cache = self.config.cache
         if cache.kv_cache_memory_bytes is not None:
             budget = cache.kv_cache_memory_bytes
@@ -78,30 +78,82 @@ class ModelRunner:
             budget = min(CPU_DEFAULT_KV_BYTES, want * self.kv_bytes_per_block())
         return max(0, budget // self.kv_bytes_per_block())
 
-    @torch.inference_mode()
     def _profile_free_memory(self, utilization: float) -> int:
-        sched = self.config.scheduler
+        """Bytes for the KV cache, as vLLM's `determine_available_memory`: run the largest step
+        the scheduler can make, then give the KV cache `utilization * total` less the memory
+        torch reserved at that step's peak (weights, activations, logits, sampler), the memory
+        outside torch (CUDA context, NCCL) and the CUDA graphs' pool. The pool is private to
+        the graphs, so eager steps and the sampler never reuse it: it comes on top of the
+        peak. It keeps the activations of the largest mixed graph's forward (logits are taken
+        outside the graphs), scaled from the profiled forward's: every kernel's memory is
+        linear in the tokens. Reserved, not allocated, bytes: the segments a step's tensors
+        come in are what the device lends (a fifth more at 16k tokens on the 8B shape)."""
+        dev = self.device
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        weights = torch.cuda.memory_allocated(self.device)
-        n = sched.max_num_batched_tokens
-        lens = [min(sched.max_model_len, n - i) for i in range(0, n, sched.max_model_len)]
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        pos = torch.cat([torch.arange(m, device=self.device) for m in lens])
-        hidden = self.model(ids, pos, lens)
-        rows = min(sched.max_num_seqs, n)
-        self.model.compute_logits(hidden[:rows]).float()
-        torch.cuda.synchronize(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        others = total - free - torch.cuda.memory_reserved(self.device)
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_reserved(dev)  # the weights
+        hidden = self._profile_forward()
+        forward = torch.cuda.max_memory_reserved(dev) - before
+        self._profile_sampler(hidden)
+        torch.cuda.synchronize(dev)
+        free, total = torch.cuda.mem_get_info(dev)
+        peak = torch.cuda.max_memory_reserved(dev)
+        non_torch = max(0, total - free - torch.cuda.memory_reserved(dev))
+        tokens = len(hidden)
         del hidden
         torch.cuda.empty_cache()
-        # The graphs' memory pool keeps the activations of the largest mixed graph for good,
-        # beside the memory eager steps use: reserve them, scaled from this n-token forward.
         sizes = self.mixed_graph_sizes()
-        graph_pool = (peak - weights) * min(1.0, sizes[-1] / n) if sizes else 0
-        return int(total * utilization - peak - max(0, others) - graph_pool)
+        graph_pool = forward * sizes[-1] // tokens if sizes else 0
+        return int(total * utilization) - peak - non_torch - graph_pool
+
+    @torch.inference_mode()
+    def _profile_forward(self) -> torch.Tensor:
+        """The forward of the largest step: max_num_batched_tokens prompt tokens in sequences
+        of up to max_model_len (at most max_num_seqs of them), through the input buffers and
+        the kernels of real steps, over a KV cache of one block that no token writes (slot
+        -1) and every sequence reads (a zero block table). So attention allocates what it
+        does in a real step of these sizes. Returns the hidden states."""
+        sched, buffers = self.config.scheduler, self.buffers
+        n, longest = sched.max_num_batched_tokens, sched.max_model_len
+        lens = [min(longest, n - i) for i in range(0, n, longest)][: sched.max_num_seqs]
+        num_seqs, tokens, width = len(lens), sum(lens), cdiv(lens[0], self.block_size)
+        b = buffers.np
+        b.input_ids[:tokens] = 0
+        b.positions[:tokens] = np.concatenate([np.arange(m) for m in lens])
+        b.slot_mapping[:tokens] = -1
+        b.query_start_loc[: num_seqs + 1] = np.cumsum([0, *lens])
+        b.seq_lens[:num_seqs] = lens
+        buffers.np_table[:num_seqs, :width] = 0
+        buffers.to_device(num_seqs, width)
+        md = self.model.attn_backend.metadata(
+            buffers.attention, tokens, num_seqs, lens[0], lens[0], width
+        )
+        layers = self.model.attention_layers()
+        shape = (1, self.block_size, layers[0].num_kv_heads, layers[0].head_dim)
+        block = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for attn in layers:
+            attn.k_cache = attn.v_cache = block
+        try:
+            return self.model(buffers.dev.input_ids[:tokens], buffers.dev.positions[:tokens], md)
+        finally:
+            for attn in layers:
+                attn.k_cache = attn.v_cache = None
+
+    @torch.inference_mode()
+    def _profile_sampler(self, hidden: torch.Tensor) -> None:
+        """The sampler's most demanding step: the logits of max_num_seqs rows (a step samples
+        at most one row per sequence) on the host path with penalties, top-p, min-p and
+        logprobs, whose float32 [rows, vocab] temporaries are the sampler's memory."""
+        rows = min(self.config.scheduler.max_num_seqs, len(hidden))
+        params = SamplingParams(
+            top_p=0.9, min_p=0.01, repetition_penalty=1.1, presence_penalty=0.1,
+            frequency_penalty=0.1, logprobs=MAX_LOGPROBS,
+        )  # fmt: skip
+        md = SamplingMetadata.build(
+            [params] * rows, [[0]] * rows, [[0]] * rows, [0] * rows, (),
+            self.config.model.vocab_size, self.device,
+        )  # fmt: skip
+        self.sampler(self.model.compute_logits(hidden[:rows]), md)
 
     def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         """Allocate the KV cache; `max_model_len`: the engine's final value, at most the
@@ -213,8 +265,8 @@ class ModelRunner:
         pending.prompt_logprobs = prompt_lps
         return pending
 
-    # logits rows at a time: [128, V] float32 is 66 MB at V=128k, a few of them at once (the
-    # memory profile does not count them)
+    # logits rows at a time: [128, V] float32 is 66 MB at V=128k, a few of them at once (less
+    # than the profiled sampler step holds at max_num_seqs >= 128 rows)
     PROMPT_LOGPROB_ROWS = 128
 
     def _prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs) -> dict | None:

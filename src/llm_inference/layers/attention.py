@@ -26,7 +26,7 @@ class AttentionMetadata:
     """One step's attention inputs; built once per step by `AttentionBackend`.
 
     `slot_mapping is None` means no KV cache (a dense forward: each sequence is a whole
-    prompt attending causally to itself; used for profiling and model tests).
+    prompt attending causally to itself; used by model tests).
     """
 
     slot_mapping: torch.Tensor | None  # [T] int32, -1: do not write (padding)
@@ -146,7 +146,7 @@ class AttentionBackend:
         )  # fmt: skip
 
     def _dense(self, layer: Attention, q, k, v, md: AttentionMetadata) -> torch.Tensor:
-        """No cache (profiling, model tests): each sequence attends causally to itself."""
+        """No cache (model tests): each sequence attends causally to itself."""
         out = torch.empty_like(q)
         starts = md.dense_starts
         for a, b in zip(starts[:-1], starts[1:]):
