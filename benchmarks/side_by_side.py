@@ -2,9 +2,10 @@
 
 Reads a folder of JSON results: `ours_SHAPE_{latency,throughput,prefill}.json` (written by
 `llm-inference bench ... --json`), `vllm_SHAPE.json` (../shared/vllm/vllm_bench.py),
-`vllm_prefill_SHAPE.txt` (prefill_bench.py's output, optional) and `hf_SHAPE.json`
-(benchmarks/hf_decode.py); writes a markdown table and a PNG of decode ms per step against
-batch size (one panel per shape: ours, vLLM, transformers, floor).
+`vllm_prefill_SHAPE.txt` (prefill_bench.py's output, optional), `hf_SHAPE.json`
+(benchmarks/hf_decode.py) and the mixes `{ours,vllm}_SHAPE_mix_NAME.json` (scripts/gpu_vs_vllm.sh
+MIXES=1); writes a markdown table (and one of the mixes, where there are any) and a PNG of
+decode ms per step against batch size (one panel per shape: ours, vLLM, transformers, floor).
 
     python3 benchmarks/side_by_side.py RESULTS_DIR OUT.md OUT.png
 """
@@ -129,10 +130,32 @@ def plot(rows: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def mix_table(folder: Path) -> str:
+    """Ours against vLLM on each mix both ran: output and total tok/s, and their ratio."""
+    lines = []
+    for path in sorted(folder.glob("ours_*_mix_*.json")):
+        ours, vl = load(folder, path.name), load(folder, path.name.replace("ours_", "vllm_", 1))
+        if vl is None:
+            continue
+        shape, mix = path.stem.removeprefix("ours_").split("_mix_")
+        w = ours["workload"]
+        n, lin, lout = w["num_prompts"], w["mean_prompt_len"], w["mean_output_len"]
+        what = f"{n} x {lin:.0f} in / {lout:.0f} out"
+        ratio = ours["output_tok_per_s"] / vl["output_tok_per_s"]
+        lines.append(f"| {shape} | {mix} ({what}) | {ours['output_tok_per_s']:,.0f} | "
+                     f"{vl['output_tok_per_s']:,.0f} | {ours['total_tok_per_s']:,.0f} | "
+                     f"{vl['total_tok_per_s']:,.0f} | {ratio:.2f}x |")  # fmt: skip
+    if not lines:
+        return ""
+    head = ("\n| shape | mix | ours out tok/s | vLLM out tok/s | ours total tok/s | "
+            "vLLM total tok/s | ours / vLLM |\n|---|---|---:|---:|---:|---:|---:|\n")
+    return head + "\n".join(lines) + "\n"
+
+
 def main() -> None:
     folder, out_md, out_png = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     rows = {s: collect(folder, s) for s in SHAPES if (folder / f"ours_{s}_latency.json").is_file()}
-    out_md.write_text(table(rows))
+    out_md.write_text(table(rows) + mix_table(folder))
     plot(rows, out_png)
     print(out_md.read_text())
 

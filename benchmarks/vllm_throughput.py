@@ -2,12 +2,15 @@
 
 The same dataset, seed and sampling options (bench_datasets.py, through bench's own
 `throughput_requests`: the same prompt ids and max_tokens), each request seeded with its index
-as ours is; a warm-up on the first 8, then all of them in one timed call; the results under
-bench throughput's `--json` keys, plus `vllm` (its version). vLLM starts as
+with `--seed-requests` (ours seeds every request with its index, at no cost; vLLM draws a seeded
+request's noise row by row in `random_sample`, a cost users who do not seed never pay, so by
+default its requests go unseeded); a warm-up on the first 8, then all of them in one timed call;
+the results under bench throughput's `--json` keys, plus `vllm` (its version). vLLM starts as
 ../shared/vllm/vllm_bench.py starts it: the random-weight checkpoint of a named shape (bench's
-`random_checkpoint`, the one our bench loads), no tokenizer, token ids only, its defaults
-otherwise. Note that vLLM draws a seeded request's sampling noise row by row (`random_sample`),
-a cost ours does not have. Run where vLLM is installed, from the repository root:
+`random_checkpoint`, the one our bench loads), no tokenizer, token ids only, bench's defaults
+where bench has its own (`--max-model-len`, prefix caching off unless
+`--enable-prefix-caching`), vLLM's otherwise. Run where vLLM is installed, from the repository
+root:
 
     PYTHONPATH=src python3 benchmarks/vllm_throughput.py --model llama-3.2-1b --dataset lognormal
 """
@@ -33,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_args(p)
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs")
     p.add_argument("--max-model-len", type=int, default=4096, help="as bench's default")
+    p.add_argument("--enable-prefix-caching", action="store_true", help="off, as in bench")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="as bench's default")
+    p.add_argument("--seed-requests", action="store_true",
+                   help="seed request i with i, as ours (default: unseeded)")  # fmt: skip
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step (default: vLLM's)")  # fmt: skip
     p.add_argument("--json", default=None, help="also write the results to this file")
@@ -45,7 +52,8 @@ def build_requests(args, folder) -> tuple[Workload, list[list[int]], list[dict]]
     workload = Workload.from_args(args)
     prompts, params = bench.throughput_requests(workload, args.model, folder)
     kwargs = [dict(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                   max_tokens=p.max_tokens, ignore_eos=True, detokenize=False, seed=p.seed)
+                   max_tokens=p.max_tokens, ignore_eos=True, detokenize=False,
+                   seed=p.seed if args.seed_requests else None)
               for p in params]  # fmt: skip
     return workload, prompts, kwargs
 
@@ -65,7 +73,8 @@ def main() -> None:
 
     extra = {"max_num_batched_tokens": args.max_num_batched_tokens}
     llm = vllm.LLM(str(folder), skip_tokenizer_init=True, max_model_len=args.max_model_len,
-                   gpu_memory_utilization=0.85, max_num_seqs=256, enable_prefix_caching=False,
+                   gpu_memory_utilization=0.85, max_num_seqs=args.max_num_seqs,
+                   enable_prefix_caching=args.enable_prefix_caching,
                    seed=0, tensor_parallel_size=args.tensor_parallel_size,
                    **{k: v for k, v in extra.items() if v is not None})  # fmt: skip
     inputs = [{"prompt_token_ids": ids} for ids in prompts]

@@ -8,6 +8,11 @@
 #   SHAPE=llama-3.2-1b PREFILL=1 OUT=$OUT bash scripts/gpu_vs_vllm.sh
 #   SHAPE=llama-3.2-3b OUT=$OUT bash scripts/gpu_vs_vllm.sh
 #   SHAPE=llama-3.2-3b TP=2 OUT=$OUT bash scripts/gpu_vs_vllm.sh     (two GPUs)
+# MIXES=1 runs instead the realistic mixes of issue 28 on both engines (one call per shape):
+# chat-like (600 lognormal requests, temperature 0.8, top-p 0.95), prefill-heavy (256 prompts of
+# 2,000 tokens, 8 new) and long (16 prompts of 12,000 tokens, 256 new), at max_model_len 16,384,
+# 256 sequences, prefix caching off, unseeded vLLM requests (benchmarks/vllm_throughput.py);
+# JSON as {ours,vllm}_SHAPE_mix_{chat,prefill,long}.json.
 # JSON lands in $OUT under the names benchmarks/side_by_side.py reads
 # (vllm_SHAPE[_tp2].json, ours_SHAPE[_tp2]_{latency,throughput}.json, vllm_prefill_SHAPE.txt,
 # hf_SHAPE.json); `python3 benchmarks/side_by_side.py $OUT table.md plot.png` makes the table.
@@ -16,6 +21,22 @@ set -uo pipefail
 SHAPE=${SHAPE:-llama-3.2-1b}; TP=${TP:-1}
 SUFFIX=$([ "$TP" = 1 ] || echo "_tp$TP")
 VC=/tmp/vc/call4
+if [ "${MIXES:-0}" = 1 ]; then
+  common="--model $SHAPE --max-model-len 16384 --disable-detokenize"
+  declare -A MIX=(
+    [chat]="--dataset lognormal --num-prompts 600 --temperature 0.8 --top-p 0.95"
+    [prefill]="--dataset fixed --num-prompts 256 --input-len 2000 --output-len 8"
+    [long]="--dataset fixed --num-prompts 16 --input-len 12000 --output-len 256"
+  )
+  for mix in chat prefill long; do
+    (export PYTHONPATH=src:/tmp/site PATH=/tmp/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0
+     timeout 300 python3 benchmarks/vllm_throughput.py $common ${MIX[$mix]} \
+       --json "$OUT/vllm_${SHAPE}_mix_$mix.json" 2>&1 | grep -v "it/s\|WARN\|INFO" | tail -1)
+    timeout 200 $B throughput $common ${MIX[$mix]} \
+      --json "$OUT/ours_${SHAPE}_mix_$mix.json" 2>&1 | grep -v "it/s" | tail -2
+  done
+  exit
+fi
 if [ "${HF:-0}" = 1 ]; then
   timeout 540 python3 benchmarks/hf_decode.py "$SHAPE" "$OUT/hf_$SHAPE.json" 2>&1 | grep bs
   exit

@@ -147,17 +147,18 @@ def test_vllm_script_builds_the_requests_bench_throughput_sends(tiny_ckpt, tmp_p
         ["--dataset", "sharegpt", "--dataset-path", str(path), "--top-k", "5", "--top-p", "0.9"],
         ["--dataset", "uniform", "--temperature", "0"],
     ]
-    for flags in cases:
+    for flags, seeded in zip(cases, (False, True, False)):
         flags = ["--model", str(tiny_ckpt), "--num-prompts", "7", "--seed", "4", *flags]
+        own = ["--seed-requests"] if seeded else []  # the script's flag: ours always seeds
         workload, prompts, kwargs = script.build_requests(
-            script.build_parser().parse_args(flags), tiny_ckpt
+            script.build_parser().parse_args(flags + own), tiny_ckpt
         )
         args = build_parser().parse_args(["bench", "throughput", *flags])
         ours, params = bench.throughput_requests(Workload.from_args(args), args.model, tiny_ckpt)
         assert workload == Workload.from_args(args) and prompts == ours, flags
         assert kwargs == [
             dict(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_tokens,
-                 ignore_eos=True, detokenize=False, seed=i)
+                 ignore_eos=True, detokenize=False, seed=i if seeded else None)
             for i, p in enumerate(params)
         ]  # fmt: skip
         assert max(t for p in prompts for t in p) < vocab  # the model's ids, not 10,000's
