@@ -74,14 +74,13 @@ def main() -> None:
             keys = torch.randint(0, 2**31, (b,), device="cuda", generator=gen, dtype=torch.int32)
             temp = torch.full((b,), TEMPERATURE, device="cuda")
             for name, (k, tp, mp) in FILTERS.items():
-                def full(x, dtype):
-                    return None if x is None else torch.full((b,), x, device="cuda", dtype=dtype)
-
-                top_k, top_p = full(k, torch.int32), full(tp, torch.float32)
+                top_k, top_p, min_p = (
+                    None if x is None else torch.full((b,), x, device="cuda", dtype=dtype)
+                    for x, dtype in ((k, torch.int32), (tp, torch.float32), (mp, torch.float32))
+                )
                 ours = functools.partial(
-                    sampling.sample, logits, keys, temp,
-                    top_k=top_k, top_p=top_p, min_p=full(mp, torch.float32),
-                )  # fmt: skip
+                    sampling.sample, logits, keys, temp, top_k=top_k, top_p=top_p, min_p=min_p
+                )
                 row = {"rows": kind, "batch": b, "filter": name}
                 row["ours_us"], row["ours_timed"] = timed(ours)
                 if vllm is not None and mp is None:  # vLLM applies min-p elsewhere
@@ -91,8 +90,8 @@ def main() -> None:
                     )
                 rows.append(row)
                 v = f"{row['vllm_us']:.1f}" if "vllm_us" in row else "-"
-                print(f"| {kind} | {b} | {name} | {row['ours_us']:.1f} | {v} | "
-                      f"{row['ours_timed']} | {row.get('vllm_timed', '-')} |", flush=True)  # fmt: skip
+                how = f"{row['ours_timed']} | {row.get('vllm_timed', '-')}"
+                print(f"| {kind} | {b} | {name} | {row['ours_us']:.1f} | {v} | {how} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

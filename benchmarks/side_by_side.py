@@ -147,8 +147,10 @@ def mix_table(folder: Path) -> str:
                      f"{vl['total_tok_per_s']:,.0f} | {ratio:.2f}x |")  # fmt: skip
     if not lines:
         return ""
-    head = ("\n| shape | mix | ours out tok/s | vLLM out tok/s | ours total tok/s | "
-            "vLLM total tok/s | ours / vLLM |\n|---|---|---:|---:|---:|---:|---:|\n")
+    head = (
+        "\n| shape | mix | ours out tok/s | vLLM out tok/s | ours total tok/s | "
+        "vLLM total tok/s | ours / vLLM |\n|---|---|---:|---:|---:|---:|---:|\n"
+    )
     return head + "\n".join(lines) + "\n"
 
 
