@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import statistics
 
+import pytest
 from conftest import API_KEY, MODEL_NAME
 
 from llm_inference.entrypoints import bench_serve
@@ -31,6 +33,18 @@ def test_bench_serve_all_at_once(live_server, tmp_path, tiny_ckpt, capsys):
     assert (r["completed"], r["failed"], r["total_output_tokens"]) == (6, 0, 30)
     assert r["total_input_tokens"] > 0 and r["mean_ttft_ms"] > 0 and r["mean_itl_ms"] > 0
     assert "Serving Benchmark Result" in capsys.readouterr().out
+    assert "requests" not in r  # only with --save-detailed
+
+
+def test_bench_serve_save_detailed(live_server, tmp_path):
+    """--save-detailed: each request's send time, TTFT and its gaps between chunks (at most
+    one fewer than its tokens: a chunk may carry several), the summary's ITL samples."""
+    rc, r = _bench(live_server, tmp_path, "--save-detailed")
+    assert rc == 0 and len(r["requests"]) == 6
+    for req in r["requests"]:
+        assert req["start"] > 1e9 and req["ttft"] > 0 and len(req["itl"]) < req["output_len"]
+    gaps = [x * 1e3 for req in r["requests"] for x in req["itl"]]
+    assert statistics.median(gaps) == pytest.approx(r["median_itl_ms"])
 
 
 def test_bench_serve_poisson_concurrency_and_failures(live_server, tmp_path):

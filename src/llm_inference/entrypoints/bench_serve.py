@@ -44,6 +44,7 @@ class RequestResult:
     success: bool = False
     prompt_len: int = 0
     output_len: int = 0
+    start: float = 0.0  # wall-clock time of the send (time.time(): comparable across workers)
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -68,6 +69,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="bearer token to send (default: $OPENAI_API_KEY)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here")
+    p.add_argument("--save-detailed", action="store_true",
+                   help="--json also holds each request's send time, TTFT and inter-token "
+                   "latencies (as vLLM's flag of that name)")  # fmt: skip
     p.add_argument(
         "--multi-turn",
         type=int,
@@ -118,7 +122,7 @@ def make_prompts(
 
 async def send_request(client, url: str, payload: dict, headers: dict) -> RequestResult:
     """One streamed completion, timed from the send to each text chunk and to [DONE]."""
-    result = RequestResult(prompt_len=payload.pop("_prompt_len"))
+    result = RequestResult(prompt_len=payload.pop("_prompt_len"), start=time.time())
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", url, json=payload, headers=headers) as resp:
@@ -333,6 +337,11 @@ def summarize(results: list[RequestResult], duration: float, args, model: str) -
     report |= _stats("itl", [x for r in ok for x in r.itl])
     report |= _stats("e2el", [r.latency for r in ok])
     report["errors"] = sorted({r.error for r in results if r.error})[:10]
+    if getattr(args, "save_detailed", False):
+        report["requests"] = [
+            {"start": r.start, "ttft": r.ttft, "itl": r.itl, "output_len": r.output_len}
+            for r in ok
+        ]
     return report
 
 
