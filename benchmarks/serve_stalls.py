@@ -1,0 +1,86 @@
+"""Where served streams stall: from a `bench serve --save-detailed --json` file (ours or run
+against vLLM), the long gaps between a stream's chunks, and whether streams stall together (a
+step, the engine core or the server's front end holding everyone) or alone (one stream's chunks
+held back while the others flow).
+
+For each gap over `--threshold-ms`, its wall-clock interval; a gap is "shared" when at least
+half of the streams running at its midpoint are inside a long gap of their own at that instant.
+Prints the count of long gaps, the share of them that are shared, and the longest ones with how
+many streams were stalled with them; `--png` plots every gap against the time it ended.
+
+    python3 benchmarks/serve_stalls.py RESULT.json [--threshold-ms 50] [--png gaps.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+
+
+def gaps(requests: list[dict]) -> list[tuple[float, float, int]]:
+    """(start, end, stream) of every gap between two chunks of a stream, in wall-clock seconds."""
+    out = []
+    for i, r in enumerate(requests):
+        t = r["start"] + r["ttft"]
+        for gap in r["itl"]:
+            out.append((t, t + gap, i))
+            t += gap
+    return out
+
+
+def stalls(requests: list[dict], threshold_s: float) -> list[dict]:
+    """The gaps over the threshold, longest first, each with the number of streams running at
+    its midpoint and of those inside a long gap then."""
+    every = gaps(requests)
+    long = sorted((g for g in every if g[1] - g[0] > threshold_s), key=lambda g: g[0] - g[1])
+    spans = [(r["start"] + r["ttft"], r["start"] + r["ttft"] + sum(r["itl"])) for r in requests]
+    starts = sorted(g[0] for g in long)
+    by_start = sorted(long)
+    out = []
+    for a, b, stream in long:
+        mid = (a + b) / 2
+        running = sum(s <= mid <= e for s, e in spans)
+        # long gaps that began before mid and end after it
+        stalled = sum(e > mid for s, e, _ in by_start[: bisect.bisect_right(starts, mid)])
+        out.append({"ms": (b - a) * 1e3, "stream": stream, "running": running,
+                    "stalled": stalled, "shared": stalled * 2 >= running})  # fmt: skip
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("result")
+    p.add_argument("--threshold-ms", type=float, default=50.0)
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--png", default=None)
+    args = p.parse_args()
+    requests = json.load(open(args.result))["requests"]
+    found = stalls(requests, args.threshold_ms / 1e3)
+    n = sum(len(r["itl"]) for r in requests)
+    shared = sum(s["shared"] for s in found)
+    print(f"{len(found)} of {n} gaps over {args.threshold_ms:g} ms; "
+          f"{shared} shared (half or more of the running streams stalled with them)")  # fmt: skip
+    print("| gap ms | stream | streams running | stalled with it |\n|---:|---:|---:|---:|")
+    for s in found[: args.top]:
+        print(f"| {s['ms']:.1f} | {s['stream']} | {s['running']} | {s['stalled']} |")
+    if args.png:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        every = gaps(requests)
+        t0 = min(g[0] for g in every)
+        plt.figure(figsize=(9, 4))
+        plt.scatter([g[1] - t0 for g in every], [(g[1] - g[0]) * 1e3 for g in every], s=2)
+        plt.xlabel("time since the first chunk (s)")
+        plt.ylabel("gap between a stream's chunks (ms)")
+        plt.yscale("log")
+        plt.grid(True, alpha=0.3)
+        plt.tight_layout()
+        plt.savefig(args.png, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""benchmarks/serve_stalls.py on made-up streams: long gaps found, and told apart as shared (every
+stream stalled at once, as a slow step would) or alone (one stream held back)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serve_stalls.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("serve_stalls", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _streams() -> list[dict]:
+    """Four streams of 10 ms gaps from t=100 s; all four stall 200 ms together after their
+    5th chunk, and then stream 3 alone for 80 ms while the others go on."""
+    streams = []
+    for i in range(4):
+        itl = [0.01] * 4 + [0.2] + ([0.01] * 2 + [0.08] + [0.01] * 2 if i == 3 else [0.01] * 12)
+        streams.append({"start": 100.0, "ttft": 0.05, "itl": itl, "output_len": len(itl) + 1})
+    return streams
+
+
+def test_shared_and_lone_stalls():
+    found = _script().stalls(_streams(), 0.05)
+    assert [round(s["ms"]) for s in found] == [200, 200, 200, 200, 80]
+    assert all(s["shared"] and s["stalled"] == 4 and s["running"] == 4 for s in found[:4])
+    lone = found[4]
+    assert (lone["stream"], lone["stalled"], lone["shared"]) == (3, 1, False)
+
+
+def test_command_line(tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"requests": _streams()}))
+    out = subprocess.run([sys.executable, str(SCRIPT), str(path)], capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    assert out.startswith("5 of 61 gaps over 50 ms; 4 shared")
+    assert "| 200.0 | " in out and "| 80.0 | 3 | 4 | 1 |" in out
