@@ -127,6 +127,7 @@ HERMES_CALLS = [
 ]  # fmt: skip
 HERMES_TEXT = [
     "Hello <tool_", "<tool_call>not json</tool_call>", '<tool_call>{"name": 1}</tool_call>',
+    '<tool_call>{"name": "\\q", "arguments": {}}</tool_call>',
     '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', "a </tool_call> b",
 ]  # fmt: skip
 BLOCKS = re.compile(r"<tool_call>.*?</tool_call>|<tool_call>.*", re.DOTALL)

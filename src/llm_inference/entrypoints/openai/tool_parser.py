@@ -240,10 +240,13 @@ class _HermesStream(ToolStream):
         items = []
         if self.head is None:
             head = _HEAD.match(self.body)
-            if head is None:
+            try:
+                name = json.loads(f'"{head[1]}"') if head else None
+            except json.JSONDecodeError:  # a bad escape: the block is judged whole at its end
+                name = None
+            if name is None:
                 return items
             self.head, self.index, self.called = head.end(), self.index + 1, True
-            name = json.loads(f'"{head[1]}"')
             items.append({"index": self.index, "id": _call_id(), "type": "function",
                           "function": {"name": name, "arguments": ""}})  # fmt: skip
         if not self.args.done:
