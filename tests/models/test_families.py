@@ -231,3 +231,46 @@ def test_hooks_on_the_triton_kernels_in_the_interpreter():
     pytest.importorskip("triton")
     results, log = run_checks(Path(__file__).parent / "families_triton_checks.py")
     assert results == {case: "ok" for case in TRITON_CASES}, log[-8000:]
+
+
+# The config.json of released checkpoints (their keys as published).
+RELEASED = {
+    "Qwen2.5-7B-Instruct": {
+        "architectures": ["Qwen2ForCausalLM"], "bos_token_id": 151643, "eos_token_id": 151645,
+        "hidden_act": "silu", "hidden_size": 3584, "intermediate_size": 18944,
+        "max_position_embeddings": 32768, "max_window_layers": 28, "model_type": "qwen2",
+        "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_sliding_window": False,
+        "vocab_size": 152064,
+    },
+    "Qwen3-8B": {
+        "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "bos_token_id": 151643,
+        "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+        "intermediate_size": 12288, "max_position_embeddings": 40960, "max_window_layers": 36,
+        "model_type": "qwen3", "num_attention_heads": 32, "num_hidden_layers": 36,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None,
+        "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 151936,
+    },
+    "Mistral-7B-Instruct-v0.3": {
+        "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+        "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,
+        "max_position_embeddings": 32768, "model_type": "mistral", "num_attention_heads": 32,
+        "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "vocab_size": 32768,
+    },
+}  # fmt: skip
+
+
+def test_released_configs_read():
+    qwen25 = parse_hf_config(RELEASED["Qwen2.5-7B-Instruct"])
+    assert (qwen25.qkv_bias, qwen25.head_dim, qwen25.sliding_window) == (True, 128, None)
+    long = {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}
+    qwen25_long = parse_hf_config({**RELEASED["Qwen2.5-7B-Instruct"], "rope_scaling": long})
+    assert qwen25_long.max_position_embeddings == 131072  # Qwen's "processing long texts"
+    qwen3 = parse_hf_config(RELEASED["Qwen3-8B"])
+    assert (qwen3.qk_norm, qwen3.head_dim, qwen3.q_size) == (True, 128, 4096)
+    mistral = parse_hf_config(RELEASED["Mistral-7B-Instruct-v0.3"])
+    assert mistral.architecture == "MistralForCausalLM" and mistral.sliding_window is None
