@@ -78,9 +78,49 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class YarnScaling:
+    """YaRN scaling of RoPE (Qwen's long-context configs), as transformers computes it
+    (`_compute_yarn_parameters`): each frequency blends its original value and its value
+    divided by `factor`, along a ramp between the dimensions that turn `beta_fast` and
+    `beta_slow` times over the original context; cos and sin are multiplied by
+    `attention_factor` (None: 0.1 ln(factor) + 1)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    truncate: bool = True
+    rope_type: str = "yarn"
+
+    def __post_init__(self) -> None:
+        problems = []
+        for key in ("factor", "beta_fast", "beta_slow", "attention_factor"):
+            value = getattr(self, key)
+            if key == "attention_factor" and value is None:
+                continue
+            if not is_number(value) or not math.isfinite(value) or value <= 0:
+                problems.append(f"{key} must be a positive finite number, not {value!r}")
+        orig = self.original_max_position_embeddings
+        if not is_int(orig) or not 1 <= orig <= SIZE_LIMITS["max_position_embeddings"][1]:
+            problems.append(f"original_max_position_embeddings is out of range: {orig!r}")
+        if not isinstance(self.truncate, bool):
+            problems.append(f"truncate must be true or false, not {self.truncate!r}")
+        if problems:
+            raise CheckpointError("invalid yarn rope scaling: " + "; ".join(problems))
+
+    @property
+    def cos_sin_scale(self) -> float:
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """A Llama checkpoint's shapes, RoPE and special tokens, in transformers' names. Validated
-    when built: one CheckpointError lists every mistyped, out-of-range or inconsistent field."""
+    """A checkpoint's shapes, RoPE and special tokens, in transformers' names, and its family's
+    hooks into the Llama layout (models/registry.py). Validated when built: one CheckpointError
+    lists every mistyped, out-of-range or inconsistent field."""
 
     hidden_size: int
     num_hidden_layers: int
@@ -91,13 +131,18 @@ class ModelConfig:
     vocab_size: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: RopeScaling | None
+    rope_scaling: RopeScaling | YarnScaling | None
     tie_word_embeddings: bool
     max_position_embeddings: int
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str = "float32"
     model_type: str = "llama"
+    architecture: str = "LlamaForCausalLM"  # a name of models/registry.py
+    qkv_bias: bool = False  # q, k and v projections with a bias (Qwen2)
+    qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen3)
+    # Mistral's attention window; none is implemented, so a model_len above it is refused.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         problems = _problems(self)
@@ -143,10 +188,17 @@ def _problems(c: ModelConfig) -> list[str]:
     eos = c.eos_token_ids
     if not isinstance(eos, tuple) or not all(is_int(i) and i >= 0 for i in eos):
         problems.append(f"eos_token_id must be non-negative integers, not {eos!r}")
-    if c.rope_scaling is not None and not isinstance(c.rope_scaling, RopeScaling):
-        problems.append(f"rope_scaling must be a RopeScaling, not {c.rope_scaling!r}")
-    if not isinstance(c.torch_dtype, str):
-        problems.append(f"torch_dtype must be a string, not {c.torch_dtype!r}")
+    if c.rope_scaling is not None and not isinstance(c.rope_scaling, (RopeScaling, YarnScaling)):
+        problems.append(f"rope_scaling must be a RopeScaling or YarnScaling: {c.rope_scaling!r}")
+    for key in ("torch_dtype", "model_type", "architecture"):
+        if not isinstance(getattr(c, key), str):
+            problems.append(f"{key} must be a string, not {getattr(c, key)!r}")
+    for key in ("qkv_bias", "qk_norm"):
+        if not isinstance(getattr(c, key), bool):
+            problems.append(f"{key} must be true or false, not {getattr(c, key)!r}")
+    window = c.sliding_window
+    if window is not None and (not is_int(window) or window < 1):
+        problems.append(f"sliding_window must be a positive integer or null, not {window!r}")
     return problems
 
 

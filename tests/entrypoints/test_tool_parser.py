@@ -1,12 +1,22 @@
-"""Llama 3's tool calls in an answer (tool_parser.py, as vLLM's llama3_json parser)."""
+"""Tool calls in an answer (tool_parser.py, as vLLM's parsers): Llama 3's JSON (llama3_json)
+and the <tool_call> blocks of Qwen and Hermes (hermes), whole and streamed (DeltaTracker); the
+hermes parser behind a live server (`serve --tool-call-parser hermes`)."""
 
 from __future__ import annotations
 
 import json
+import random
+import re
+import threading
+import time
 
 import pytest
 
-from llm_inference.entrypoints.openai.tool_parser import parse_tool_calls, tool_call_items
+from llm_inference.entrypoints.openai.tool_parser import (
+    get_tool_parser,
+    parse_tool_calls,
+    tool_call_items,
+)
 
 CALLS = [
     ('{"name": "f", "parameters": {"a": 1}}', [("f", {"a": 1})]),
@@ -45,7 +55,7 @@ def test_other_answers_are_text(text):
 # ---- streaming (responses.DeltaTracker) -------------------------------------------------
 
 
-def _stream(pieces: list[str], logprobs: bool = False) -> list[dict]:
+def _stream(pieces: list[str], logprobs: bool = False, parser: str = "llama3_json") -> list[dict]:
     """The chat chunks a tools request streams for one answer arriving in `pieces`."""
     from llm_inference.entrypoints.openai.responses import DeltaTracker, ResponseBuilder
     from llm_inference.outputs import CompletionOutput, Logprobs, RequestOutput
@@ -55,7 +65,7 @@ def _stream(pieces: list[str], logprobs: bool = False) -> list[dict]:
             return "".join(f"<{i}>" for i in ids)
 
     builder = ResponseBuilder("chat", "m", Tok(), n=1)
-    builder.tools = True
+    builder.tool_parser = get_tool_parser(parser)
     tracker, chunks = DeltaTracker(builder), []
     for k, piece in enumerate(pieces):
         last = k == len(pieces) - 1
@@ -99,3 +109,144 @@ def test_streamed_plain_text_is_all_sent(pieces):
     assert not any("tool_calls" in c["delta"] for c in choices)
     tokens = [t["token"] for c in choices if c["logprobs"] for t in c["logprobs"]["content"]]
     assert tokens == [f"<{k}>" for k in range(len(pieces))]  # every token's logprobs, once
+
+
+# ---- hermes -------------------------------------------------------------------------------
+
+WEATHER = (
+    '{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2], "note": "a \\"}\\" b"}}'
+)
+HERMES_CALLS = [
+    (f"<tool_call>\n{WEATHER}\n</tool_call>", None,
+     [("get_weather", {"city": "Paris", "days": [1, 2], "note": 'a "}" b'})]),
+    ('Let me check.\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n'
+     '<tool_call>{"arguments": {"x": 1}, "name": "g"}</tool_call>',
+     "Let me check.\n", [("f", {}), ("g", {"x": 1})]),
+    ('<tool_call>{"name": "f", "arguments": {"a": "<tool_call>"}}', None,
+     [("f", {"a": "<tool_call>"})]),  # the last block left open
+]  # fmt: skip
+HERMES_TEXT = [
+    "Hello <tool_", "<tool_call>not json</tool_call>", '<tool_call>{"name": 1}</tool_call>',
+    '<tool_call>{"name": "\\q", "arguments": {}}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', "a </tool_call> b",
+]  # fmt: skip
+BLOCKS = re.compile(r"<tool_call>.*?</tool_call>|<tool_call>.*", re.DOTALL)
+
+
+@pytest.mark.parametrize("text,content,calls", HERMES_CALLS)
+def test_hermes_calls_are_extracted(text, content, calls):
+    assert get_tool_parser("hermes").extract(text) == (content, calls)
+
+
+@pytest.mark.parametrize("text", HERMES_TEXT)
+def test_hermes_other_answers_are_text(text):
+    assert get_tool_parser("hermes").extract(text) == (text, [])
+
+
+def _pieces(text: str, seed: int) -> list[str]:
+    """`text` cut at random places (seed 0: one character each)."""
+    if seed == 0:
+        return list(text)
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8))))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("text,content,calls", HERMES_CALLS)
+def test_hermes_streams_content_then_each_call(text, content, calls, seed):
+    """As vLLM streams them: text outside the blocks as content; per call a first delta with
+    its index, id, type and name, then (name first) its arguments in pieces as written."""
+    choices = _stream(_pieces(text, seed), logprobs=True, parser="hermes")
+    assert "".join(c["delta"]["content"] or "" for c in choices) == BLOCKS.sub("", text)
+    items = [t for c in choices for t in c["delta"].get("tool_calls", [])]
+    got = []
+    for k, (name, args) in enumerate(calls):
+        mine = [t for t in items if t["index"] == k]
+        head, rest = mine[0], mine[1:]
+        assert head["id"] and head["type"] == "function" and head["function"]["name"] == name
+        assert not any("id" in t or "name" in t["function"] for t in rest)
+        arguments = "".join(t["function"]["arguments"] for t in mine)
+        got.append((name, json.loads(arguments)))
+        if seed == 0 and args and text.index(f'"{name}"') < text.index('"arguments"'):
+            assert len(rest) > 1  # streamed as it came, not at the end
+    assert got == calls and len({t["id"] for t in items if "id" in t}) == len(calls)
+    assert choices[-1]["finish_reason"] == "tool_calls"
+    assert not any(c["finish_reason"] for c in choices[:-1])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("text", HERMES_TEXT + ["plain <tool text"])
+def test_hermes_streamed_text_is_all_sent(text, seed):
+    pieces = _pieces(text, seed)
+    choices = _stream(pieces, logprobs=True, parser="hermes")
+    assert "".join(c["delta"]["content"] for c in choices) == text
+    assert choices[-1]["finish_reason"] == "stop"
+    assert not any("tool_calls" in c["delta"] for c in choices)
+    tokens = [t["token"] for c in choices if c["logprobs"] for t in c["logprobs"]["content"]]
+    assert tokens == [f"<{k}>" for k in range(len(pieces))]  # every token's logprobs, once
+
+
+def test_unknown_parser_is_refused():
+    with pytest.raises(ValueError, match="tool_call_parser must be one of llama3_json, hermes"):
+        get_tool_parser("mistral")
+
+
+@pytest.fixture(scope="module")
+def hermes_client(live_server):
+    """What `serve --tool-call-parser hermes` builds (api_server.build_app), over the engine
+    of the module's live server (conftest.py), on a port of its own."""
+    import openai
+    import uvicorn
+
+    from llm_inference.entrypoints.openai.api_server import build_app
+
+    app = build_app(live_server.llm, "tiny", tool_call_parser="hermes")
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive()
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0) as c:
+        yield c
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+def test_hermes_tool_calls_through_the_server(hermes_client):
+    """An answer with <tool_call> blocks (forced with guided_choice) comes back as its text
+    before them and the calls, finish_reason "tool_calls"; streamed alike."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    answer = f"Let me check.\n<tool_call>\n{call}\n</tool_call>"
+    chat = dict(model="tiny", max_tokens=100, tools=[tool], extra_body={"guided_choice": [answer]},
+                messages=[{"role": "user", "content": "Weather in Paris?"}])  # fmt: skip
+    r = hermes_client.chat.completions.create(**chat)
+    (item,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert r.choices[0].message.content == "Let me check.\n"
+    assert item.function.name == "get_weather"
+    assert json.loads(item.function.arguments) == {"city": "Paris"}
+    chunks = [c for c in hermes_client.chat.completions.create(stream=True, **chat) if c.choices]
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(d.content or "" for d in deltas) == "Let me check.\n"
+    items = [t for d in deltas for t in d.tool_calls or []]
+    assert items[0].id and items[0].function.name == "get_weather"
+    assert json.loads("".join(t.function.arguments or "" for t in items)) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_serve_option_picks_the_parser(monkeypatch):
+    from llm_inference.entrypoints import cli
+
+    seen = []
+    fake = lambda **kw: seen.append(kw["tool_call_parser"])  # noqa: E731
+    monkeypatch.setattr("llm_inference.entrypoints.openai.api_server.run_server", fake)
+    assert cli.main(["serve"]) == 0 and cli.main(["serve", "--tool-call-parser", "hermes"]) == 0
+    assert seen == ["llama3_json", "hermes"]
+    with pytest.raises(SystemExit) as usage:
+        cli.build_parser().parse_args(["serve", "--tool-call-parser", "pythonic"])
+    assert usage.value.code == 2

@@ -1,5 +1,5 @@
 """Write small GGUF files for tests the way llama.cpp's converter does: its tensor names, its
-row permutation of Q and K, its metadata keys, quantized with gguf.quants."""
+row permutation of Q and K (llama files only), its metadata keys, quantized with gguf.quants."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, quants
 from safetensors.numpy import load_file
 
-# Hugging Face name part -> GGUF name part (llama.cpp's tensor names for LLM_ARCH_LLAMA).
+# Hugging Face name part -> GGUF name part (llama.cpp's tensor names for LLM_ARCH_LLAMA, and
+# QWEN2 / QWEN3's q/k norms).
 GGUF_PARTS = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
@@ -22,6 +23,8 @@ GGUF_PARTS = {
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 GGUF_GLOBALS = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -34,7 +37,8 @@ def gguf_name(hf_name: str) -> str:
     if hf_name in GGUF_GLOBALS:
         return GGUF_GLOBALS[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
-    return f"blk.{layer}.{GGUF_PARTS[rest.removesuffix('.weight')]}.weight"
+    part, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{GGUF_PARTS[part]}.{kind}"
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -81,7 +85,8 @@ def write_llama_gguf(
     tokenizer: bool = True,
     drop: tuple[str, ...] = (),
 ) -> Path:
-    """Write the checkpoint in `folder` (transformers format) as a llama GGUF at `path`.
+    """Write the checkpoint in `folder` (transformers format) as a GGUF of `arch` at `path`
+    (llama, qwen2 or qwen3: Q and K rows permuted for llama only, as llama.cpp does).
 
     qtypes: HF name -> quantization type (default F32); raw: HF name -> (already quantized
     bytes, type), replacing that weight; extra_tensors: GGUF name -> float32 array; drop: HF
@@ -115,9 +120,9 @@ def write_llama_gguf(
     for name, tensor in state.items():
         if name in drop:
             continue
-        if name.endswith("q_proj.weight"):
+        if arch == "llama" and name.endswith("q_proj.weight"):
             tensor = llama_cpp_permute(tensor, heads)
-        elif name.endswith("k_proj.weight"):
+        elif arch == "llama" and name.endswith("k_proj.weight"):
             tensor = llama_cpp_permute(tensor, kv_heads)
         if raw and name in raw:
             data, qtype = raw[name]

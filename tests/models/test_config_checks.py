@@ -134,7 +134,7 @@ def no_allocation(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was allocated before the checkpoint was checked")
 
-    monkeypatch.setattr(loader, "LlamaForCausalLM", refuse)
+    monkeypatch.setattr(loader, "model_class", lambda architecture: refuse)
 
 
 def test_config_inconsistent_with_weights_is_refused_before_allocation(folder, no_allocation):

@@ -1,4 +1,5 @@
-"""GGUF loading: metadata, dequantization, names, Q/K permutation, tokenizer, conversion, errors.
+"""GGUF loading: metadata, dequantization, names, Q/K permutation, tokenizer, conversion, errors;
+the qwen2 and qwen3 architectures (biases, q/k norms, yarn, no permutation) beside llama.
 
 Small GGUF files are written here by gguf.GGUFWriter from random transformers checkpoints;
 the real default model (SmolLM2-135M-Instruct, Q4_1) is compared with transformers' own GGUF
@@ -16,12 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from families import hf_family_model, make_family_checkpoint
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType, GGUFWriter
 from gguf_testfiles import constant_k_blocks, read_checkpoint, write_llama_gguf
 from helpers import hf_model, make_checkpoint
 
-from llm_inference.config import CheckpointError, RopeScaling
+from llm_inference.config import CheckpointError, RopeScaling, YarnScaling
 from llm_inference.kernels import reference
 from llm_inference.models import default_model as dm
 from llm_inference.models.gguf import (
@@ -236,12 +238,78 @@ def test_llama3_scaling_of_real_sizes_recovered(tmp_path, factor, high, orig):
     assert load_gguf_config(path).rope_scaling == RopeScaling(factor, 1.0, high, orig)
 
 
+# ---- qwen2 and qwen3 ------------------------------------------------------------------------
+
+QWEN_CASES = {
+    "qwen2": ("qwen2", {}),  # q, k, v biases
+    "qwen2_tied_q8": ("qwen2", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
+    "qwen3": ("qwen3", {"head_dim": 32}),  # q/k norms, qwen3.attention.key_length
+}
+
+
+@pytest.mark.parametrize("case", list(QWEN_CASES))
+def test_qwen_gguf_loads_as_its_checkpoint(tmp_path, case):
+    """llama.cpp's Qwen files: the config and every tensor (biases and q/k norms included, not
+    permuted) equal the checkpoint's, so the logits equal transformers'; convert writes a
+    folder transformers and we load, with the tokenizer's chat template."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    family, overrides = QWEN_CASES[case]
+    folder = make_family_checkpoint(tmp_path / "ck", family, **overrides)
+    qtypes = {"model.layers.0.mlp.up_proj.weight": Q.Q8_0} if case.endswith("q8") else {}
+    path = write_llama_gguf(tmp_path / "q.gguf", folder, qtypes=qtypes, arch=family)
+    want = load_hf_config(folder)
+    assert load_gguf_config(path) == want and want.architecture.lower().startswith(family)
+    got = dict(iter_gguf_weights(path, torch.float32))
+    _, state = read_checkpoint(folder)
+    assert sorted(got) == sorted(state)
+    for name, tensor in got.items():
+        if name not in qtypes:
+            assert torch.equal(tensor, torch.from_numpy(state[name])), name
+    ref = hf_family_model(folder)
+    ref.load_state_dict(got, strict=False)  # the quantized weight as the file has it
+    ids = torch.randint(0, 320, (19,), generator=torch.Generator().manual_seed(4))
+    assert (_logits(load_model(path, reference), ids) - _hf_logits(ref, ids)).abs().max() < 1e-4
+    chat = [{"role": "user", "content": "Where is Paris?"}]
+    kw = dict(add_generation_prompt=True, tokenize=False)
+    template = AutoTokenizer.from_pretrained(folder).apply_chat_template(chat, **kw)
+    assert load_gguf_tokenizer(path).apply_chat_template(chat, **kw) == template
+    out = convert_gguf_to_hf(path, tmp_path / "out", dtype="float32")
+    assert load_hf_config(out) == want
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(theirs).__name__ == want.architecture
+    assert (_hf_logits(theirs, ids) - _hf_logits(ref, ids)).abs().max() < 1e-4
+    assert AutoTokenizer.from_pretrained(out).apply_chat_template(chat, **kw) == template
+
+
+def test_qwen_yarn_from_gguf_metadata(tmp_path):
+    """llama.cpp writes Qwen's yarn as metadata (type, factor, original context)."""
+    rope = {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0,
+            "original_max_position_embeddings": 128}  # fmt: skip
+    folder = make_family_checkpoint(tmp_path / "ck", "qwen2", rope_parameters=rope)
+    meta = {
+        "qwen2.rope.scaling.type": ("yarn", GGUFValueType.STRING),
+        "qwen2.rope.scaling.factor": (4.0, GGUFValueType.FLOAT32),
+        "qwen2.rope.scaling.original_context_length": (128, GGUFValueType.UINT32),
+    }
+    path = write_llama_gguf(tmp_path / "y.gguf", folder, arch="qwen2", metadata=meta)
+    config = load_gguf_config(path)
+    assert config.rope_scaling == YarnScaling(4.0, 128) == load_hf_config(folder).rope_scaling
+    ids = torch.randint(0, 320, (9,), generator=torch.Generator().manual_seed(5))
+    positions = torch.arange(400, 409)
+    ours = load_model(path, reference)
+    with torch.no_grad():
+        got = ours.compute_logits(ours(ids, positions, [9]))
+        want = hf_family_model(folder)(ids[None], position_ids=positions[None]).logits[0]
+    assert (got - want).abs().max() < 1e-4
+
+
 # ---- errors ----------------------------------------------------------------------------------
 
 
 def test_other_architecture_is_refused(tmp_path):
-    path = tmp_path / "qwen.gguf"
-    w = GGUFWriter(str(path), "qwen2")
+    path = tmp_path / "gemma.gguf"
+    w = GGUFWriter(str(path), "gemma2")
     w.add_block_count(1)
     w.add_embedding_length(8)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
@@ -251,7 +319,8 @@ def test_other_architecture_is_refused(tmp_path):
     w.close()
     assert is_gguf_file(path)
     for load in (load_gguf_config, lambda p: list(iter_gguf_weights(p, torch.float32))):
-        with pytest.raises(CheckpointError, match="architecture 'qwen2' is not supported"):
+        message = "architecture 'gemma2' is not supported; supported: 'llama', 'qwen2', 'qwen3'"
+        with pytest.raises(CheckpointError, match=message):
             load(path)
 
 
@@ -279,16 +348,21 @@ def test_path_that_is_not_gguf_is_refused(tmp_path, tiny_ckpt):
 
 
 def test_unsupported_tensor_and_rope_scaling_are_refused(tmp_path, tiny_ckpt):
-    bias = {"blk.0.attn_q.bias": np.zeros(64, np.float32)}
+    bias = {"blk.0.attn_q.bias": np.zeros(64, np.float32)}  # a llama file: no biases
     path = write_llama_gguf(tmp_path / "b.gguf", tiny_ckpt, extra_tensors=bias)
-    with pytest.raises(CheckpointError, match="blk.0.attn_q.bias"):
+    unexpected = r"unexpected tensors: model\.layers\.0\.self_attn\.q_proj\.bias"
+    with pytest.raises(CheckpointError, match=unexpected):
+        list(iter_gguf_weights(path, torch.float32))
+    bias = {"blk.0.attn_output.bias": np.zeros(64, np.float32)}  # no family has it
+    path = write_llama_gguf(tmp_path / "o.gguf", tiny_ckpt, extra_tensors=bias)
+    with pytest.raises(CheckpointError, match="blk.0.attn_output.bias"):
         list(iter_gguf_weights(path, torch.float32))
     meta = {
-        "llama.rope.scaling.type": ("yarn", GGUFValueType.STRING),
+        "llama.rope.scaling.type": ("longrope", GGUFValueType.STRING),
         "llama.rope.scaling.factor": (4.0, GGUFValueType.FLOAT32),
     }
     path = write_llama_gguf(tmp_path / "y.gguf", tiny_ckpt, metadata=meta)
-    with pytest.raises(CheckpointError, match="'yarn' is not supported"):
+    with pytest.raises(CheckpointError, match="'longrope' is not supported"):
         load_gguf_config(path)
     with pytest.raises(ValueError, match="dtype"):
         convert_gguf_to_hf(tiny_ckpt, tmp_path / "x", dtype="int8")

@@ -14,6 +14,16 @@ from llm_inference.kernels import reference
 from llm_inference.models.loader import load_model
 from llm_inference.models.model_config import parse_hf_config
 
+BASE = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 100,
+}
+
 
 def _rewrite_weights(folder, edit):
     path = folder / "model.safetensors"
@@ -57,11 +67,31 @@ def test_missing_config_key(tmp_path):
         load_model(folder, reference)
 
 
-def test_unsupported_model_type(tmp_path):
+SUPPORTED = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"architectures": ["GPT2LMHeadModel"]},
+         rf"unsupported architectures \['GPT2LMHeadModel'\]; supported: {SUPPORTED}$"),
+        ({"architectures": None, "model_type": "gpt2"},
+         rf"unsupported model_type 'gpt2'; supported architectures: {SUPPORTED}$"),
+        ({"model_type": "mistral"}, r"model_type 'mistral' is not LlamaForCausalLM's \('llama'\)"),
+        ({"architectures": "LlamaForCausalLM"}, "architectures must be a list of names"),
+    ],
+)  # fmt: skip
+def test_unsupported_architecture(tmp_path, edit, message):
     folder = make_checkpoint(tmp_path)
-    _edit_config(folder, lambda c: c.update(model_type="mistral"))
-    with pytest.raises(CheckpointError, match="unsupported model_type 'mistral'"):
+    _edit_config(folder, lambda c: c.update(edit))
+    with pytest.raises(CheckpointError, match=message):
         load_model(folder, reference)
+
+
+def test_first_registered_architecture_is_taken():
+    d = {**BASE, "architectures": ["LlamaForCausalLMv9", "LlamaForCausalLM"]}
+    assert parse_hf_config(d).architecture == "LlamaForCausalLM"
+    assert parse_hf_config({**BASE, "model_type": "qwen2"}).architecture == "Qwen2ForCausalLM"
 
 
 @pytest.mark.parametrize("key", ["attention_bias", "mlp_bias"])
@@ -74,8 +104,10 @@ def test_bias_refused(tmp_path, key):
 
 def test_unknown_rope_scaling(tmp_path):
     folder = make_checkpoint(tmp_path)
-    _edit_config(folder, lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
-    with pytest.raises(CheckpointError, match="unsupported rope scaling type 'yarn'"):
+    _edit_config(folder, lambda c: c.update(rope_scaling={"rope_type": "dynamic", "factor": 4.0}))
+    with pytest.raises(
+        CheckpointError, match="unsupported rope scaling type 'dynamic'; supported: none, 'llama3'"
+    ):
         load_model(folder, reference)
 
 
@@ -94,13 +126,7 @@ def test_folder_does_not_exist(tmp_path):
 
 def test_config_reads_rope_scaling_and_eos_list():
     d = {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 128,
-        "vocab_size": 100,
+        **BASE,
         "eos_token_id": [7, 9],
         "rope_theta": 500000.0,
         "rope_scaling": {

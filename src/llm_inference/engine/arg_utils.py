@@ -136,6 +136,7 @@ class EngineArgs:
         from llm_inference.kernels import resolve_backend
         from llm_inference.models.default_model import resolve_model
         from llm_inference.models.loader import load_model_config
+        from llm_inference.models.model_config import check_sliding_window
 
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
@@ -162,6 +163,7 @@ class EngineArgs:
             raise ValueError(
                 f"max_model_len={self.max_model_len} exceeds the model's {limit} positions"
             )
+        check_sliding_window(model_config, self.max_model_len or limit)
         return EngineConfig(
             model_path=model_path,
             model=model_config,

@@ -15,6 +15,7 @@ import sys
 from llm_inference import __version__
 from llm_inference.engine.arg_utils import EngineArgs
 from llm_inference.entrypoints import bench, bench_serve
+from llm_inference.entrypoints.openai.tool_parser import TOOL_PARSERS
 from llm_inference.sampling_params import SamplingParams
 
 
@@ -94,7 +95,8 @@ def cmd_serve(args) -> int:
 
     run_server(host=args.host, port=args.port, api_key=args.api_key,
                served_model_name=args.served_model_name, log_level=args.log_level,
-               engine_process=args.engine_process, **_engine_kwargs(args))  # fmt: skip
+               tool_call_parser=args.tool_call_parser, engine_process=args.engine_process,
+               **_engine_kwargs(args))  # fmt: skip
     return 0
 
 
@@ -128,6 +130,13 @@ def _add_serve_parsers(sub) -> None:
     )
     s.add_argument("--log-level", default="info", help="uvicorn's log level")
     s.add_argument(
+        "--tool-call-parser",
+        default="llama3_json",
+        choices=list(TOOL_PARSERS),
+        help="how chat answers become tool calls: llama3_json (Llama 3's JSON) or hermes "
+        "(<tool_call> blocks: Qwen2.5, Qwen3)",
+    )
+    s.add_argument(
         "--engine-process",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -152,8 +161,8 @@ def _add_serve_parsers(sub) -> None:
 
 
 DESCRIPTION = (
-    "Run a Llama-family model: generate text, chat, serve an OpenAI-compatible API, convert GGUF "
-    "files and benchmark. Without --model, the bundled SmolLM2-135M-Instruct. "
+    "Run a Llama, Mistral or Qwen model: generate text, chat, serve an OpenAI-compatible API, "
+    "convert GGUF files and benchmark. Without --model, the bundled SmolLM2-135M-Instruct. "
     "`llm-inference COMMAND --help` lists a command's options."
 )
 

@@ -4,8 +4,9 @@ knows how its weight is split across ranks. Each parameter carries the layer's
 `weight_loader(param, loaded_weight[, shard_id])`, which narrows the full checkpoint tensor to
 this rank's shard. `loaded_weight` is a tensor or anything with `.narrow(dim, start, length)`
 that returns one (models/loader.py passes lazy safetensors slices, so a rank reads only its
-own part of each tensor); `copy_` converts the dtype. No bias: Llama checkpoints we support
-are bias-free.
+own part of each tensor); `copy_` converts the dtype. Only the QKV projection may have a bias
+(Qwen2's): a parameter of the output's layout, split across ranks as the weight's rows and
+loaded by the same loader, added by the linear method.
 
 Column-parallel layers (qkv_proj, gate_up_proj) keep their output sharded; the row-parallel
 ones (o_proj, down_proj) take it sharded and sum the partial outputs with one all-reduce."""
@@ -27,9 +28,9 @@ def _divide(a: int, b: int) -> int:
 
 
 class LinearBase(nn.Module):
-    """y = x @ W^T for this rank's shard of W: [sum(output_partition_sizes),
-    input_size_per_partition], computed by the layer's linear method (`quant_method`).
-    Subclasses define `weight_loader`."""
+    """y = x @ W^T (+ b) for this rank's shard of W: [sum(output_partition_sizes),
+    input_size_per_partition] (and of b), computed by the layer's linear method
+    (`quant_method`). Subclasses define `weight_loader`."""
 
     def __init__(
         self,
@@ -37,6 +38,7 @@ class LinearBase(nn.Module):
         output_partition_sizes: list[int],
         ops: KernelOps,
         quant_config: QuantizationConfig | None = None,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
@@ -44,9 +46,15 @@ class LinearBase(nn.Module):
         self.quant_method.create_weights(
             self, input_size_per_partition, output_partition_sizes, self.weight_loader
         )
+        if bias:
+            b = nn.Parameter(torch.empty(sum(output_partition_sizes)), requires_grad=False)
+            b.weight_loader = self.weight_loader
+            self.register_parameter("bias", b)
+        else:
+            self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -87,12 +95,13 @@ class MergedColumnParallelLinear(LinearBase):
 
 
 class QKVParallelLinear(LinearBase):
-    """q, k and v projections fused; heads split across ranks. When there are fewer KV heads
-    than ranks, each KV head is replicated on tp_size // num_kv_heads ranks."""
+    """q, k and v projections fused (with their biases if `bias`); heads split across ranks.
+    When there are fewer KV heads than ranks, each KV head is replicated on
+    tp_size // num_kv_heads ranks."""
 
     def __init__(
         self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, ops: KernelOps,
-        quant_config: QuantizationConfig | None = None,
+        quant_config: QuantizationConfig | None = None, bias: bool = False,
     ) -> None:  # fmt: skip
         tp = get_tp_size()
         self.head_dim = head_dim
@@ -104,7 +113,7 @@ class QKVParallelLinear(LinearBase):
             self.num_kv_heads = _divide(num_kv_heads, tp)
         self.total_kv_heads = num_kv_heads
         q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
-        super().__init__(hidden, [q, kv, kv], ops, quant_config)
+        super().__init__(hidden, [q, kv, kv], ops, quant_config, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

@@ -45,7 +45,9 @@ class LinearMethodBase(ABC):
         """Convert the loaded weights to the form `apply` reads (nothing by default)."""
 
     @abstractmethod
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
 
     def apply_gate_up_silu(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of the layer's two equal outputs [gate, up]: [T, I]. By default
@@ -61,8 +63,8 @@ class QuantizationConfig(Protocol):
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """One parameter `weight` [sum(output_partition_sizes), input_size_per_partition] (nn.Linear's
-    layout, no bias); `apply` is `ops.linear`, `apply_gate_up_silu` `ops.gate_up_silu` (the
-    Triton ops choose the skinny GEMM where it applies)."""
+    layout); `apply` is `ops.linear` (plus the bias), `apply_gate_up_silu` `ops.gate_up_silu`
+    (the Triton ops choose the skinny GEMM where it applies)."""
 
     def create_weights(
         self,
@@ -78,8 +80,11 @@ class UnquantizedLinearMethod(LinearMethodBase):
         weight.weight_loader = weight_loader
         layer.register_parameter("weight", weight)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, layer.weight)
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        y = self.ops.linear(x, layer.weight)
+        return y if bias is None else y.add_(bias)
 
     def apply_gate_up_silu(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return self.ops.gate_up_silu(x, layer.weight)

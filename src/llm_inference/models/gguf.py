@@ -1,13 +1,17 @@
-"""GGUF checkpoints of Llama-architecture models as the rest of the package expects a
-Hugging Face checkpoint (the file format itself: models/gguf_reader.py).
+"""GGUF checkpoints of the registered families as the rest of the package expects a Hugging
+Face checkpoint (the file format itself: models/gguf_reader.py). `general.architecture` is
+llama (Llama and Mistral files), qwen2 or qwen3 (models/registry.py: GGUF_ARCHITECTURES).
 
-- metadata (`llama.*`, `tokenizer.ggml.*`) -> `ModelConfig` (`load_gguf_config`);
-- tensors -> Hugging Face names (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`),
+- metadata (`{arch}.*`, `tokenizer.ggml.*`) -> `ModelConfig` (`load_gguf_config`);
+- tensors -> Hugging Face names (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`,
+  `blk.3.attn_q.bias`, `blk.3.attn_q_norm.weight` -> `...self_attn.q_norm.weight`),
   dequantized to float32 and cast to the model dtype, one at a time (`iter_gguf_weights`);
-- Q and K projections: llama.cpp's converter permutes their rows (per head, from the
-  "two halves" RoPE layout to interleaved pairs); `_unpermute` restores the Hugging Face order;
+- Q and K projections of llama files: llama.cpp's converter permutes their rows (per head,
+  from the "two halves" RoPE layout to interleaved pairs); `_unpermute` restores the Hugging
+  Face order (Qwen files keep the two halves: llama.cpp runs them with NeoX RoPE);
 - Llama 3.x RoPE scaling, which llama.cpp stores as a `rope_freqs` tensor of per-frequency
-  divisors, is recovered as `RopeScaling` (and checked to reproduce that tensor);
+  divisors, is recovered as `RopeScaling` (and checked to reproduce that tensor); yarn
+  (Qwen's) is metadata: `{arch}.rope.scaling.type`, `.factor`, `.original_context_length`;
 - `convert_gguf_to_hf` writes all of it as a Hugging Face folder.
 
 Before any tensor data is read, the tensors' names and shapes are checked against the
@@ -28,7 +32,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 from safetensors.torch import save_file
 
-from llm_inference.config import CheckpointError, ModelConfig, RopeScaling
+from llm_inference.config import CheckpointError, ModelConfig, RopeScaling, YarnScaling
 from llm_inference.models.gguf_reader import (
     FLOAT_TYPES,
     REQUIRED,
@@ -38,7 +42,8 @@ from llm_inference.models.gguf_reader import (
     open_gguf,
     release_reader,
 )
-from llm_inference.models.model_config import check_shapes, hf_config_dict
+from llm_inference.models.model_config import check_shapes, hf_config_dict, scaled_positions
+from llm_inference.models.registry import FAMILIES, GGUF_ARCHITECTURES
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -52,28 +57,31 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_BIASED = {"attn_q", "attn_k", "attn_v"}  # the layers that may have a bias (Qwen2's)
 # Tensors that are not parameters: rope_freqs becomes ModelConfig.rope_scaling.
 _NOT_PARAMETERS = {"rope_freqs.weight"}
 
 
-def _open(path: str | os.PathLike) -> GGUFReader:
-    """The reader of a GGUF file of the llama architecture."""
+def _open(path: str | os.PathLike) -> tuple[GGUFReader, str]:
+    """The reader of a GGUF file of a supported architecture, and that architecture."""
     p = Path(path)
     reader = open_gguf(p)
     try:
         arch = metadata_value(reader, "general.architecture", None, str)
     except CheckpointError as e:
         raise CheckpointError(f"{p}: {e}") from None
-    if arch != "llama":
+    if arch not in GGUF_ARCHITECTURES:
         raise CheckpointError(
-            f"{p}: GGUF architecture {arch!r} is not supported; only 'llama' is "
-            "(Llama-architecture models: Llama, SmolLM, TinyLlama, ...)"
+            f"{p}: GGUF architecture {arch!r} is not supported; supported: "
+            f"{', '.join(map(repr, GGUF_ARCHITECTURES))} (Llama, Mistral, Qwen2, Qwen3, ...)"
         )
-    return reader
+    return reader, arch
 
 
 def _f32(value: float) -> float:
@@ -83,32 +91,32 @@ def _f32(value: float) -> float:
 
 
 def load_gguf_config(path: str | os.PathLike) -> ModelConfig:
-    """ModelConfig from the `llama.*` and `tokenizer.ggml.*` metadata of a GGUF file."""
-    return _config(_open(path), str(path))
+    """ModelConfig from the `{arch}.*` and `tokenizer.ggml.*` metadata of a GGUF file."""
+    return _config(*_open(path), str(path))
 
 
-def _config(reader, path: str) -> ModelConfig:
+def _config(reader, arch: str, path: str) -> ModelConfig:
     try:
-        return _config_unchecked(reader, path)
+        return _config_unchecked(reader, arch)
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
 
 
-def _config_unchecked(reader, path: str) -> ModelConfig:
-    def llama(key: str, default=REQUIRED, kind: type = int):
-        return metadata_value(reader, "llama." + key, default, kind)
+def _config_unchecked(reader, arch: str) -> ModelConfig:
+    def llama(key: str, default=REQUIRED, kind: type = int):  # the arch's key (llama.*, ...)
+        return metadata_value(reader, f"{arch}.{key}", default, kind)
 
     hidden = llama("embedding_length")
     heads = llama("attention.head_count")
     if heads < 1:
-        raise CheckpointError(f"llama.attention.head_count must be at least 1, not {heads}")
+        raise CheckpointError(f"{arch}.attention.head_count must be at least 1, not {heads}")
     kv_heads = llama("attention.head_count_kv", heads)
     head_dim = llama("attention.key_length", None)
     if head_dim is None:
         if hidden % heads:
             raise CheckpointError(
-                f"llama.embedding_length ({hidden}) is not divisible by "
-                f"llama.attention.head_count ({heads})"
+                f"{arch}.embedding_length ({hidden}) is not divisible by "
+                f"{arch}.attention.head_count ({heads})"
             )
         head_dim = hidden // heads
     if llama("rope.dimension_count", head_dim) != head_dim:
@@ -124,11 +132,15 @@ def _config_unchecked(reader, path: str) -> ModelConfig:
             vocab = embedding.dims[1]
         else:
             raise CheckpointError(
-                "the vocabulary size is unknown: no llama.vocab_size, tokenizer.ggml.tokens "
+                f"the vocabulary size is unknown: no {arch}.vocab_size, tokenizer.ggml.tokens "
                 "or two-dimensional token_embd.weight"
             )
     theta = _f32(llama("rope.freq_base", 10000.0, float))
+    context = llama("context_length", 2048)
+    scaling = _rope_scaling(reader, arch, tensors, theta, head_dim, context)
     eos = metadata_value(reader, "tokenizer.ggml.eos_token_id", None)
+    architecture = GGUF_ARCHITECTURES[arch]
+    family = FAMILIES[architecture]
     return ModelConfig(
         hidden_size=hidden,
         num_hidden_layers=llama("block_count"),
@@ -139,20 +151,30 @@ def _config_unchecked(reader, path: str) -> ModelConfig:
         vocab_size=vocab,
         rms_norm_eps=_f32(llama("attention.layer_norm_rms_epsilon", 1e-5, float)),
         rope_theta=theta,
-        rope_scaling=_rope_scaling(reader, tensors, theta, head_dim),
+        rope_scaling=scaling,
         tie_word_embeddings="output.weight" not in tensors,
-        max_position_embeddings=llama("context_length", 2048),
+        max_position_embeddings=scaled_positions(context, scaling),
         bos_token_id=metadata_value(reader, "tokenizer.ggml.bos_token_id", None),
         eos_token_ids=() if eos is None else (eos,),
         torch_dtype="float32",  # what the dequantizer produces, exactly
+        model_type=family.model_type,
+        architecture=architecture,
+        qkv_bias=family.qkv_bias,
+        qk_norm=family.qk_norm,
     )
 
 
-def _rope_scaling(reader, tensors, theta: float, head_dim: int):
-    kind = metadata_value(reader, "llama.rope.scaling.type", "none", str)
-    factor = metadata_value(reader, "llama.rope.scaling.factor", 1.0, float)
+def _rope_scaling(reader, arch: str, tensors, theta: float, head_dim: int, context: int):
+    def key(name: str, default, kind: type = float):
+        return metadata_value(reader, f"{arch}.rope.scaling.{name}", default, kind)
+
+    kind, factor = key("type", "none", str), key("factor", 1.0)
+    if kind == "yarn":  # as llama.cpp's converter writes Qwen's: type, factor, context
+        orig = key("original_context_length", context, int)
+        fast, slow = key("yarn_beta_fast", 32.0), key("yarn_beta_slow", 1.0)
+        return YarnScaling(_f32(factor), orig, _f32(fast), _f32(slow))
     if kind not in ("none", "") and factor != 1.0:
-        raise CheckpointError(f"RoPE scaling {kind!r} is not supported (only llama3)")
+        raise CheckpointError(f"RoPE scaling {kind!r} is not supported (only llama3 and yarn)")
     info = tensors.get("rope_freqs.weight")
     if info is None:
         return None
@@ -168,7 +190,7 @@ def _rope_scaling(reader, tensors, theta: float, head_dim: int):
         raise CheckpointError(
             "GGUF tensor rope_freqs.weight holds non-positive or non-finite values"
         )
-    orig = metadata_value(reader, "llama.rope.scaling.original_context_length", None)
+    orig = key("original_context_length", None, int)
     return _llama3_from_divisors(divisors, theta, head_dim, orig)
 
 
@@ -212,11 +234,11 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     base = gguf_name.removesuffix(".weight")
     if base != gguf_name and base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.weight"
-    layer = re.fullmatch(r"blk\.(0|[1-9][0-9]*)\.([a-z_]+)\.weight", gguf_name)  # not blk.01
-    if layer and layer[2] in _LAYER_NAMES:
-        return f"model.layers.{layer[1]}.{_LAYER_NAMES[layer[2]]}.weight"
+    layer = re.fullmatch(r"blk\.(0|[1-9][0-9]*)\.([a-z_]+)\.(weight|bias)", gguf_name)  # not blk.01
+    if layer and layer[2] in _LAYER_NAMES and (layer[3] == "weight" or layer[2] in _BIASED):
+        return f"model.layers.{layer[1]}.{_LAYER_NAMES[layer[2]]}.{layer[3]}"
     raise CheckpointError(
-        f"unexpected GGUF tensor {gguf_name!r}: only bias-free Llama tensors are supported"
+        f"unexpected GGUF tensor {gguf_name!r}: not a tensor of the supported architectures"
     )
 
 
@@ -256,13 +278,15 @@ def iter_gguf_weights(
 
     The tensors are checked against `config` (default: the file's metadata) when this is
     called, before any data is read: CheckpointError for any missing or misshaped one."""
-    reader = _open(path)
-    config = config or _config(reader, str(path))
+    reader, arch = _open(path)
+    config = config or _config(reader, arch, str(path))
     _check_tensors(reader, config, str(path))
-    return _iter_weights(reader, config, dtype)
+    return _iter_weights(reader, config, dtype, permuted=arch == "llama")
 
 
-def _iter_weights(reader, config: ModelConfig, dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_weights(
+    reader, config: ModelConfig, dtype, permuted: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
@@ -270,7 +294,7 @@ def _iter_weights(reader, config: ModelConfig, dtype) -> Iterator[tuple[str, tor
             continue
         w = dequantize(t, dtype)
         proj = name.split(".")[-2]
-        if proj in heads:
+        if permuted and proj in heads:
             w = _unpermute(w, heads[proj])
         yield name, w
     release_reader()

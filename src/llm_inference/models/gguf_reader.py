@@ -13,7 +13,7 @@ Invariants:
   mtime) until `release_reader()`.
 - Every problem is a CheckpointError naming the file and what is wrong with it.
 
-What the metadata and tensors mean for a Llama model is models/gguf.py's business.
+What the metadata and tensors mean for a model is models/gguf.py's business.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Llama (Llama 2/3.x, SmolLM2, ...) as a composition of tensor-parallel layers.
+"""The Llama layout as a composition of tensor-parallel layers: the decoder of every family in
+models/registry.py (Llama 2/3.x, SmolLM2, Mistral, Qwen2/2.5, Qwen3), whose differences are two
+hooks of the config: `qkv_bias` (Qwen2: the q, k and v projections have a bias) and `qk_norm`
+(Qwen3: each q and k head is RMS-normalized before RoPE; its head_dim is its own).
 
 `forward(input_ids, positions, attn)` takes a flat batch: 1-D `input_ids` and `positions`
 holding the tokens of several sequences back to back, and either an `AttentionMetadata` or the
@@ -41,7 +44,7 @@ class LlamaAttention(nn.Module):
         c = config
         self.qkv_proj = QKVParallelLinear(
             c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, ops,
-            quant_config,
+            quant_config, bias=c.qkv_bias,
         )  # fmt: skip
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
@@ -50,6 +53,10 @@ class LlamaAttention(nn.Module):
             c.num_attention_heads * c.head_dim, c.hidden_size, ops, quant_config,
             reduce_results=False,
         )  # fmt: skip
+        self.qk_norm = c.qk_norm
+        if c.qk_norm:  # one weight of head_dim for every head: replicated on every rank
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, ops)
         self.rotary = rotary
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, c.head_dim, c.head_dim**-0.5, backend
@@ -59,6 +66,9 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        if self.qk_norm:  # rows of one head each (a copy: q and k are views into qkv)
+            q = self.q_norm(q.reshape(-1, self.head_dim))
+            k = self.k_norm(k.reshape(-1, self.head_dim))
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)

@@ -23,13 +23,13 @@ from llm_inference.config import CheckpointError, ModelConfig
 from llm_inference.kernels import KernelOps
 from llm_inference.models.gguf import iter_gguf_weights, load_gguf_config, load_gguf_tokenizer
 from llm_inference.models.gguf_reader import is_gguf
-from llm_inference.models.llama import LlamaForCausalLM
 from llm_inference.models.model_config import (
     check_shapes,
     ignored_tensor,
     load_hf_config,
     read_json_object,
 )
+from llm_inference.models.registry import model_class
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -142,9 +142,7 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-def load_weights(
-    model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor | LazySlice]]
-) -> None:
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | LazySlice]]) -> None:
     """Copy Hugging Face-named tensors (or lazy slices of them) into the model's (fused,
     sharded) parameters; a sharded parameter's loader reads only its rank's part."""
     params = dict(model.named_parameters())
@@ -174,9 +172,10 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     config: ModelConfig | None = None,
-) -> LlamaForCausalLM:
-    """Build our model for the checkpoint at `path` (a folder or a .gguf file) and load it,
-    running its kernels through `ops` (see kernels.get_ops)."""
+) -> nn.Module:
+    """Build the model of the checkpoint's architecture (models/registry.py) for the checkpoint
+    at `path` (a folder or a .gguf file) and load it, running its kernels through `ops` (see
+    kernels.get_ops)."""
     path = Path(path)
     config = config or load_model_config(path)
     if is_gguf(path):
@@ -189,7 +188,7 @@ def load_model(
     try:
         torch.set_default_dtype(dtype)
         with torch.device(device):
-            model = LlamaForCausalLM(config, ops)
+            model = model_class(config.architecture)(config, ops)
     finally:
         torch.set_default_dtype(default_dtype)
     with torch.no_grad():

@@ -4,9 +4,13 @@
   `generation_config.json` added; `parse_hf_config(dict)`: the parsing itself, which names the
   key of any missing, mistyped, out-of-range or inconsistent value (CheckpointError);
   `hf_config_dict(config)` is its inverse (what `llm-inference convert` writes).
+- The family (models/registry.py) comes from `architectures` (else `model_type`) and sets the
+  config's hooks (`qkv_bias`, `qk_norm`); what a family has and the Llama layout lacks
+  (sliding windows, attention biases of other layers) is refused by key.
 - `expected_shapes(config)`: the Hugging Face tensor names and full shapes a checkpoint must
   hold; `check_shapes` compares a checkpoint's (safetensors headers or GGUF tensor infos)
   against them and reports every problem in one error, before any tensor is read.
+- `check_sliding_window(config, max_model_len)`: a window shorter than the context is refused.
 
 Only the standard library and config.py: reading a config costs no torch import.
 """
@@ -21,9 +25,16 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from llm_inference.config import CheckpointError, ModelConfig, RopeScaling, is_int, is_number
+from llm_inference.config import (
+    CheckpointError,
+    ModelConfig,
+    RopeScaling,
+    YarnScaling,
+    is_int,
+    is_number,
+)
+from llm_inference.models.registry import FAMILIES, SUPPORTED_ARCHITECTURES, Family
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 # JSON side files (config.json, generation_config.json, the safetensors index) larger than
 # this are refused before they are read.
 MAX_JSON_BYTES = 64 << 20
@@ -34,6 +45,14 @@ _COPIED_KEYS = (
     "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "rope_theta",
     "max_position_embeddings", "tie_word_embeddings", "bos_token_id",
 )  # fmt: skip
+# What hf_config_dict writes for each family besides them: the switches its transformers
+# class reads, all off (Mistral's sliding_window is the config's own).
+_FAMILY_KEYS = {
+    "llama": {"attention_bias": False, "mlp_bias": False},
+    "mistral": {},
+    "qwen2": {"use_sliding_window": False},
+    "qwen3": {"attention_bias": False, "use_sliding_window": False},
+}
 
 
 def read_json_object(path: Path) -> dict[str, Any]:
@@ -95,18 +114,54 @@ def parse_hf_config(d: dict[str, Any], source: str = "config") -> ModelConfig:
         raise CheckpointError(f"{source}: {e}") from None
 
 
+def _family(d: dict[str, Any]) -> tuple[str, Family]:
+    """The registered architecture of a config: the first of `architectures` that is
+    registered (vLLM's rule), else the one of its `model_type`; its model_type must agree."""
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    names, model_type = d.get("architectures"), d.get("model_type")
+    if names is None:
+        found = [a for a, f in FAMILIES.items() if f.model_type == model_type]
+        if not found:
+            raise CheckpointError(
+                f"unsupported model_type {model_type!r}; supported architectures: {supported}"
+            )
+        return found[0], FAMILIES[found[0]]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise CheckpointError(f"architectures must be a list of names, not {names!r}")
+    found = [n for n in names if n in FAMILIES]
+    if not found:
+        raise CheckpointError(f"unsupported architectures {names}; supported: {supported}")
+    family = FAMILIES[found[0]]
+    if model_type is not None and model_type != family.model_type:
+        raise CheckpointError(
+            f"model_type {model_type!r} is not {found[0]}'s ({family.model_type!r})"
+        )
+    return found[0], family
+
+
+def _refuse_unsupported(d: dict[str, Any], family: Family) -> None:
+    """Keys whose value would change the model in a way this decoder does not implement."""
+    keys = ["mlp_bias"] + ([] if family.qkv_bias else ["attention_bias"])  # Qwen2: fixed
+    for key in keys:
+        if d.get(key):
+            raise CheckpointError(f"{key}=true is not supported (bias-free only)")
+    if d.get("use_sliding_window"):
+        raise CheckpointError(
+            "use_sliding_window=true is not supported: sliding-window attention is not "
+            "implemented (released Qwen checkpoints have it false)"
+        )
+    layer_types = d.get("layer_types") or []
+    if not isinstance(layer_types, list) or set(layer_types) - {"full_attention"}:
+        raise CheckpointError(
+            f"layer_types {layer_types!r} is not supported: only full_attention layers"
+        )
+
+
 def _parse(d: dict[str, Any]) -> ModelConfig:
     if not isinstance(d, dict):
         raise CheckpointError(f"the config must be a JSON object, not {type(d).__name__}")
-    model_type = d.get("model_type")
-    if model_type != "llama":
-        raise CheckpointError(
-            f"unsupported model_type {model_type!r}; only 'llama' "
-            f"({', '.join(SUPPORTED_ARCHITECTURES)}) is supported"
-        )
-    for key in ("attention_bias", "mlp_bias"):
-        if d.get(key):
-            raise CheckpointError(f"{key}=true is not supported (bias-free only)")
+    architecture, family = _family(d)
+    _refuse_unsupported(d, family)
 
     def integer(key: str, default: Any = None) -> int:
         value = d.get(key)
@@ -140,7 +195,15 @@ def _parse(d: dict[str, Any]) -> ModelConfig:
                 "and the config has no head_dim"
             )
     head_dim = integer("head_dim", hidden // max(heads, 1))
-    rope_theta, rope_scaling = _parse_rope(d)
+    max_positions = integer("max_position_embeddings", 2048)
+    rope_theta, rope_scaling = _parse_rope(d, max_positions)
+    window = None
+    if family.model_type == "mistral":  # absent: transformers' MistralConfig default
+        window = d.get("sliding_window", 4096)
+        if window is not None and (not is_int(window) or window < 1):
+            raise CheckpointError(
+                f"sliding_window must be a positive integer or null, not {window!r}"
+            )
     tie = d.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
         raise CheckpointError(f"tie_word_embeddings must be true or false, not {tie!r}")
@@ -162,14 +225,30 @@ def _parse(d: dict[str, Any]) -> ModelConfig:
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         tie_word_embeddings=tie,
-        max_position_embeddings=integer("max_position_embeddings", 2048),
+        max_position_embeddings=scaled_positions(max_positions, rope_scaling),
         bos_token_id=bos,
         eos_token_ids=_token_ids(d.get("eos_token_id"), "eos_token_id"),
         torch_dtype=dtype,
+        model_type=family.model_type,
+        architecture=architecture,
+        qkv_bias=family.qkv_bias,
+        qk_norm=family.qk_norm,
+        sliding_window=window,
     )
 
 
-def _parse_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def scaled_positions(max_positions: int, scaling: RopeScaling | YarnScaling | None) -> int:
+    """The positions a model serves: with yarn, the original context times the factor where
+    that is more than the config's max_position_embeddings (vLLM's rule; Qwen's long-context
+    configs keep max_position_embeddings at the original context)."""
+    if not isinstance(scaling, YarnScaling):
+        return max_positions
+    return max(max_positions, int(scaling.original_max_position_embeddings * scaling.factor))
+
+
+def _parse_rope(
+    d: dict[str, Any], max_positions: int
+) -> tuple[float, RopeScaling | YarnScaling | None]:
     """rope_theta and the scaling, from `rope_scaling` (transformers 4) or `rope_parameters`
     (transformers 5)."""
     for key in ("rope_parameters", "rope_scaling"):
@@ -195,38 +274,63 @@ def _parse_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         raise CheckpointError(f"{where}.rope_type must be a string, not {kind!r}")
     if kind == "default":
         return theta, None
-    if kind != "llama3":
-        raise CheckpointError(f"unsupported rope scaling type {kind!r}; supported: none, 'llama3'")
-    values = {}
-    for key in ("factor", "low_freq_factor", "high_freq_factor"):
-        if key not in scaling:
-            raise CheckpointError(f"llama3 rope scaling is missing key {key!r}")
-        if not is_number(scaling[key]):
-            raise CheckpointError(f"{where}.{key} must be a number, not {scaling[key]!r}")
-        values[key] = float(scaling[key])
+    if kind not in ("llama3", "yarn"):
+        raise CheckpointError(
+            f"unsupported rope scaling type {kind!r}; supported: none, 'llama3', 'yarn'"
+        )
+
+    def number(key: str, required: bool = False) -> float | None:
+        value = scaling.get(key)
+        if value is None:
+            if required:
+                raise CheckpointError(f"{kind} rope scaling is missing key {key!r}")
+            return None
+        if not is_number(value):
+            raise CheckpointError(f"{where}.{key} must be a number, not {value!r}")
+        return float(value)
+
+    if kind == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor")
+        values = [number(k, True) for k in keys]
     orig = scaling.get("original_max_position_embeddings")
-    if orig is None:
+    if orig is None and kind == "llama3":
         raise CheckpointError(
             "llama3 rope scaling is missing key 'original_max_position_embeddings'"
         )
+    orig = max_positions if orig is None else orig  # yarn: transformers' default
     if not is_int(orig):
         raise CheckpointError(
             f"{where}.original_max_position_embeddings must be an integer, not {orig!r}"
         )
-    return theta, RopeScaling(original_max_position_embeddings=orig, **values)
+    if kind == "llama3":
+        return theta, RopeScaling(*values, orig)
+    factor, attention = number("factor", True), number("attention_factor")
+    mscale, mscale_all_dim = number("mscale"), number("mscale_all_dim")
+    if attention is None and mscale and mscale_all_dim:  # DeepSeek's form, as transformers
+
+        def get_mscale(m: float) -> float:
+            return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+        attention = get_mscale(mscale) / get_mscale(mscale_all_dim)
+    truncate = scaling.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise CheckpointError(f"{where}.truncate must be true or false, not {truncate!r}")
+    beta_fast, beta_slow = number("beta_fast") or 32.0, number("beta_slow") or 1.0
+    return theta, YarnScaling(factor, orig, beta_fast, beta_slow, attention, truncate)
 
 
 def hf_config_dict(config: ModelConfig, dtype: str) -> dict:
-    """A transformers `config.json` for `config` (LlamaForCausalLM, bias-free, SiLU), which
+    """A transformers `config.json` for `config` (its architecture, SiLU), which
     `parse_hf_config` reads back as `config` with `torch_dtype=dtype`."""
     eos = list(config.eos_token_ids)
     scaling = config.rope_scaling
+    window = {"sliding_window": config.sliding_window} if config.model_type == "mistral" else {}
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [config.architecture],
+        "model_type": config.model_type,
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
+        **_FAMILY_KEYS[config.model_type],
+        **window,
         **{key: getattr(config, key) for key in _COPIED_KEYS},
         # rope_theta + rope_scaling: read by transformers 4.x and 5.x (and by parse_hf_config)
         "rope_scaling": None if scaling is None else dataclasses.asdict(scaling),
@@ -257,7 +361,24 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         }
+        if c.qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (c.q_size,)}
+            shapes |= {p + f"self_attn.{x}_proj.bias": (c.kv_size,) for x in "kv"}
+        if c.qk_norm:
+            shapes |= {p + f"self_attn.{x}_norm.weight": (c.head_dim,) for x in "qk"}
     return shapes
+
+
+def check_sliding_window(c: ModelConfig, max_model_len: int) -> None:
+    """Sliding-window attention is implemented nowhere here (nor in the Triton kernels): a
+    model whose window is shorter than the context it would serve is refused (ValueError).
+    Within its window a model attends to every earlier token, which full attention does."""
+    if c.sliding_window is not None and c.sliding_window < max_model_len:
+        raise ValueError(
+            f"the model's sliding_window ({c.sliding_window} tokens) is smaller than "
+            f"max_model_len ({max_model_len}): sliding-window attention is not implemented; "
+            f"use max_model_len={c.sliding_window} or less"
+        )
 
 
 def ignored_tensor(name: str, c: ModelConfig) -> bool:

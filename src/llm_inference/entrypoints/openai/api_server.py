@@ -33,6 +33,7 @@ from llm_inference.entrypoints.openai.protocol import (
 )
 from llm_inference.entrypoints.openai.serving import OpenAIServing
 from llm_inference.entrypoints.openai.streaming import ClientDisconnected
+from llm_inference.entrypoints.openai.tool_parser import get_tool_parser
 from llm_inference.gc_heap import freeze_startup_heap, thaw_heap
 from llm_inference.models.default_model import DEFAULT_MODEL_NAME
 
@@ -156,9 +157,10 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     shutdown_llm: bool = False,
+    tool_call_parser: str = "llama3_json",
 ) -> FastAPI:
     """The FastAPI app serving `llm` as `served_model_name` (shut down with the app if
-    `shutdown_llm`)."""
+    `shutdown_llm`); chat tool calls found by `tool_call_parser` (tool_parser.py)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -170,7 +172,7 @@ def build_app(
     app = FastAPI(title="llm_inference OpenAI-compatible server", lifespan=lifespan)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
     _add_error_handlers(app)
-    serving = OpenAIServing(llm, served_model_name)
+    serving = OpenAIServing(llm, served_model_name, tool_call_parser)
     app.state.llm, app.state.serving = llm, serving
     created = int(time.time())
 
@@ -267,16 +269,19 @@ def run_server(
     api_key: str | None = None,
     served_model_name: str | None = None,
     log_level: str = "info",
+    tool_call_parser: str = "llama3_json",
     **engine_args,
 ) -> None:
     """Load the engine, then serve until SIGINT/SIGTERM, which aborts the running requests
     (their streams end with finish_reason "abort") and shuts down cleanly."""
     import uvicorn
 
+    get_tool_parser(tool_call_parser)  # an unknown name fails before the model loads
     llm = AsyncLLM(model, **engine_args)
     name = served_name(served_model_name, model)
     print(startup_summary(llm, name, f"http://{host}:{port}", api_key is not None), flush=True)
-    app = build_app(llm, name, api_key=api_key, shutdown_llm=True)
+    app = build_app(llm, name, api_key=api_key, shutdown_llm=True,
+                    tool_call_parser=tool_call_parser)  # fmt: skip
     freeze_startup_heap()
 
     class Server(uvicorn.Server):

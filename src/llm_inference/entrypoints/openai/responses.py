@@ -14,11 +14,7 @@ import time
 import uuid
 from typing import Any
 
-from llm_inference.entrypoints.openai.tool_parser import (
-    may_be_tool_call,
-    parse_tool_calls,
-    tool_call_items,
-)
+from llm_inference.entrypoints.openai.tool_parser import ToolParser, ToolStream, tool_call_items
 from llm_inference.outputs import CompletionOutput, Logprobs, RequestOutput
 
 
@@ -52,7 +48,8 @@ class ResponseBuilder:
         self.echo: list[str] | None = None  # completions with echo: each prompt's text
         self.echo_k = 0  # with echo and logprobs=k: the prompt tokens' top-k
         self.prompt_logprobs = False  # vLLM's prompt_logprobs field in the response
-        self.tools = False  # chat with tools: answers that are tool calls become tool_calls
+        # chat with tools: the parser that finds tool calls in an answer (tool_parser.py)
+        self.tool_parser: ToolParser | None = None
 
     def _head(self, object_name: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created,
@@ -139,12 +136,13 @@ class ResponseBuilder:
         for i, out in enumerate(outputs):
             for c in out.outputs:
                 choice: dict[str, Any] = {"index": i * self.n + c.index}
-                calls = None
+                content, calls = c.text, []
                 if self.kind == "completion":
                     choice["text"] = c.text if self.echo is None else self.echo[i] + c.text
                 else:
                     choice["message"] = {"role": "assistant", "content": c.text}
-                    calls = parse_tool_calls(c.text) if self.tools else None
+                    if self.tool_parser is not None:
+                        content, calls = self.tool_parser.extract(c.text)
                 if self.echo is not None and c.logprobs is not None:
                     choice["logprobs"] = self.echo_logprobs(out, c.logprobs)
                 else:
@@ -152,7 +150,7 @@ class ResponseBuilder:
                 choice["finish_reason"] = c.finish_reason
                 choice["stop_reason"] = c.stop_reason
                 if calls:
-                    choice["message"] = {"role": "assistant", "content": None,
+                    choice["message"] = {"role": "assistant", "content": content,
                                          "tool_calls": tool_call_items(calls)}  # fmt: skip
                     choice["finish_reason"] = "tool_calls"
                 if self.prompt_logprobs and self.kind == "completion":
@@ -169,28 +167,22 @@ class ResponseBuilder:
     # ---- stream chunks --------------------------------------------------------------------
 
     def chunk(self, index: int, text: str, lps: dict | None, finish_reason: str | None,
-              first: bool) -> dict[str, Any]:  # fmt: skip
-        """One choice's delta; a chat choice's first chunk also carries the role."""
+              first: bool, tool_calls: list[dict] = ()) -> dict[str, Any]:  # fmt: skip
+        """One choice's delta; a chat choice's first chunk also carries the role, and its
+        `tool_calls` items (tool_parser.ToolStream's) come with content None when no text."""
         if self.kind == "completion":
             choice: dict[str, Any] = {"index": index, "text": text}
             name = "text_completion"
         else:
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            delta = {"role": "assistant"} if first else {}
+            delta["content"] = None if tool_calls and not text else text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta}
             name = "chat.completion.chunk"
         choice["logprobs"] = lps
         choice["finish_reason"] = finish_reason
         return {**self._head(name), "choices": [choice]}
-
-    def tool_calls_chunk(self, index: int, calls: list[tuple[str, dict]], first: bool):
-        """A chat choice's last chunk when its answer was tool calls: all of them in one
-        delta (each whole, with its index), finish_reason "tool_calls"."""
-        items = [{"index": k, **item} for k, item in enumerate(tool_call_items(calls))]
-        delta = {"role": "assistant"} if first else {}
-        delta |= {"content": None, "tool_calls": items}
-        choice = {"index": index, "delta": delta, "logprobs": None,
-                  "finish_reason": "tool_calls"}  # fmt: skip
-        return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
     def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
         name = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
@@ -202,12 +194,12 @@ class DeltaTracker:
     delta's new text and logprobs become one chunk per choice; the concatenated chunks equal
     the final text. Counts every prompt's and completion's tokens for the usage chunk.
 
-    Chat with tools: while a choice's text may still be a tool call (tool_parser's
-    `may_be_tool_call`) it is held back, after a first chunk with the role alone. At the
-    choice's end a held text that parses as tool calls goes out as one `tool_calls` chunk
-    (finish_reason "tool_calls", as the non-streamed response); otherwise, as soon as it is
-    plain text, the held text and logprobs go out as one chunk and the rest streams as
-    usual."""
+    Chat with tools: each choice's text goes through its `ToolStream` (tool_parser.py),
+    which says what to send as content (text that may still be a call is held back, after a
+    first chunk with the role alone) and the `tool_calls` deltas; a choice that sent calls
+    ends with finish_reason "tool_calls", as the non-streamed response. A token's logprobs go
+    out once, with the first chunk of content after it (those of tokens that became calls,
+    never)."""
 
     def __init__(self, builder: ResponseBuilder) -> None:
         self.builder = builder
@@ -215,9 +207,9 @@ class DeltaTracker:
         self.offsets: dict[tuple[int, int], int] = {}  # choices sent so far: text offset
         self.prompt_tokens: dict[int, int] = {}  # prompt index -> its tokens
         self.completion_tokens = 0
-        # chat with tools: choices whose text is held back, (text, logprobs) so far
-        self.held: dict[tuple[int, int], tuple[str, list[Logprobs]]] = {}
-        self.plain: set[tuple[int, int]] = set()  # ... and those known to be plain text
+        # chat with tools: each choice's tool stream and the logprobs it holds back
+        self.streams: dict[tuple[int, int], ToolStream] = {}
+        self.held: dict[tuple[int, int], list[Logprobs]] = {}
 
     def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict[str, Any]]:
         self.prompt_tokens[prompt_index] = len(out.prompt_token_ids)
@@ -237,29 +229,24 @@ class DeltaTracker:
         index = i * self.builder.n + c.index
         offset = self.offsets.get(key)
         first = offset is None
-        text, new_lps = c.text, c.logprobs
-        if self.builder.tools and key not in self.plain:
-            held_text, held_lps = self.held.get(key, ("", []))
-            text, new_lps = held_text + text, held_lps + (new_lps or [])
-            if may_be_tool_call(text):
-                calls = parse_tool_calls(text) if c.finish_reason is not None else None
-                if calls:
-                    self.held.pop(key, None)
-                    return self.builder.tool_calls_chunk(index, calls, first)
-                if c.finish_reason is None:
-                    self.held[key] = (text, new_lps)
-                    if first:  # the role now, the text once it is known not to be a call
-                        self.offsets[key] = 0
-                        return self.builder.chunk(index, "", None, None, True)
-                    return None
-            self.held.pop(key, None)
-            self.plain.add(key)
-            new_lps = new_lps or c.logprobs  # None when logprobs were not asked for
-        if not ((first and self.chat) or text or new_lps or c.finish_reason is not None):
+        text, new_lps, calls, finish = c.text, c.logprobs, [], c.finish_reason
+        parser = self.builder.tool_parser
+        if parser is not None:
+            stream = self.streams.get(key)
+            if stream is None:
+                stream = self.streams[key] = parser.stream()
+            text, calls = stream.feed(c.text, finish is not None)
+            if new_lps is not None:
+                new_lps = self.held.pop(key, []) + new_lps
+                if not text:
+                    self.held[key], new_lps = new_lps, None
+            if finish is not None and stream.called:
+                finish = "tool_calls"
+        if not ((first and self.chat) or text or calls or new_lps or finish is not None):
             return None
         offset = offset or 0
         lps = self.builder.logprobs(new_lps, offset)
         if new_lps:
             offset += sum(len(self.builder.token_text(lp.token_id)) for lp in new_lps)
         self.offsets[key] = offset
-        return self.builder.chunk(index, text, lps, c.finish_reason, first)
+        return self.builder.chunk(index, text, lps, finish, first, calls)

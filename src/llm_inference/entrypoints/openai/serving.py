@@ -37,6 +37,7 @@ from llm_inference.entrypoints.openai.streaming import (
     sse,
     until_disconnected,
 )
+from llm_inference.entrypoints.openai.tool_parser import get_tool_parser
 from llm_inference.outputs import RequestOutput, RequestOutputKind, accumulate
 from llm_inference.sampling_params import (
     BeamSearchParams,
@@ -60,9 +61,10 @@ TEMPLATE_ARGUMENTS = frozenset({
 
 
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+    def __init__(self, llm: AsyncLLM, model_name: str, tool_call_parser: str = "llama3_json"):
         self.llm = llm
         self.model_name = model_name
+        self.tool_parser = get_tool_parser(tool_call_parser)  # for chat requests with tools
         self.tokenizer = llm.tokenizer
         # and whatever named arguments this tokenizer's apply_chat_template has besides
         named = inspect.signature(self.tokenizer.apply_chat_template).parameters.values()
@@ -215,7 +217,7 @@ class OpenAIServing:
         params = self.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs)
         builder = ResponseBuilder("chat", self.model_name, self.tokenizer, req.n)
         builder.prompt_logprobs = req.prompt_logprobs is not None
-        builder.tools = req.uses_tools
+        builder.tool_parser = self.tool_parser if req.uses_tools else None
         prompt = await asyncio.to_thread(self.chat_prompt, req)
         return await self._run(raw, [prompt], params, builder, req)
 
@@ -254,7 +256,7 @@ class OpenAIServing:
         only: logprobs, echo, stop strings, tools and the rest are 400s."""
         asked = {"logprobs": params.logprobs is not None, "echo": builder.echo is not None,
                  "prompt_logprobs": params.prompt_logprobs is not None,
-                 "stop": bool(params.stop_strings), "tools": builder.tools,
+                 "stop": bool(params.stop_strings), "tools": builder.tool_parser is not None,
                  "structured_outputs": params.structured_outputs is not None}  # fmt: skip
         for name, on in asked.items():
             if on:
