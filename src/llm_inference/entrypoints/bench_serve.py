@@ -339,8 +339,7 @@ def summarize(results: list[RequestResult], duration: float, args, model: str) -
     report["errors"] = sorted({r.error for r in results if r.error})[:10]
     if getattr(args, "save_detailed", False):
         report["requests"] = [
-            {"start": r.start, "ttft": r.ttft, "itl": r.itl, "output_len": r.output_len}
-            for r in ok
+            {"start": r.start, "ttft": r.ttft, "itl": r.itl, "output_len": r.output_len} for r in ok
         ]
     return report
 
