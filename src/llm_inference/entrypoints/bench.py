@@ -137,12 +137,14 @@ def _random_prompts(llm, rng: random.Random, n: int, length: int, ids: int | Non
     return [[rng.randrange(ids) for _ in range(length)] for _ in range(n)]
 
 
-def _timed_generate(llm, prompts, params) -> float:
+def _timed_generate(llm, prompts, params, progress: bool = False) -> float:
+    """Seconds for one `generate`; `progress`: a bar of finished requests (tqdm's, updated
+    as requests finish: no cost per step)."""
     import torch
 
     torch.cuda.synchronize() if torch.cuda.is_available() else None
     t = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
+    llm.generate(prompts, params, use_tqdm=progress)
     torch.cuda.synchronize() if torch.cuda.is_available() else None
     return time.perf_counter() - t
 
@@ -285,7 +287,7 @@ def throughput(llm, prompts, params, warmup: bool = True) -> dict:
     first 8 (unless `warmup` is False: a run right after another)."""
     if warmup:
         _timed_generate(llm, prompts[:8], params[:8])
-    dt = _timed_generate(llm, prompts, params)
+    dt = _timed_generate(llm, prompts, params, progress=True)
     n_out = sum(p.max_tokens for p in params)
     n_in = sum(map(len, prompts))
     return {
