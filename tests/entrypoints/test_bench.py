@@ -50,7 +50,9 @@ def test_throughput_profile_covers_the_timed_requests_only(llm, monkeypatch):
     all the requests), each rank's kernel seconds and top operators (on the CPU)."""
     calls = []
     real = bench._timed_generate
-    monkeypatch.setattr(bench, "_timed_generate", lambda *a: calls.append(len(a[1])) or real(*a))
+    monkeypatch.setattr(
+        bench, "_timed_generate", lambda *a, **kw: calls.append(len(a[1])) or real(*a, **kw)
+    )
     prof = bench._kernel_profile_throughput(llm, *bench.throughput_workload(SMALL, ids=300))
     assert calls == [5]
     (rank,) = prof["ranks"]
@@ -63,8 +65,8 @@ def _clocked(monkeypatch):
     machine's load."""
     real = bench._timed_generate
 
-    def timed(llm, prompts, params):
-        real(llm, prompts, params)
+    def timed(llm, prompts, params, progress=False):
+        real(llm, prompts, params, progress)
         return 0.005 + 0.001 * params.max_tokens
 
     monkeypatch.setattr(bench, "_timed_generate", timed)
@@ -182,14 +184,27 @@ def test_latency_on_the_cpu_has_no_floor(tiny_ckpt, capsys):
     assert "decode ms per step\n" in out and "| 1 | " in out and out.rstrip().endswith("| - |")
 
 
+def test_latency_on_the_cpu_defaults_to_small_batches(tiny_ckpt, monkeypatch, capsys):
+    """Batches of 64 and 256 on a CPU take most of an hour: its default is 1 and 8."""
+    from llm_inference.entrypoints import bench, cli
+
+    seen = []
+    monkeypatch.setattr(bench, "decode_latency", lambda llm, b: seen.append(b) or {})
+    argv = ["bench", "latency", "--model", str(tiny_ckpt), "--device", "cpu", "--dtype",
+            "float32", "--max-model-len", "512"]  # fmt: skip
+    assert cli.main(argv) == 0 and seen == [[1, 8]]
+
+
 def test_throughput_cli_with_a_dataset(tiny_ckpt, tmp_path, monkeypatch, capsys):
     """`bench throughput --dataset fixed --disable-detokenize` end to end on the CPU: the mix it
     ran (mean lengths, sampling) beside today's figures, in the printout and under `--json`'s
-    `workload`; every request (the warm-up's too) asks for token ids only."""
+    `workload`; every request (the warm-up's too) asks for token ids only; a progress bar."""
     from llm_inference.entrypoints import cli
 
     sent, real = [], bench._timed_generate
-    monkeypatch.setattr(bench, "_timed_generate", lambda *a: sent.extend(a[2]) or real(*a))
+    monkeypatch.setattr(
+        bench, "_timed_generate", lambda *a, **kw: sent.extend(a[2]) or real(*a, **kw)
+    )
     out = tmp_path / "throughput.json"
     argv = ["bench", "throughput", "--model", str(tiny_ckpt), "--device", "cpu", "--dtype",
             "float32", "--max-model-len", "64", "--dataset", "fixed", "--num-prompts", "2",
@@ -207,11 +222,12 @@ def test_throughput_cli_with_a_dataset(tiny_ckpt, tmp_path, monkeypatch, capsys)
         "temperature": 0.6, "top_p": 1.0, "top_k": 20, "mean_prompt_len": 12.0,
         "mean_output_len": 5.0,
     }  # fmt: skip
-    printed = capsys.readouterr().out
+    printed = capsys.readouterr()
     assert (
         "workload: fixed, 2 requests, mean prompt 12 and output 5 tokens, temperature 0.6, "
-        "top-p 1.0, top-k 20" in printed
+        "top-p 1.0, top-k 20" in printed.out
     )
+    assert "Generating: 100%" in printed.err  # the timed run shows its progress
 
 
 def test_throughput_requests_longer_than_max_model_len_are_one_error(tiny_ckpt, capsys):

@@ -320,7 +320,9 @@ def add_bench_args(p: argparse.ArgumentParser, kind: str | None = None) -> None:
         "--disable-detokenize", action="store_true",
         help="throughput: token ids only, no text (as vLLM's flag of that name)",
     )  # fmt: skip
-    p.add_argument("--batches", default="1,8,64,256", help="latency batch sizes")
+    p.add_argument(
+        "--batches", default=None, help="latency batch sizes (default: 1,8,64,256; CPU: 1,8)"
+    )
     p.add_argument(
         "--profile", default="",
         help="latency: also profile these batch sizes (e.g. 1,64); prefill: any value profiles",
@@ -376,7 +378,8 @@ def run_bench(args) -> dict:
             bw = copy_bandwidth() if cuda else None  # the floor is the GPU's
             if bw:
                 res["copy_bandwidth_TBps"] = bw / 1e12
-            batches = [int(b) for b in args.batches.split(",")]
+            sizes = args.batches or ",".join(map(str, BATCHES if cuda else BATCHES[:2]))
+            batches = [int(b) for b in sizes.split(",")]
             for bs, ms in decode_latency(llm, batches).items():
                 res[f"bs{bs}"] = {"ms_per_step": ms}
                 if bw:
