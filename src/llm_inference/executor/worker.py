@@ -23,9 +23,10 @@ def worker_device(config: EngineConfig, rank: int) -> torch.device:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, device: torch.device | None = None):
+        """`device`: where Ray placed the rank (default: `worker_device`)."""
         self.rank = rank
-        device = worker_device(config, rank)
+        device = device or worker_device(config, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         torch.manual_seed(config.seed)
