@@ -264,6 +264,11 @@ class CoreClient:
         """For `multiprocessing.connection.wait`: readable when results (or an error) came."""
         return self._conn.fileno()
 
+    def readers(self) -> list:
+        """What `multiprocessing.connection.wait` waits on for results (DataParallelCore's
+        are its replicas)."""
+        return [self]
+
     def recv(self, timeout: float | None = None) -> list[tuple]:
         """The results of the steps run since the last call (waiting up to `timeout` seconds
         for one; [] after it): a list of (records, scheduled ids, step start, stats)."""
