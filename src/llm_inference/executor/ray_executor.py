@@ -20,7 +20,8 @@ schedules step n+1 while the ranks run step n, but a rank starts step n+1 after 
 
 Failure: replies are awaited in slices of POLL_S; an actor that dies fails its calls
 (RayActorError) and one that raises sends its traceback: either is a `WorkerError` naming the
-rank, and the workers are unusable after it (the other ranks may wait in a collective).
+rank (a death first: its peers' errors in a collective follow from it), and the workers are
+unusable after it (the other ranks may wait in a collective).
 Shutdown kills the actors and removes the placement group (also at interpreter exit or when
 collected), so nothing keeps running.
 """
@@ -36,6 +37,7 @@ from llm_inference.config import EngineConfig
 from llm_inference.executor.multiproc import WorkerError, check_heads_divide
 
 POLL_S = 0.5
+ERROR_GRACE_S = 2.0  # after a rank raises, how long the others get to reply (or be found dead)
 PLACEMENT_TIMEOUT_S = 120.0  # how long the cluster gets to find the bundles
 
 
@@ -175,13 +177,16 @@ class RayWorkers:
         return self.submit(method, *args).result(timeout)
 
     def _wait(self, call: RayCall, timeout: float | None = None) -> list[Any]:
-        """Every rank's reply to `call`, or the WorkerError of the first rank that failed."""
+        """Every rank's reply to `call`, or a WorkerError: a dead rank's at once, else (after
+        ERROR_GRACE_S for the others, whose error may be a peer's death seen through a
+        collective) the lowest rank's that raised."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
         rank_of = {ref: rank for rank, ref in enumerate(call.refs)}
         results: list[Any] = [None] * len(call.refs)
-        owing = list(call.refs)
+        raised: dict[int, RayTaskError] = {}
+        owing, grace_end = list(call.refs), None
         give_up = None if timeout is None else time.monotonic() + timeout
         while owing:
             ready, owing = ray.wait(owing, num_returns=len(owing), timeout=POLL_S)
@@ -190,17 +195,21 @@ class RayWorkers:
                 try:
                     results[rank] = ray.get(ref)
                 except RayTaskError as e:
-                    self._unusable = f"rank {rank} raised in {call.method}"
-                    raise WorkerError(
-                        f"tensor-parallel worker rank {rank} raised in {call.method}:\n{e}"
-                    ) from None
+                    raised[rank] = e
+                    grace_end = grace_end or time.monotonic() + ERROR_GRACE_S
                 except RayActorError as e:
                     self._unusable = f"worker rank {rank} died"
                     raise WorkerError(
                         f"tensor-parallel worker rank {rank} (a Ray actor) died during "
                         f"{call.method}; the engine cannot continue:\n{e}"
                     ) from None
-            if owing and give_up is not None and time.monotonic() > give_up:
+            now = time.monotonic()
+            if raised and (not owing or now > grace_end):
+                rank = min(raised)
+                self._unusable = f"rank {rank} raised in {call.method}"
+                raise WorkerError(f"tensor-parallel worker rank {rank} raised in "
+                                  f"{call.method}:\n{raised[rank]}")  # fmt: skip
+            if owing and give_up is not None and now > give_up:
                 self._unusable = f"{call.method} timed out"
                 raise WorkerError(f"tensor-parallel workers did not answer {call.method} "
                                   f"within {timeout} s")  # fmt: skip
