@@ -6,6 +6,7 @@ left after close. Engine instances are few: each DP=2 start spawns two core proc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import sys
@@ -64,6 +65,30 @@ def test_balancer_keeps_prefix_affinity_unless_that_replica_is_clearly_busier():
     # Prompts shorter than a block have no affinity; another first block neither.
     assert b.route("e", [11, 12, 13]) == 0  # loads [10, 11]
     assert b.route("f", [99, 12, 13, 14]) == 1  # loads [13, 11]
+
+
+# ---- checks ---------------------------------------------------------------------------------
+
+
+def test_options_are_checked_before_anything_starts(tiny_ckpt, monkeypatch):
+    import torch
+
+    from llm_inference.engine.arg_utils import EngineArgs
+    from llm_inference.engine.data_parallel import DataParallelCore
+
+    with pytest.raises(ValueError, match="distributed_executor_backend"):
+        EngineArgs(str(tiny_ckpt), distributed_executor_backend="slurm").create_engine_config()
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        EngineArgs(str(tiny_ckpt), data_parallel_size=0).create_engine_config()
+    with pytest.raises(ValueError, match="engine_process=False"):
+        AsyncLLM(str(tiny_ckpt), engine_process=False, data_parallel_size=2, **ENGINE)
+    # Two replicas of TP=2 from cuda:1 need cuda:1 .. cuda:4: refused on a 4-GPU machine.
+    config = EngineArgs(str(tiny_ckpt), data_parallel_size=2, tensor_parallel_size=2, **ENGINE)
+    config = dataclasses.replace(config.create_engine_config(), device="cuda:1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    with pytest.raises(ValueError, match="up to cuda:4, but only 4"):
+        DataParallelCore(config)
+    assert child_processes() == []
 
 
 # ---- end to end -----------------------------------------------------------------------------

@@ -87,6 +87,7 @@ class DataParallelCore:
 
     def __init__(self, config: EngineConfig, setup=None) -> None:
         n, tp = config.parallel.data_parallel_size, config.parallel.tensor_parallel_size
+        check_devices(config)
         self.replicas: list[CoreClient] = []
         self._own_ray = False
         if config.parallel.distributed_executor_backend == "ray":
@@ -187,6 +188,20 @@ class DataParallelCore:
 
             ray.shutdown()
             self._own_ray = False
+
+
+def check_devices(config: EngineConfig) -> None:
+    """Raise ValueError when the replicas' CUDA devices are not all visible (with "mp")."""
+    n, tp = config.parallel.data_parallel_size, config.parallel.tensor_parallel_size
+    last = replica_device(config, n * tp - 1)
+    if last.startswith("cuda"):
+        import torch
+
+        if int(last.partition(":")[2]) >= torch.cuda.device_count():
+            raise ValueError(
+                f"data_parallel_size={n} x tensor_parallel_size={tp} needs CUDA devices up to "
+                f"{last}, but only {torch.cuda.device_count()} are visible"
+            )
 
 
 def replica_device(config: EngineConfig, offset: int) -> str:
