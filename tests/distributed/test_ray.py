@@ -1,7 +1,8 @@
 """The Ray executor (executor/ray_executor.py) on a local Ray, gloo on the CPU, tiny random
-model: TP=2 through Ray equals TP=1 (greedy, seeded); DP=2 x TP=2 through Ray equals too; a
-killed Ray worker is a clear error within 10 s; close leaves no actor running and gives the
-placement group's CPUs back. One Ray for the module (its start is slow)."""
+model: with no Ray running the engine starts one and stops it at close; TP=2 through Ray
+equals TP=1 (greedy, seeded); DP=2 x TP=2 through Ray equals too; a killed Ray worker is a
+clear error within 10 s; close leaves no actor running and gives the placement group's CPUs
+back. One Ray for the other tests of the module (its start is slow)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import threading
 import time
 
 import pytest
-from helpers import wait_gone
+from helpers import child_processes, wait_gone
 
 from llm_inference import LLM, SamplingParams
 from llm_inference.executor.multiproc import WorkerError
@@ -54,6 +55,18 @@ def _all_cpus_free() -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+@pytest.mark.skipif("RAY_ADDRESS" in os.environ, reason="a Ray cluster is named: it joins that")
+def test_without_a_ray_it_starts_one_and_stops_it_at_close(tiny_ckpt, tp1):
+    """First in the module, before `local_ray`: no Ray runs, so the engine starts a local one,
+    whose processes (children of this one) are gone after close."""
+    assert not ray.is_initialized()
+    with LLM(str(tiny_ckpt), **RAY) as llm:  # TP=1: one actor
+        assert ray.is_initialized() and child_processes()
+        assert _run(llm) == tp1
+    assert not ray.is_initialized()
+    assert wait_gone([pid for pid, _ in child_processes()], 10) == []
 
 
 def test_tp2_through_ray_equals_tp1_and_leaves_nothing(local_ray, tiny_ckpt, tp1):
