@@ -1,7 +1,8 @@
 """A rank: owns its device, model shard, KV cache and ModelRunner. Workers never schedule.
 
 At tensor_parallel_size 1 the worker lives in the engine's process; above, each lives in its
-own process (executor/multiproc.py), which joins the process group before building it."""
+own process (executor/multiproc.py) or Ray actor (executor/ray_executor.py), which joins the
+process group before building it."""
 
 from __future__ import annotations
 
