@@ -19,6 +19,7 @@ from llm_inference import LLM, AsyncLLM, SamplingParams
 from llm_inference.core.outputs import EngineCoreOutput
 from llm_inference.engine.core_process import EngineCoreError
 from llm_inference.engine.data_parallel import Balancer
+from llm_inference.entrypoints.openai.metrics import render
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -135,6 +136,13 @@ def test_async_llm_dp2_equals_dp1(tiny_ckpt, dp1):
         pids = [r.pid for r in llm.core_process.replicas]
         assert asyncio.run(run(llm)) == dp1["seeded"]
         assert llm.health() is None
+        page = render(llm.metrics, "m")
+        blocks = [r.stats()["num_kv_blocks"] for r in llm.core_process.replicas]
+    # /metrics: the engine's gauges once per replica, labelled.
+    for i in (0, 1):
+        assert f'vllm:num_kv_blocks{{model_name="m",engine="{i}"}} {blocks[i]:.1f}' in page
+        assert f'vllm:kv_cache_usage_perc{{model_name="m",engine="{i}"}} 0.0' in page
+    assert 'vllm:num_kv_blocks{model_name="m"}' not in page
     assert wait_gone(pids, 10) == []
 
 

@@ -123,7 +123,8 @@ class AsyncLLM:
             if self.core_process is not None:
                 self.core_process.shutdown()
             raise
-        self.metrics = ServingMetrics(engine=self.engine.stats())
+        self.metrics = ServingMetrics()
+        self._refresh_stats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
         self._error: BaseException | None = None
@@ -419,8 +420,10 @@ class AsyncLLM:
 
     def _refresh_stats(self) -> None:
         stats = self.engine.stats()
+        replicas = self.core_process.replica_stats() if self.core_process is not None else []
         with self.metrics.lock:
             self.metrics.engine = stats
+            self.metrics.replicas = replicas
 
 
 def _dead(message: str, cause: BaseException | None) -> EngineDeadError:

@@ -260,6 +260,10 @@ class CoreClient:
         """The core's stats after the last step received."""
         return dict(self._stats)
 
+    def replica_stats(self) -> list[dict[str, int]]:
+        """Each data-parallel replica's stats (DataParallelCore's); one core has none."""
+        return []
+
     def fileno(self) -> int:
         """For `multiprocessing.connection.wait`: readable when results (or an error) came."""
         return self._conn.fileno()

@@ -173,6 +173,10 @@ class DataParallelCore:
                 total[k] = total.get(k, 0) + v
         return total
 
+    def replica_stats(self) -> list[dict[str, int]]:
+        """Each replica's stats, in replica order (/metrics labels them)."""
+        return [r.stats() for r in self.replicas]
+
     def is_alive(self) -> bool:
         return all(r.is_alive() for r in self.replicas)
 
