@@ -67,7 +67,7 @@ class RankActor:
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
-            torch.set_num_threads(max(1, int(ray_cpus())))
+            torch.set_num_threads(1)  # the bundle's one CPU
         init_distributed(
             rank, world_size, port, device, host=host,
             use_custom_all_reduce=not config.parallel.disable_custom_all_reduce,
@@ -81,13 +81,6 @@ class RankActor:
 
         result = getattr(self.worker, method)(*args)
         return result.result() if isinstance(result, PendingOutput) else result
-
-
-def ray_cpus() -> float:
-    """The CPUs Ray gave this actor (1 per CPU bundle)."""
-    import ray
-
-    return ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
 
 
 class RayCall:
@@ -146,7 +139,7 @@ class RayWorkers:
                 by_node.setdefault(ip, []).extend(gpus)
             starts = []
             for rank, (actor, (ip, gpus, _)) in enumerate(zip(self.actors, nodes)):
-                visible = sorted(by_node[ip], key=int)
+                visible = sorted(by_node[ip])  # any order the node's actors share
                 local = visible.index(gpus[0]) if cuda else 0
                 starts.append((actor, (config, rank, n, host, port, visible, local)))
             self.pids = self._wait(self._submit("start", starts))
