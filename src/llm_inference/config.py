@@ -227,6 +227,10 @@ class ParallelConfig:
     # NCCL for every all-reduce: no symmetric-memory all-reduce of small messages on CUDA
     # (distributed/custom_all_reduce.py; vLLM's name).
     disable_custom_all_reduce: bool = False
+    # "mp": worker processes on this host; "ray": Ray actors, across a Ray cluster's nodes.
+    distributed_executor_backend: str = "mp"
+    # Engine cores, each with its own tensor-parallel group, behind one front end.
+    data_parallel_size: int = 1
 
 
 @dataclass(frozen=True)

@@ -64,8 +64,10 @@ def init_distributed(
     timeout_s: float = 600.0,
     use_custom_all_reduce: bool = True,
     kernel_backend: str = "reference",
+    host: str = "127.0.0.1",
 ) -> None:
-    """Join the tensor-parallel group as `rank` of `world_size` (rendezvous at 127.0.0.1:port).
+    """Join the tensor-parallel group as `rank` of `world_size` (rendezvous at host:port; the
+    Ray executor gives rank 0's node IP, reachable from every node).
     On CUDA, then set up the custom all-reduce (every rank; NCCL alone if it fails) unless
     `use_custom_all_reduce` is False. With the Triton kernels (`kernel_backend`, resolved) it
     also fuses the residual add and RMSNorm (`all_reduce_add_rms_norm`, a Triton kernel) unless
@@ -83,12 +85,12 @@ def init_distributed(
             backend, kw = "nccl", {"device_id": device}
         else:
             backend, kw = "gloo", {}
-            if sys.platform.startswith("linux"):
+            if sys.platform.startswith("linux") and host == "127.0.0.1":
                 # One host: keep gloo on the loopback whatever the hostname resolves to.
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group(
             backend,
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=f"tcp://{host}:{port}",
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import typing
 from dataclasses import dataclass, field
 
@@ -74,6 +75,12 @@ class EngineArgs:
     )
     block_size: int = _option(16, "tokens per KV cache block (a power of two)")
     tensor_parallel_size: int = _option(1, "devices to shard the model over")
+    data_parallel_size: int = _option(
+        1, "engine replicas behind one front end, each on its own tensor_parallel_size devices"
+    )
+    distributed_executor_backend: str = _option(
+        "mp", "mp (worker processes on this host) or ray (Ray actors, across a Ray cluster)"
+    )
     seed: int = _option(0, "the engine's random seed: requests draw their sampling seeds from it")
     kernel_backend: str = _option(
         "auto", "auto, triton (CUDA) or reference (PyTorch); auto: triton on CUDA"
@@ -145,6 +152,13 @@ class EngineArgs:
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        _positive_int("data_parallel_size", self.data_parallel_size)
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError("distributed_executor_backend must be 'mp' or 'ray', got "
+                             f"{self.distributed_executor_backend!r}")  # fmt: skip
+        if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError("distributed_executor_backend='ray' needs Ray: pip install "
+                             "'llm-inference[ray]'")  # fmt: skip
         _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
         util = self.gpu_memory_utilization
         if not isinstance(util, (int, float)) or isinstance(util, bool) or not 0 < util <= 1:
@@ -179,7 +193,12 @@ class EngineArgs:
                 max_model_len=self.max_model_len or limit,
                 max_model_len_is_default=self.max_model_len is None,
             ),
-            parallel=ParallelConfig(self.tensor_parallel_size, self.disable_custom_all_reduce),
+            parallel=ParallelConfig(
+                self.tensor_parallel_size,
+                self.disable_custom_all_reduce,
+                self.distributed_executor_backend,
+                self.data_parallel_size,
+            ),
             device=dev,
             dtype=resolve_dtype(self.dtype, model_config.torch_dtype, dev.split(":")[0]),
             kernel_backend=backend,

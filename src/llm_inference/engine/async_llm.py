@@ -44,6 +44,7 @@ from multiprocessing.connection import wait as wait_for
 from llm_inference.config import EngineConfig
 from llm_inference.engine.arg_utils import EngineArgs
 from llm_inference.engine.core_process import CoreClient
+from llm_inference.engine.data_parallel import DataParallelCore
 from llm_inference.engine.llm_engine import LLMEngine
 from llm_inference.engine.metrics import RequestTimes, ServingMetrics
 from llm_inference.engine.output_processor import child_id
@@ -106,7 +107,14 @@ class AsyncLLM:
 
         config = EngineArgs(model=model, **engine_args).create_engine_config()
         self.tokenizer = load_tokenizer(config.model_path)
-        self.core_process = CoreClient(config, core_setup) if engine_process else None
+        if config.parallel.data_parallel_size > 1 and not engine_process:
+            raise ValueError("data_parallel_size > 1 runs engine cores in processes of their own: "
+                             "engine_process=False is for one core")  # fmt: skip
+        self.core_process = None
+        if config.parallel.data_parallel_size > 1:
+            self.core_process = DataParallelCore(config, core_setup)
+        elif engine_process:
+            self.core_process = CoreClient(config, core_setup)
         try:
             self.engine = LLMEngine(config, self.tokenizer, core=self.core_process)
             if core_setup is not None and self.core_process is None:
@@ -115,7 +123,8 @@ class AsyncLLM:
             if self.core_process is not None:
                 self.core_process.shutdown()
             raise
-        self.metrics = ServingMetrics(engine=self.engine.stats())
+        self.metrics = ServingMetrics()
+        self._refresh_stats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
         self._error: BaseException | None = None
@@ -308,8 +317,9 @@ class AsyncLLM:
     def _front_loop(self, streams: dict[str, _Stream]) -> None:
         """The front end of a core process: commands and step results as they come."""
         core = self.core_process
+        readers = core.readers()
         while True:
-            ready = wait_for([core, self._wake_r])
+            ready = wait_for([*readers, self._wake_r])
             if self._wake_r in ready:
                 try:
                     while self._wake_r.recv(4096):
@@ -318,7 +328,7 @@ class AsyncLLM:
                     pass
                 if not self._take_commands(streams, block=False):
                     return
-            if core in ready:
+            if len(ready) > (self._wake_r in ready):
                 steps = core.recv(timeout=0)
                 self._progress_at = time.monotonic()
                 for records, scheduled, start, _ in steps:
@@ -410,8 +420,10 @@ class AsyncLLM:
 
     def _refresh_stats(self) -> None:
         stats = self.engine.stats()
+        replicas = self.core_process.replica_stats() if self.core_process is not None else []
         with self.metrics.lock:
             self.metrics.engine = stats
+            self.metrics.replicas = replicas
 
 
 def _dead(message: str, cause: BaseException | None) -> EngineDeadError:

@@ -260,9 +260,18 @@ class CoreClient:
         """The core's stats after the last step received."""
         return dict(self._stats)
 
+    def replica_stats(self) -> list[dict[str, int]]:
+        """Each data-parallel replica's stats (DataParallelCore's); one core has none."""
+        return []
+
     def fileno(self) -> int:
         """For `multiprocessing.connection.wait`: readable when results (or an error) came."""
         return self._conn.fileno()
+
+    def readers(self) -> list:
+        """What `multiprocessing.connection.wait` waits on for results (DataParallelCore's
+        are its replicas)."""
+        return [self]
 
     def recv(self, timeout: float | None = None) -> list[tuple]:
         """The results of the steps run since the last call (waiting up to `timeout` seconds

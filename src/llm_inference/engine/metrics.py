@@ -79,6 +79,7 @@ class ServingMetrics:
     e2e: Histogram = field(default_factory=lambda: Histogram(REQUEST_BUCKETS))
     queue: Histogram = field(default_factory=lambda: Histogram(REQUEST_BUCKETS))
     engine: dict = field(default_factory=dict)  # the latest LLMEngine.stats()
+    replicas: list = field(default_factory=list)  # data parallelism: each replica's stats
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def snapshot(self) -> ServingMetrics:

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from llm_inference.beam_search import BeamSearchOutput, beam_search
 from llm_inference.config import EngineConfig
 from llm_inference.engine.arg_utils import EngineArgs
+from llm_inference.engine.data_parallel import DataParallelCore
 from llm_inference.engine.llm_engine import LLMEngine
 from llm_inference.entrypoints.chat_template import render_chat
 from llm_inference.gc_heap import freeze_startup_heap, thaw_heap
@@ -86,7 +87,9 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args) -> None:
         config = EngineArgs(model=model, **engine_args).create_engine_config()
         self.tokenizer = load_tokenizer(config.model_path)
-        self.engine = LLMEngine(config, self.tokenizer)
+        # Data parallelism: the engine cores run in processes (engine/data_parallel.py).
+        core = DataParallelCore(config) if config.parallel.data_parallel_size > 1 else None
+        self.engine = LLMEngine(config, self.tokenizer, core=core)
         self._ids = itertools.count()
         # Frozen until close(), so full GC collections skip them (gc_heap.py).
         freeze_startup_heap()

@@ -2,7 +2,9 @@
 
 For tensor_parallel_size 1 the single worker lives in this process (no extra overhead); above,
 each rank is a worker process (executor/multiproc.py) and the calls go over pipes, pipelined:
-a step can be sent before the previous one's replies are read (async scheduling)."""
+a step can be sent before the previous one's replies are read (async scheduling). With
+`distributed_executor_backend="ray"` every rank, even a single one, is a Ray actor
+(executor/ray_executor.py), placed anywhere in the Ray cluster."""
 
 from __future__ import annotations
 
@@ -18,8 +20,12 @@ class Executor:
     def __init__(self, config: EngineConfig) -> None:
         self.world_size = config.parallel.tensor_parallel_size
         self.workers: list[Worker] = []
-        self.processes = None  # MultiprocWorkers when tensor_parallel_size > 1
-        if self.world_size == 1:
+        self.processes = None  # MultiprocWorkers or RayWorkers: the ranks elsewhere
+        if config.parallel.distributed_executor_backend == "ray":
+            from llm_inference.executor.ray_executor import RayWorkers
+
+            self.processes = RayWorkers(config)
+        elif self.world_size == 1:
             self.workers = [Worker(config, rank=0)]
         else:
             from llm_inference.executor.multiproc import MultiprocWorkers

@@ -1,7 +1,8 @@
 """A rank: owns its device, model shard, KV cache and ModelRunner. Workers never schedule.
 
 At tensor_parallel_size 1 the worker lives in the engine's process; above, each lives in its
-own process (executor/multiproc.py), which joins the process group before building it."""
+own process (executor/multiproc.py) or Ray actor (executor/ray_executor.py), which joins the
+process group before building it."""
 
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ def worker_device(config: EngineConfig, rank: int) -> torch.device:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, device: torch.device | None = None):
+        """`device`: where Ray placed the rank (default: `worker_device`)."""
         self.rank = rank
-        device = worker_device(config, rank)
+        device = device or worker_device(config, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         torch.manual_seed(config.seed)

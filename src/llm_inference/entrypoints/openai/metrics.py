@@ -1,6 +1,7 @@
 """/metrics: the Prometheus text format (version 0.0.4), with vLLM's metric names.
 
-Every sample carries `model_name="<served name>"`. Gauges come from the engine's last stats;
+Every sample carries `model_name="<served name>"`. Gauges come from the engine's last stats
+(one sample per data-parallel replica, labelled `engine="i"`, when there are several);
 counters and histograms from `ServingMetrics` (see engine/metrics.py). KV cache usage is a
 fraction in [0, 1], as vLLM reports it despite the `_perc` name.
 """
@@ -23,6 +24,27 @@ _HISTOGRAMS = (
     ("e2e_request_latency_seconds", "e2e", "End-to-end request latency in seconds."),
     ("request_queue_time_seconds", "queue", "Time requests spent waiting in seconds."),
 )
+
+
+# The engine's stats shown as they are: (metric, type, help, stats key), in page order.
+_ENGINE_STATS = (
+    ("num_requests_running", "gauge", "Requests in the running batch.", "num_running_requests"),
+    ("num_requests_waiting", "gauge", "Requests waiting to be scheduled.",
+     "num_waiting_requests"),
+    ("num_kv_blocks", "gauge", "KV cache blocks in all.", "num_kv_blocks"),
+    ("num_free_kv_blocks", "gauge", "Free KV cache blocks.", "num_free_kv_blocks"),
+    ("num_preemptions_total", "counter", "Preemptions (requests sent back to wait).",
+     "num_preemptions"),
+    ("prefix_cache_queries_total", "counter",
+     "Prompt tokens of admitted requests, looked up in the prefix cache.", "prefix_cache_queries"),
+    ("prefix_cache_hits_total", "counter", "Of those, tokens found in the prefix cache.",
+     "prefix_cache_hits"),
+)  # fmt: skip
+
+
+def _usage(stats: dict) -> float:
+    total = stats.get("num_kv_blocks", 0)
+    return (1 - stats.get("num_free_kv_blocks", 0) / total) if total else 0.0
 
 
 def _escape(value: str) -> str:
@@ -56,25 +78,18 @@ class _Writer:
 def render(metrics: ServingMetrics, model_name: str) -> str:
     """The whole /metrics page."""
     m = metrics.snapshot()
-    stats = m.engine
     w = _Writer(model_name)
-    w.metric("num_requests_running", "gauge", "Requests in the running batch.",
-             stats.get("num_running_requests", 0))  # fmt: skip
-    w.metric("num_requests_waiting", "gauge", "Requests waiting to be scheduled.",
-             stats.get("num_waiting_requests", 0))  # fmt: skip
-    total = stats.get("num_kv_blocks", 0)
-    used = (1 - stats.get("num_free_kv_blocks", 0) / total) if total else 0.0
-    w.metric("kv_cache_usage_perc", "gauge", "KV cache usage (1 means 100 percent).", used)
-    w.metric("num_kv_blocks", "gauge", "KV cache blocks in all.", total)
-    w.metric("num_free_kv_blocks", "gauge", "Free KV cache blocks.",
-             stats.get("num_free_kv_blocks", 0))  # fmt: skip
-    w.metric("num_preemptions_total", "counter", "Preemptions (requests sent back to wait).",
-             stats.get("num_preemptions", 0))  # fmt: skip
-    w.metric("prefix_cache_queries_total", "counter",
-             "Prompt tokens of admitted requests, looked up in the prefix cache.",
-             stats.get("prefix_cache_queries", 0))  # fmt: skip
-    w.metric("prefix_cache_hits_total", "counter", "Of those, tokens found in the prefix cache.",
-             stats.get("prefix_cache_hits", 0))  # fmt: skip
+    # The engine's gauges: one sample, or one per data-parallel replica (label engine="i").
+    engines = list(enumerate(m.replicas)) if len(m.replicas) > 1 else [(None, m.engine)]
+
+    def engine_metric(name: str, kind: str, help_text: str, value_of) -> None:
+        w.header(name, kind, help_text)
+        for i, stats in engines:
+            w.sample(name, value_of(stats), "" if i is None else f'engine="{i}"')
+
+    for name, kind, help_text, key in _ENGINE_STATS:
+        engine_metric(name, kind, help_text, lambda stats, key=key: stats.get(key, 0))
+    engine_metric("kv_cache_usage_perc", "gauge", "KV cache usage (1 means 100 percent).", _usage)
     w.metric("prompt_tokens_total", "counter",
              "Prefilled prompt tokens (n per prompt of n sequences).", m.prompt_tokens)  # fmt: skip
     w.metric("generation_tokens_total", "counter", "Generated tokens.", m.generation_tokens)
