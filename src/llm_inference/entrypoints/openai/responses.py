@@ -14,6 +14,7 @@ import time
 import uuid
 from typing import Any
 
+from llm_inference.entrypoints.openai.tool_choice import ForcedToolCalls, forced_tool_calls
 from llm_inference.entrypoints.openai.tool_parser import (
     may_be_tool_call,
     parse_tool_calls,
@@ -53,6 +54,9 @@ class ResponseBuilder:
         self.echo_k = 0  # with echo and logprobs=k: the prompt tokens' top-k
         self.prompt_logprobs = False  # vLLM's prompt_logprobs field in the response
         self.tools = False  # chat with tools: answers that are tool calls become tool_calls
+        # chat with tool_choice "required" or a function's name: every answer is tool calls
+        # (tool_choice.py), finish_reason "tool_calls" once complete
+        self.forced: str | None = None
 
     def _head(self, object_name: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created,
@@ -155,6 +159,10 @@ class ResponseBuilder:
                     choice["message"] = {"role": "assistant", "content": None,
                                          "tool_calls": tool_call_items(calls)}  # fmt: skip
                     choice["finish_reason"] = "tool_calls"
+                if self.forced is not None and (items := forced_tool_calls(self.forced, c.text)):
+                    choice["message"] = {"role": "assistant", "content": None,
+                                         "tool_calls": items}  # fmt: skip
+                    choice["finish_reason"] = _forced_finish(c.finish_reason)
                 if self.prompt_logprobs and self.kind == "completion":
                     choice["prompt_logprobs"] = self.vllm_prompt_logprobs(out.prompt_logprobs)
                 choices.append(choice)
@@ -192,9 +200,24 @@ class ResponseBuilder:
                   "finish_reason": "tool_calls"}  # fmt: skip
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
+    def forced_chunk(self, index: int, items: list[dict], lps: dict | None,
+                     finish_reason: str | None, first: bool) -> dict[str, Any]:  # fmt: skip
+        """A chat choice's delta of forced tool calls (`items`: tool_choice.py's)."""
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if items:
+            delta |= {"content": None, "tool_calls": items}
+        choice = {"index": index, "delta": delta, "logprobs": lps,
+                  "finish_reason": _forced_finish(finish_reason)}  # fmt: skip
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+
     def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
         name = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
         return {**self._head(name), "choices": [], "usage": counts}
+
+
+def _forced_finish(reason: str | None) -> str | None:
+    """A forced tool call's finish_reason: "tool_calls" when its answer ended as it should."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 class DeltaTracker:
@@ -207,7 +230,9 @@ class DeltaTracker:
     choice's end a held text that parses as tool calls goes out as one `tool_calls` chunk
     (finish_reason "tool_calls", as the non-streamed response); otherwise, as soon as it is
     plain text, the held text and logprobs go out as one chunk and the rest streams as
-    usual."""
+    usual. Chat with a forced tool choice: each delta's text goes out as the tool-call deltas
+    it completes (tool_choice.ForcedToolCalls); text that completes none waits, with its
+    logprobs, for the delta that does."""
 
     def __init__(self, builder: ResponseBuilder) -> None:
         self.builder = builder
@@ -218,6 +243,7 @@ class DeltaTracker:
         # chat with tools: choices whose text is held back, (text, logprobs) so far
         self.held: dict[tuple[int, int], tuple[str, list[Logprobs]]] = {}
         self.plain: set[tuple[int, int]] = set()  # ... and those known to be plain text
+        self.forced: dict[tuple[int, int], ForcedToolCalls] = {}  # a forced tool choice's
 
     def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict[str, Any]]:
         self.prompt_tokens[prompt_index] = len(out.prompt_token_ids)
@@ -238,6 +264,8 @@ class DeltaTracker:
         offset = self.offsets.get(key)
         first = offset is None
         text, new_lps = c.text, c.logprobs
+        if self.builder.forced is not None:
+            return self._forced_chunk(key, index, c, first)
         if self.builder.tools and key not in self.plain:
             held_text, held_lps = self.held.get(key, ("", []))
             text, new_lps = held_text + text, held_lps + (new_lps or [])
@@ -263,3 +291,15 @@ class DeltaTracker:
             offset += sum(len(self.builder.token_text(lp.token_id)) for lp in new_lps)
         self.offsets[key] = offset
         return self.builder.chunk(index, text, lps, c.finish_reason, first)
+
+    def _forced_chunk(self, key, index: int, c: CompletionOutput, first: bool):
+        reader = self.forced.setdefault(key, ForcedToolCalls(self.builder.forced))
+        _, held_lps = self.held.pop(key, ("", []))
+        new_lps = held_lps + (c.logprobs or [])
+        items = reader.add(c.text)
+        self.offsets[key] = 0
+        if not items and c.finish_reason is None:  # the role now, the calls when complete
+            self.held[key] = ("", new_lps)
+            return self.builder.forced_chunk(index, [], None, None, True) if first else None
+        lps = None if c.logprobs is None else self.builder.logprobs(new_lps, 0)
+        return self.builder.forced_chunk(index, items, lps, c.finish_reason, first)
