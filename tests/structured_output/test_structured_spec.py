@@ -168,3 +168,13 @@ def test_json_schema_answers_validate(compiler):
         except jsonschema.ValidationError:
             valid = False
         assert valid is ok, text
+
+
+def test_a_failed_compile_is_never_ready():
+    """The scheduler admits a request once its grammar is ready: one whose compile failed must
+    never be (the core finishes it), even when the failure lands between two steps."""
+    pending, failed = Future(), Future()
+    failed.set_exception(RuntimeError("no"))
+    assert not RequestGrammar(pending, [EOS]).ready
+    grammar = RequestGrammar(failed, [EOS])
+    assert not grammar.ready and str(grammar.error) == "no"

@@ -34,19 +34,21 @@ class RequestGrammar:
     the request's first `num_accepted` output tokens and ends on `stop_token_ids`."""
 
     def __init__(self, compiled: Future, stop_token_ids: list[int]) -> None:
-        self._compiled = compiled
+        self.compiled = compiled
         self._stop_token_ids = stop_token_ids
         self._matcher = None
         self.num_accepted = 0
 
     @property
     def ready(self) -> bool:
-        """Compiled, or failed to (`error`): either way there is nothing to wait for."""
-        return self._compiled.done()
+        """Compiled: the request may run. (One whose compile failed never is: `take_failed`
+        reports it, and the core finishes it.)"""
+        return self.compiled.done() and self.compiled.exception() is None
 
     @property
     def error(self) -> BaseException | None:
-        return self._compiled.exception() if self._compiled.done() else None
+        """The compile's error, once it failed."""
+        return self.compiled.exception() if self.compiled.done() else None
 
     def fill(self, bitmask: np.ndarray, row: int, output_token_ids: list[int]) -> None:
         """Accept the output tokens not yet seen, then write the allowed next tokens into
@@ -56,7 +58,7 @@ class RequestGrammar:
 
         if self._matcher is None:
             self._matcher = xgr.GrammarMatcher(
-                self._compiled.result(), override_stop_tokens=self._stop_token_ids
+                self.compiled.result(), override_stop_tokens=self._stop_token_ids
             )
         for token in output_token_ids[self.num_accepted :]:
             if not self._matcher.accept_token(token):
@@ -111,14 +113,14 @@ class StructuredOutputManager:
     def wait(self, timeout: float) -> None:
         """Wait until a grammar being compiled is done, at most `timeout` seconds: an engine
         with nothing else to run waits here instead of spinning."""
-        wait([r.grammar._compiled for r in self._compiling.values()], timeout, FIRST_COMPLETED)
+        wait([r.grammar.compiled for r in self._compiling.values()], timeout, FIRST_COMPLETED)
 
     def take_failed(self) -> list[tuple[object, BaseException]]:
         """(request, error) for each unfinished request whose grammar failed to compile since
         the last call; requests compiled or finished are forgotten."""
         failed = []
         for rid, request in list(self._compiling.items()):
-            if request.is_finished or request.grammar.ready:
+            if request.is_finished or request.grammar.compiled.done():
                 del self._compiling[rid]
                 if not request.is_finished and request.grammar.error is not None:
                     failed.append((request, request.grammar.error))
