@@ -140,9 +140,10 @@ class OpenAIServing:
     @staticmethod
     def sampling_params(
         req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
-        prompt_logprobs: int | None = None,
+        prompt_logprobs: int | None = None, structured: StructuredOutputsParams | None = None,
     ) -> SamplingParams:  # fmt: skip
-        """SamplingParams from the request; its ValueError (naming the field) becomes a 400."""
+        """SamplingParams from the request (`structured`: its `structured_outputs`); their
+        ValueError (naming the field) becomes a 400."""
         if (field := req.unsupported()) is not None:
             raise APIError(400, f"{field} is not supported by this server", param=field)
         if req.stream and req.prompt_logprobs is not None:
@@ -159,7 +160,6 @@ class OpenAIServing:
                 keys = sorted(req.logit_bias)[:5]
                 msg = f"logit_bias keys must be token ids (integers as strings), got {keys}"
                 raise APIError(400, msg, param="logit_bias") from e
-        structured = structured_outputs(req)
         try:
             return SamplingParams(
                 n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
@@ -188,7 +188,8 @@ class OpenAIServing:
         prompt_lps = req.prompt_logprobs
         if req.echo and req.logprobs is not None:
             prompt_lps = max(req.logprobs, prompt_lps or 0)
-        params = self.sampling_params(req, req.max_tokens, req.logprobs, prompt_lps)
+        structured = await structured_outputs_in_thread(req)
+        params = self.sampling_params(req, req.max_tokens, req.logprobs, prompt_lps, structured)
         builder = ResponseBuilder("completion", self.model_name, self.tokenizer, req.n)
         if req.echo:
             builder.echo = await asyncio.to_thread(self.prompt_texts, prompts)
@@ -204,7 +205,8 @@ class OpenAIServing:
         max_tokens = req.max_tokens
         if req.max_completion_tokens is not None:  # 0 is refused, as max_tokens 0 is
             max_tokens = req.max_completion_tokens
-        params = self.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs)
+        structured = await structured_outputs_in_thread(req)
+        params = self.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs, structured)
         builder = ResponseBuilder("chat", self.model_name, self.tokenizer, req.n)
         builder.prompt_logprobs = req.prompt_logprobs is not None
         builder.forced = forced_function(req.tool_choice) if req.uses_tools else None
@@ -285,6 +287,18 @@ class OpenAIServing:
         except Exception as e:  # noqa: BLE001 - the status is sent already: report in-band
             yield sse(_api_error(e, len(streams)).body())
         yield sse("[DONE]")
+
+
+async def structured_outputs_in_thread(req: _SamplingFields) -> StructuredOutputsParams | None:
+    """`structured_outputs(req)` in a worker thread when the request asks for any: xgrammar
+    parses the spec (a large schema takes a while; the first loads xgrammar), which on the
+    event loop would stall every stream."""
+    fields = (req.structured_outputs, req.guided_json, req.guided_regex, req.guided_grammar,
+              req.guided_choice, req.response_format)  # fmt: skip
+    forced = getattr(req, "tool_choice", None) not in (None, "auto", "none")
+    if not forced and all(f is None for f in fields):
+        return None
+    return await asyncio.to_thread(structured_outputs, req)
 
 
 def structured_outputs(req: _SamplingFields) -> StructuredOutputsParams | None:
