@@ -28,6 +28,10 @@ import numpy as np
 
 from llm_inference.structured_output.spec import compile_grammar, grammar_key
 
+# Compiled grammars xgrammar keeps for reuse (least recently used ones go beyond): vLLM's
+# default. Without a bound a server of many distinct schemas would grow without end.
+CACHE_LIMIT_BYTES = 512 << 20
+
 
 class RequestGrammar:
     """One request's grammar: its compile (a Future), then its matcher, which has accepted
@@ -103,7 +107,9 @@ class StructuredOutputManager:
                     self._load_tokenizer(), vocab_size=self.vocab_size,
                     stop_token_ids=list(self.eos_token_ids),
                 )  # fmt: skip
-                self._compiler = xgr.GrammarCompiler(info, max_threads=self.threads)
+                self._compiler = xgr.GrammarCompiler(
+                    info, max_threads=self.threads, cache_limit_bytes=CACHE_LIMIT_BYTES
+                )
             return self._compiler
 
     @property
