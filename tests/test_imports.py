@@ -1,7 +1,8 @@
-"""The import rules (ARCHITECTURE.md): entrypoints -> engine -> core and executor; executor ->
-models -> layers -> kernels; executor -> sample -> kernels; layers, sample and executor ->
-distributed; never the other way. Every part may import config and envs, which import only the
-standard library; core/ imports no torch. And the package's module import graph has no cycle.
+"""The import rules (ARCHITECTURE.md): entrypoints -> engine -> core, executor and
+structured_output; executor -> models -> layers -> kernels; executor -> sample -> kernels;
+layers, sample and executor -> distributed; never the other way. Every part may import config
+and envs, which import only the standard library; core/ imports no torch. And the package's
+module import graph has no cycle.
 
 Imports are read from the source (ast), at any depth: module-level and inside functions alike
 (an import deferred into a function is still an edge of the graph); those under
@@ -32,6 +33,8 @@ FORBIDDEN = {
                     "entrypoints", "beam_search"},
     "executor": {"engine", "entrypoints", "beam_search"},
     "engine": {"entrypoints", "beam_search"},
+    "structured_output": {"core", "engine", "executor", "models", "layers", "sample", "kernels",
+                          "distributed", "entrypoints", "beam_search"},
     "beam_search": {"core", "engine", "executor", "models", "layers", "sample", "kernels",
                     "distributed", "entrypoints"},
 }  # fmt: skip

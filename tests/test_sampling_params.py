@@ -142,6 +142,10 @@ def test_given_containers_are_copied_and_lists_become_tuples():
     so = StructuredOutputsParams(choice=choice)
     choice[0] = "maybe"
     assert so.choice == ("yes", "no")
+    schema = {"type": "object", "properties": {"a": {"enum": [1, 2]}}}
+    so = StructuredOutputsParams(json=schema)
+    schema["properties"]["a"]["enum"].append(3)
+    assert so.json == {"type": "object", "properties": {"a": {"enum": [1, 2]}}}
 
 
 def test_validated_params_are_frozen():
@@ -163,6 +167,8 @@ def test_validated_params_are_frozen():
 
 STAGED_KINDS = [
     dict(),
+    # a grammar is no sampling path: its mask reaches the sampler on any (sample/grammar.py)
+    dict(structured_outputs=StructuredOutputsParams(choice=["a", "b"])),
     dict(temperature=0.0),
     dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=3),
     dict(n=3, max_tokens=5, stop=["."], stop_token_ids=[2], ignore_eos=True, prompt_logprobs=1),
@@ -180,7 +186,6 @@ SYNC_KINDS = [
     dict(frequency_penalty=-0.5),
     dict(logprobs=0),
     dict(bad_words=["w"]),
-    dict(structured_outputs=StructuredOutputsParams(choice=["a", "b"])),
     dict(min_tokens=1, logprobs=3),  # the most demanding kind decides
     dict(allowed_token_ids=[1], repetition_penalty=0.9),
 ]
@@ -203,14 +208,38 @@ def test_with_token_ids_makes_a_new_object():
         def encode(self, text, add_special_tokens=False):
             return [ord(c) for c in text]
 
-    p = SamplingParams(bad_words=["ab"], min_tokens=1,
-                       structured_outputs=StructuredOutputsParams(choice=["xy", "z"]))  # fmt: skip
+    p = SamplingParams(bad_words=["ab"], min_tokens=1)
     q = p.with_token_ids(Tokenizer())
-    assert q is not p and p.bad_words_token_ids == p.choice_token_ids == ()
+    assert q is not p and p.bad_words_token_ids == ()
     assert q.bad_words_token_ids == ((97, 98),)  # " ab" is longer: no second sequence
-    assert q.choice_token_ids == ((120, 121), (122,))
-    assert q.replace(n=2, seed=5).choice_token_ids == q.choice_token_ids  # children keep them
-    plain = SamplingParams()
+    assert q.replace(n=2, seed=5).bad_words_token_ids == q.bad_words_token_ids  # children too
+    plain = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["xy", "z"]))
     assert plain.with_token_ids(Tokenizer()) is plain
-    with pytest.raises(ValueError, match="min_tokens=2 exceeds the 1 token"):
-        p.replace(min_tokens=2).with_token_ids(Tokenizer())
+
+
+def test_structured_outputs_params_checked():
+    """Exactly one kind of spec, each of its type (the grammar itself is checked when the
+    request is added: tests/structured_output); and nothing that could keep an answer from
+    ending where its grammar ends."""
+    for kw in ({}, {"json": {}, "regex": "a+"}, {"choice": ["a"], "grammar": "root ::= x"},
+               {"json_object": False}):  # fmt: skip
+        with pytest.raises(ValueError, match="structured_outputs must set exactly one of"):
+            StructuredOutputsParams(**kw)
+    for kw, name in (({"choice": "ab"}, "choice"), ({"choice": [""]}, "choice"),
+                     ({"choice": []}, "choice"), ({"json": 3}, "json"), ({"regex": ""}, "regex"),
+                     ({"grammar": 1}, "grammar"), ({"json_object": 1}, "json_object"),
+                     ({"json": {"x": {1, 2}}}, "json")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"structured_outputs.{name} (must|is not)"):
+            StructuredOutputsParams(**kw)
+    assert StructuredOutputsParams(regex="a+").kind == "regex"
+    assert StructuredOutputsParams(json='{"type": "integer"}').kind == "json"
+    so = StructuredOutputsParams(choice=["a"])
+    with pytest.raises(ValueError, match="allowed_token_ids must be None with structured"):
+        SamplingParams(structured_outputs=so, allowed_token_ids=[1])
+    with pytest.raises(ValueError, match="min_tokens must be 0 with structured_outputs"):
+        SamplingParams(structured_outputs=so, min_tokens=1)
+    with pytest.raises(ValueError, match="ignore_eos must be False with structured_outputs"):
+        SamplingParams(structured_outputs=so, ignore_eos=True)
+    assert SamplingParams(structured_outputs=so, ignore_eos=True, stop_token_ids=[5])
+    with pytest.raises(ValueError, match="structured_outputs must be None or a Structured"):
+        SamplingParams(structured_outputs={"choice": ["a"]})

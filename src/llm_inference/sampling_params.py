@@ -3,7 +3,7 @@
 Every field is checked in ``__post_init__``; an invalid value raises ``ValueError`` whose
 message names the field and the range it allows. The objects are frozen: what validation
 derives (`stop_strings`, `sampling_path`) is computed once, in ``__post_init__``, and a change
-(a seed, the token ids of bad words and choices) makes a new validated object
+(a seed, the token ids of bad words) makes a new validated object
 (`dataclasses.replace`). Lists given are stored as tuples, so one object can be shared by the
 front end, the scheduler and the workers, and pickled to worker processes, as plain data.
 """
@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json as json_module  # (`json` is a field of StructuredOutputsParams)
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 # Temperatures below this are treated as greedy (argmax), as vLLM does.
 GREEDY_EPS = 1e-5
@@ -51,9 +53,12 @@ class SamplingPath(enum.IntEnum):
     HOST: also min_tokens, logit_bias or allowed_token_ids. The sampler's inputs are built on
         the host each step from the parameters and the output count, which counts the sample
         still in flight (SamplingMetadata.build); steps still overlap.
-    SYNC: also penalties, bad_words, a structured choice or logprobs. The sampler reads the
-        output tokens themselves, or sends logprobs to the host: the request's steps run one
-        at a time.
+    SYNC: also penalties, bad_words or logprobs. The sampler reads the output tokens
+        themselves, or sends logprobs to the host: the request's steps run one at a time.
+
+    Structured outputs are not a path: the grammar's token mask reaches the sampler on any of
+    them (sample/grammar.py), and the engine core runs such a request's steps one at a time
+    (the mask of a step depends on the token sampled before it).
     """
 
     STAGED = 0
@@ -63,29 +68,73 @@ class SamplingPath(enum.IntEnum):
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """vLLM's structured outputs. `choice`: the output is exactly one of these strings (then
-    EOS), stored as a tuple. The other kinds (`json`, `regex`, `grammar`, `json_object`) are
-    not supported yet: setting one raises ValueError."""
+    """vLLM's structured outputs: the answer follows exactly one of these specs, then ends with
+    a stop token (EOS):
 
-    choice: tuple[str, ...] | None = None
-    json: object | None = None
+    - `json`: a JSON schema (a dict, or its text); properties the schema does not name are not
+      generated (xgrammar's strict mode, as vLLM);
+    - `json_object`: True: any JSON object or array;
+    - `regex`: a regular expression the whole answer matches;
+    - `grammar`: an EBNF grammar as xgrammar reads it (GBNF: `rule ::= ...`, starting at
+      `root`);
+    - `choice`: one of these strings (stored as a tuple).
+
+    `disable_any_whitespace`: JSON without whitespace between its tokens (vLLM's field).
+    Only the spec's shape is checked here; whether xgrammar compiles it is checked when the
+    request is added (structured_output.check_spec), a ValueError naming the problem."""
+
+    json: str | dict | None = None
     regex: str | None = None
+    choice: tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    KINDS: ClassVar[tuple[str, ...]] = ("json", "regex", "choice", "grammar", "json_object")
 
     def __post_init__(self) -> None:
-        for name in ("json", "regex", "grammar", "json_object"):
-            if getattr(self, name) not in (None, False):
-                raise ValueError(f"structured_outputs.{name} is not supported yet (choice is)")
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs must set exactly one of {', '.join(self.KINDS)}; got "
+                f"{', '.join(given) or 'none'}"
+            )
         if isinstance(self.choice, (list, tuple)):
             object.__setattr__(self, "choice", tuple(self.choice))
-        if not (
-            isinstance(self.choice, tuple) and self.choice and all(_is_text(c) for c in self.choice)
+        kind, value = given[0], getattr(self, given[0])
+        if kind == "choice" and not (
+            isinstance(value, tuple) and value and all(_is_text(c) for c in value)
         ):
             raise ValueError(
                 f"structured_outputs.choice must be a non-empty list of non-empty strings of "
-                f"valid Unicode, got {self.choice!r}"
+                f"valid Unicode, got {value!r}"
             )
+        if kind == "json" and not (isinstance(value, dict) or _is_text(value)):
+            raise ValueError(
+                f"structured_outputs.json must be a JSON schema (a dict or its text), got {value!r}"
+            )
+        if kind == "json" and isinstance(value, dict):  # a copy of the caller's, as JSON
+            try:
+                object.__setattr__(self, "json", json_module.loads(json_module.dumps(value)))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"structured_outputs.json is not JSON: {e}") from e
+        if kind in ("regex", "grammar") and not _is_text(value):
+            raise ValueError(
+                f"structured_outputs.{kind} must be a non-empty string of valid Unicode, got "
+                f"{value!r}"
+            )
+        if kind == "json_object" and value is not True:
+            raise ValueError(f"structured_outputs.json_object must be True, got {value!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(
+                "structured_outputs.disable_any_whitespace must be a bool, got "
+                f"{self.disable_any_whitespace!r}"
+            )
+
+    @property
+    def kind(self) -> str:
+        """The name of the spec given: one of KINDS."""
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
 
 
 @dataclass(frozen=True)
@@ -153,10 +202,9 @@ class SamplingParams:
     # tokens before it end the output (a one-token word: always).
     bad_words: tuple[str, ...] | None = None
     structured_outputs: StructuredOutputsParams | None = None
-    # bad_words and structured_outputs.choice as token id sequences: set by the front end from
-    # its tokenizer (`with_token_ids`), empty until then.
+    # bad_words as token id sequences: set by the front end from its tokenizer
+    # (`with_token_ids`), empty until then.
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False, kw_only=True)
-    choice_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False, kw_only=True)
     # Derived in __post_init__:
     stop_strings: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
     sampling_path: SamplingPath = field(
@@ -179,14 +227,12 @@ class SamplingParams:
         put("allowed_token_ids", as_tuple(self.allowed_token_ids))
         put("bad_words", as_tuple(self.bad_words) or None)
         put("bad_words_token_ids", tuple(map(tuple, self.bad_words_token_ids)))
-        put("choice_token_ids", tuple(map(tuple, self.choice_token_ids)))
         put("sampling_path", self._sampling_path())
 
     def _sampling_path(self) -> SamplingPath:
         if (
             self.logprobs is not None
             or self.bad_words is not None
-            or self.structured_outputs is not None
             or self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
@@ -264,6 +310,11 @@ class SamplingParams:
                 fail("structured_outputs", "None or a StructuredOutputsParams")
             if self.allowed_token_ids is not None:
                 fail("allowed_token_ids", "None with structured_outputs")
+            if self.min_tokens:  # EOS masked where the grammar may allow nothing else
+                fail("min_tokens", "0 with structured_outputs (the grammar decides the end)")
+            if self.ignore_eos and not self.stop_token_ids:
+                fail("ignore_eos", "False with structured_outputs unless stop_token_ids are "
+                     "given: the answer ends on a stop token")  # fmt: skip
         if self.allowed_token_ids is not None and not (
             isinstance(self.allowed_token_ids, (list, tuple))
             and self.allowed_token_ids
@@ -277,19 +328,17 @@ class SamplingParams:
         return self.temperature < GREEDY_EPS
 
     def with_token_ids(self, tokenizer) -> SamplingParams:
-        """A validated copy with `bad_words_token_ids` and `choice_token_ids` from `tokenizer`
-        (the front end's, once per request); itself when there are neither.
+        """A validated copy with `bad_words_token_ids` from `tokenizer` (the front end's, once
+        per request); itself without bad words.
 
         A bad word is tokenized alone and after a space (as vLLM does: the word at the start
         of the text and inside it), the second only when it is another sequence of the same
-        length. Refused with ValueError, naming what conflicts: a choice shorter than
-        `min_tokens` (it could never end: EOS stays masked while the choice allows nothing
-        else), and allowed_token_ids that are all one-token bad words (every token masked at
-        the first step)."""
-        if self.bad_words is None and self.structured_outputs is None:
+        length. Refused with ValueError: allowed_token_ids that are all one-token bad words
+        (every token masked at the first step)."""
+        if self.bad_words is None:
             return self
         seqs: list[tuple[int, ...]] = []
-        for word in self.bad_words or ():
+        for word in self.bad_words:
             alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
             spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
             seqs.append(alone)
@@ -302,17 +351,7 @@ class SamplingParams:
                 f"every token of allowed_token_ids {sorted(set(self.allowed_token_ids))} is a "
                 "bad word: nothing could be generated"
             )
-        choices = self.structured_outputs.choice if self.structured_outputs else ()
-        ids = tuple(tuple(tokenizer.encode(c, add_special_tokens=False)) for c in choices)
-        shortest = min(ids, key=len, default=None)
-        if shortest is not None and len(shortest) < self.min_tokens:
-            i = ids.index(shortest)
-            raise ValueError(
-                f"min_tokens={self.min_tokens} exceeds the {len(shortest)} token(s) of "
-                f"structured_outputs.choice {choices[i]!r}: that choice could never end, and "
-                "the output must be one of the choices"
-            )
-        return dataclasses.replace(self, bad_words_token_ids=bad_words, choice_token_ids=ids)
+        return dataclasses.replace(self, bad_words_token_ids=bad_words)
 
     def replace(self, **changes) -> SamplingParams:
         """A validated copy with some fields changed (`dataclasses.replace`)."""

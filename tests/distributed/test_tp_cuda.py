@@ -118,6 +118,42 @@ def test_tp2_async_greedy_equals_tp1(folder):
         assert [o.token_ids for o in got] == ref, f"eager={eager}"
 
 
+def test_tp2_structured_outputs_on_masked_slices(folder):
+    """Structured outputs at TP=2: each rank masks its vocabulary slice with the step's bitmask
+    before the race on slices (seeded, no logprobs) or the gather to rank 0 (logprobs): the
+    same tokens both ways, and every answer follows its grammar."""
+    import json
+    import re
+
+    from llm_inference import StructuredOutputsParams as S
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 999},
+              "b": {"enum": ["x", "yz"]}}, "required": ["a", "b"]}  # fmt: skip
+    specs = [S(json=schema, disable_any_whitespace=True), S(regex=r"[a-z]{2,6}-\d{1,3}"),
+             S(choice=["alpha", "beta", "gamma"])]  # fmt: skip
+    runs = {}
+    for logprobs in (None, 1):
+        params = [SamplingParams(temperature=0.0 if i == 2 else 0.8, seed=100 + i,
+                                 max_tokens=40, logprobs=logprobs,
+                                 structured_outputs=specs[i % 3])
+                  for i in range(len(prompts()))]  # fmt: skip
+        with LLM(
+            str(folder), device="cuda", dtype="bfloat16", tensor_parallel_size=2,
+            kv_cache_memory_bytes=64 << 20, max_num_seqs=8,
+        ) as llm:  # fmt: skip
+            outs = llm.generate(prompts(), params, use_tqdm=False)
+            runs[logprobs] = [(o.outputs[0].token_ids, o.text, o.finish_reason) for o in outs]
+    assert runs[None] == runs[1]
+    for i, (_, text, reason) in enumerate(runs[None]):
+        assert reason == "stop", text
+        if i % 3 == 0:
+            assert set(json.loads(text)) == {"a", "b"}
+        elif i % 3 == 1:
+            assert re.fullmatch(r"[a-z]{2,6}-\d{1,3}", text)
+        else:
+            assert text in ("alpha", "beta", "gamma")
+
+
 def test_tp2_seeded_sampling_races_on_slices(folder):
     """Seeded temperature sampling without logprobs: the staged inputs let each rank race over
     its vocabulary slice (tensor_parallel.distributed_race, no gather of the logits). With logprobs

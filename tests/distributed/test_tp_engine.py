@@ -1,7 +1,8 @@
 """Tensor parallelism end to end on the CPU (gloo), tiny random model (4 heads, 2 KV heads):
 TP=2 equals TP=1, with async scheduling (the default: step n+1 sent to the workers before step
 n's tokens are read) and without (greedy under preemption and chunked prefill, seeded sampling,
-a mixed batch with logprobs, prompt logprobs, penalties, logit biases and bad words); steps, an
+a mixed batch with logprobs, prompt logprobs, penalties, logit biases and bad words, structured
+outputs: each rank masks its vocabulary slice with the step's grammar bitmask); steps, an
 empty step and a collective_rpc sent before the earlier replies are read; worker processes
 never outlive the LLM (context manager, exceptions, a killed worker, Ctrl-C, an LLM never
 closed, a parent that dies); clear errors for sizes that do not fit. Engine instances are few:
@@ -12,6 +13,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -72,6 +74,28 @@ MIXED = [
     SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=16, bad_words=["the"]),
     SamplingParams(temperature=0.0, min_tokens=8, max_tokens=16),
 ]
+
+
+def structured(llm: LLM) -> list:
+    """Constrained answers (JSON greedy and seeded, with logprobs, a regex, a choice) beside a
+    plain seeded request, under preemption."""
+    from llm_inference import StructuredOutputsParams as S
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 99},
+              "b": {"enum": ["x", "yz"]}}, "required": ["a", "b"]}  # fmt: skip
+    so = S(json=schema, disable_any_whitespace=True)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=so),
+        seeded(2).replace(ignore_eos=False, structured_outputs=so),
+        seeded(3).replace(ignore_eos=False, logprobs=2, structured_outputs=so),
+        seeded(4).replace(ignore_eos=False, structured_outputs=S(regex=r"[a-z]{2,4}\d")),
+        seeded(5).replace(ignore_eos=False, structured_outputs=S(choice=["one", "two"])),
+        seeded(6),
+    ]
+    prompts = [PROMPTS[i] for i in (0, 1, 3, 5, 0, 1)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
+            for o in outs]  # fmt: skip
 
 
 def run_all(llm: LLM) -> dict:
@@ -157,6 +181,8 @@ def _run_configs(tiny_ckpt) -> dict:
                 res["pids"] = llm.engine.executor.worker_pids
                 res["alive"] = [is_running(p) for p in res["pids"]]
                 res["max_owed"] = max(owed, default=None)
+                if name in (1, 2):
+                    res["structured"] = structured(llm)
                 if name == 2:
                     res["interleaved"] = steps_interleaved(llm)
                     res["profile"] = profiled(llm)
@@ -226,6 +252,19 @@ def test_mixed_batch_matches_tp1(runs):
     for a, b in zip(plp1[2][1:], plp2[2][1:]):
         assert a.token_id == b.token_id and set(a.top) == set(b.top) and len(a.top) == 2
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+def test_structured_outputs_match_tp1(runs):
+    """Every rank masks its slice with the same bitmask: greedy rows take the distributed
+    argmax of the masked slices, sampled ones the gathered masked logits; the answers are TP=1's
+    token for token, and each follows its grammar."""
+    assert runs[2]["structured"] == runs[1]["structured"]
+    answers = [text for _, text, reason in runs[2]["structured"][:5] if reason == "stop"]
+    assert len(answers) == 5, runs[2]["structured"]
+    for text in answers[:3]:
+        value = json.loads(text)
+        assert set(value) == {"a", "b"} and value["b"] in ("x", "yz"), text
+    assert re.fullmatch(r"[a-z]{2,4}\d", answers[3]) and answers[4] in ("one", "two")
 
 
 def test_steps_empty_step_and_rpc_interleave(runs):

@@ -113,6 +113,42 @@ def test_prompt_logprobs_with_graphs_equal_reference(tmp_path):
     assert not far and not flips, f"logprobs off: {far[:5]}; top token changed: {flips[:5]}"
 
 
+def test_structured_outputs_on_cuda_compile_nothing(tiny_ckpt):
+    """Structured outputs on the Triton sampler with CUDA graphs: seeded rows stay on the staged
+    path and the kernel reads the grammar's bitmask (greedy rows too), rows with logprobs mask
+    the float32 copy; every answer follows its grammar, and no request compiles a kernel (the
+    warm-up compiled the bitmask's variant)."""
+    import json
+    import re
+
+    from helpers import triton_compiles
+
+    from llm_inference import StructuredOutputsParams as S
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99},
+              "ok": {"type": "boolean"}}, "required": ["n", "ok"]}  # fmt: skip
+    specs = [S(json=schema, disable_any_whitespace=True), S(regex=r"[a-c]{2,4}\d"),
+             S(choice=["yes please", "no"])]  # fmt: skip
+    prompts = ["The quick brown", "Paris is the capital", "Hello world! How are", "One two"]
+    with LLM(str(tiny_ckpt), device="cuda", dtype="bfloat16", kv_cache_memory_bytes=64 << 20,
+             max_num_seqs=8) as llm:  # fmt: skip
+        with triton_compiles() as compiled:
+            params = [SamplingParams(temperature=0.0 if i % 4 == 3 else 1.0, seed=i,
+                                     max_tokens=48, structured_outputs=specs[i % 3],
+                                     logprobs=2 if i % 5 == 4 else None)
+                      for i in range(12)]  # fmt: skip
+            outs = llm.generate((prompts * 3)[:12], params, use_tqdm=False)
+    assert compiled == []
+    for i, o in enumerate(outs):
+        assert o.finish_reason == "stop", o.text
+        if i % 3 == 0:
+            assert set(json.loads(o.text)) == {"n", "ok"}
+        elif i % 3 == 1:
+            assert re.fullmatch(r"[a-c]{2,4}\d", o.text)
+        else:
+            assert o.text in ("yes please", "no")
+
+
 def test_biased_and_constrained_rows_on_the_triton_sampler(tiny_ckpt):
     """The slow path's float32 logits (allowed_token_ids, logit_bias, choice) through the Triton
     sampler, in one batch with plain greedy and seeded rows: each constraint holds, and the

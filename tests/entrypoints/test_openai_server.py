@@ -5,6 +5,7 @@ extra endpoints, and every error case with its status, after which the server st
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -199,7 +200,7 @@ def test_echo_and_prompt_logprobs(client, offline_llm):
 
 def test_structured_output_choice(client):
     """vLLM's structured_outputs {"choice": [...]} and the older guided_choice: the answer is
-    one of the choices; the kinds not implemented are a 400 naming them."""
+    one of the choices."""
     choices = ["red", "green", "blue sky"]
     chat = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Color?"}], max_tokens=8)
     r = client.chat.completions.create(extra_body={"structured_outputs": {"choice": choices}},
@@ -209,8 +210,194 @@ def test_structured_output_choice(client):
                                   temperature=1.0, seed=5,
                                   extra_body={"guided_choice": choices})  # fmt: skip
     assert {c.text for c in r.choices} <= set(choices)
-    with pytest.raises(openai.BadRequestError, match="structured_outputs.json is not supported"):
-        client.chat.completions.create(extra_body={"structured_outputs": {"json": {}}}, **chat)
+
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "pattern": "^[a-z]{1,4}$"},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "pet": {"enum": ["cat", "dog"]}}, "required": ["name", "age", "pet"]}  # fmt: skip
+NO_WS = {"structured_outputs": {"json": PERSON, "disable_any_whitespace": True}}
+PET = {"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}}, "required": ["pet"]}
+
+
+def no_whitespace_bias(tokenizer) -> dict[str, float]:
+    """A logit_bias that all but bans whitespace tokens: with whitespace allowed between JSON
+    tokens (the default), a random model's answer is otherwise mostly whitespace."""
+    blank = [i for i in range(len(tokenizer)) if tokenizer.decode([i]).isspace()]
+    return {str(i): -100.0 for i in blank}
+
+
+def _stream_text(chunks) -> tuple[str, str]:
+    """(text, last finish_reason) of a streamed completion or chat answer."""
+    text, reason = "", None
+    for c in chunks:
+        for choice in c.choices:
+            delta = getattr(choice, "delta", None)
+            text += (delta.content or "") if delta is not None else choice.text
+            reason = choice.finish_reason or reason
+    return text, reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_way_to_ask_for_structured_outputs(client, live_server, stream):
+    """OpenAI's response_format (json_schema with strict, json_object), vLLM's
+    structured_outputs and its older guided_* fields, on both endpoints, streamed or not: the
+    answers, random at temperature 1, pass their validators."""
+    jsonschema = pytest.importorskip("jsonschema")
+    bias = no_whitespace_bias(live_server.llm.tokenizer)
+    regex, grammar = r"[a-c]{2,4}-\d{1,2}", 'root ::= "(" [1-9] [0-9]? ")"'
+    cases = [
+        (dict(response_format={"type": "json_schema", "json_schema": {
+            "name": "pet", "schema": PET, "strict": True}}, logit_bias=bias),
+         lambda t: jsonschema.validate(json.loads(t), PET)),
+        (dict(extra_body=NO_WS), lambda t: jsonschema.validate(json.loads(t), PERSON)),
+        (dict(extra_body={"guided_json": json.dumps(PERSON)}, logit_bias=bias),
+         lambda t: jsonschema.validate(json.loads(t), PERSON)),
+        (dict(extra_body={"structured_outputs": {"regex": regex}}),
+         lambda t: re.fullmatch(regex, t) or pytest.fail(t)),
+        (dict(extra_body={"guided_regex": regex}),
+         lambda t: re.fullmatch(regex, t) or pytest.fail(t)),
+        (dict(extra_body={"structured_outputs": {"grammar": grammar}}),
+         lambda t: re.fullmatch(r"\([1-9]\d?\)", t) or pytest.fail(t)),
+        (dict(extra_body={"guided_grammar": grammar}),
+         lambda t: re.fullmatch(r"\([1-9]\d?\)", t) or pytest.fail(t)),
+    ]  # fmt: skip
+    for i, (kw, check) in enumerate(cases):
+        kw = {"model": MODEL_NAME, "temperature": 1.0, "seed": i, "max_tokens": 60,
+              "stream": stream, **kw}  # fmt: skip
+        for endpoint in ("chat", "completions"):
+            if endpoint == "chat":
+                r = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}],
+                                                   **kw)  # fmt: skip
+            else:  # response_format is vLLM's on completions: not in the client's arguments
+                body = {
+                    **kw.get("extra_body", {}),
+                    **(
+                        {"response_format": kw["response_format"]}
+                        if "response_format" in kw
+                        else {}
+                    ),
+                }
+                plain = {k: v for k, v in kw.items() if k not in ("response_format", "extra_body")}
+                r = client.completions.create(prompt="Data:", extra_body=body, **plain)
+            if stream:
+                text, reason = _stream_text(r)
+            else:
+                choice = r.choices[0]
+                text = choice.message.content if endpoint == "chat" else choice.text
+                reason = choice.finish_reason
+            assert reason == "stop", (kw, text)
+            check(text)
+    # json_object: any JSON object or array (random keys: only the finished answers parse)
+    rs = [client.completions.create(model=MODEL_NAME, prompt="Data:", max_tokens=40, seed=s,
+                                    extra_body={"response_format": {"type": "json_object"}},
+                                    stream=stream, logit_bias=bias)
+          for s in range(4)]  # fmt: skip
+    done = [t for t, reason in map(_stream_text, rs) if reason == "stop"] if stream else [
+        r.choices[0].text for r in rs if r.choices[0].finish_reason == "stop"]  # fmt: skip
+    assert done and all(isinstance(json.loads(t), (dict, list)) for t in done)
+
+
+def test_structured_output_errors_name_the_field(client):
+    """A spec xgrammar cannot take is a 400 naming the field it came in and the problem; so are
+    two fields at once and a response_format this server does not have."""
+    chat = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}
+    cases = [
+        (dict(response_format=bad_schema), "response_format",
+         'response_format.json_schema.schema: Unsupported type "foo"'),
+        (dict(extra_body={"structured_outputs": {"json": {"type": "array", "contains": {}}}}),
+         "structured_outputs", "structured_outputs.json: `contains` at # is not supported"),
+        (dict(extra_body={"guided_regex": "(a"}), "guided_regex",
+         "guided_regex: Regex parsing error"),
+        (dict(extra_body={"guided_json": "{oops"}), "guided_json", "guided_json is not JSON"),
+        (dict(extra_body={"structured_outputs": {"grammar": "root ::= nope"}}),
+         "structured_outputs", 'structured_outputs.grammar: EBNF parser error'),
+        (dict(response_format={"type": "json_object"}, extra_body={"guided_regex": "a"}),
+         "response_format", "guided_regex and response_format both ask for structured"),
+        (dict(response_format={"type": "json_schema"}), "response_format",
+         "response_format json_schema needs json_schema"),
+        (dict(response_format={"type": "structural_tag"}), "response_format",
+         "response_format type 'structural_tag' is not supported"),
+        (dict(extra_body={"structured_outputs": {"regex": "a", "min_tokens": 1}}),
+         "structured_outputs", "structured_outputs: unknown keys ['min_tokens']"),
+    ]  # fmt: skip
+    for kw, param, message in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(**chat, **kw)
+        err = info.value.body
+        assert err["param"] == param and err["message"].startswith(message), (kw, err)
+    r = client.completions.create(model=MODEL_NAME, prompt="Data:", max_tokens=3, seed=1,
+                                  extra_body=NO_WS)  # fmt: skip
+    assert r.choices[0].finish_reason == "length" and r.choices[0].text.startswith("{")
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"]}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"$ref": "#/$defs/zone"}}, "required": ["zone"],
+    "$defs": {"zone": {"enum": ["UTC", "CET"]}}}}}  # fmt: skip
+
+
+def _streamed_calls(chunks) -> tuple[list[dict], str]:
+    """Tool calls accumulated from a stream's deltas (by index, arguments concatenated), and
+    the last finish_reason."""
+    calls: dict[int, dict] = {}
+    reason = None
+    for c in chunks:
+        for choice in c.choices:
+            assert not choice.delta.content
+            for t in choice.delta.tool_calls or []:
+                call = calls.setdefault(t.index, {"id": t.id, "name": t.function.name,
+                                                  "arguments": ""})  # fmt: skip
+                call["arguments"] += t.function.arguments or ""
+            reason = choice.finish_reason or reason
+    return [calls[i] for i in sorted(calls)], reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_required_and_named_give_calls(client, stream):
+    """tool_choice "required": one call or more (one with parallel_tool_calls false), each to
+    one of the tools with arguments of its schema ($defs and all); a named function: a call to
+    it. Streamed as vLLM streams them (a named call's arguments in pieces, "required" calls as
+    they complete); finish_reason "tool_calls"."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    chat = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Weather?"}],
+                tools=[WEATHER, TIME], max_tokens=200, temperature=1.0, stream=stream)  # fmt: skip
+    named = {"type": "function", "function": {"name": "get_time"}}
+    seen, most = set(), 0
+    for seed, choice, parallel in [(0, "required", False), (3, "required", True),
+                                   (2, "required", False), (1, named, True)]:  # fmt: skip
+        r = client.chat.completions.create(tool_choice=choice, seed=seed,
+                                           parallel_tool_calls=parallel, **chat)  # fmt: skip
+        if stream:
+            calls, reason = _streamed_calls(r)
+        else:
+            message, reason = r.choices[0].message, r.choices[0].finish_reason
+            assert message.content is None
+            calls = [{"id": t.id, "name": t.function.name, "arguments": t.function.arguments}
+                     for t in message.tool_calls]  # fmt: skip
+        assert reason == "tool_calls" and calls
+        for call in calls:
+            assert call["id"].startswith("chatcmpl-tool-")
+            jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+            seen.add(call["name"])
+        if choice is named:
+            assert [c["name"] for c in calls] == ["get_time"]
+        assert parallel or len(calls) == 1
+        most = max(most, len(calls))
+    assert seen == {"get_weather", "get_time"} and most > 1
+    for choice, message in [
+        ({"type": "function", "function": {"name": "nope"}}, "tool_choice names 'nope', which"),
+        ("anything", "tool_choice must be 'auto', 'none', 'required' or"),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.chat.completions.create(tool_choice=choice, **chat)
+    with pytest.raises(openai.BadRequestError, match="tool_choice 'required' needs tools"):
+        client.chat.completions.create(tool_choice="required", **{**chat, "tools": None})
 
 
 def test_tool_calls(client):
@@ -238,8 +425,6 @@ def test_tool_calls(client):
     r = client.chat.completions.create(tool_choice="none", extra_body={"guided_choice": [call]},
                                        **chat)  # fmt: skip
     assert r.choices[0].message.content == call and not r.choices[0].message.tool_calls
-    with pytest.raises(openai.BadRequestError, match="tool_choice 'required' is not supported"):
-        client.chat.completions.create(tool_choice="required", **chat)
     # streamed: the call as one tool_calls delta, never as content; plain answers as text
     chunks = list(client.chat.completions.create(stream=True, extra_body={"guided_choice": [call]},
                                                  **chat))  # fmt: skip
@@ -319,9 +504,9 @@ BAD = [
     ("model", dict(model="gpt-9"), 404, "`gpt-9` does not exist"),
     (
         "guided_json",
-        dict(extra_body={"guided_json": {"type": "object"}}),
+        dict(extra_body={"guided_json": {"type": "object", "if": {}}}),
         400,
-        "guided_json is not supported",
+        "guided_json: `if` at # is not supported",
     ),
     ("best_of", dict(extra_body={"best_of": 3}), 400, "best_of is not supported"),
     (
@@ -380,11 +565,9 @@ def test_bad_request_then_server_still_answers(client, name, kw, status, message
 
 
 def test_unsupported_chat_fields_are_refused_not_ignored(client):
-    """A request for structured output or functions gets a 400 naming the field (an answer
-    that ignored it would look valid); their off values, as clients send them, are accepted."""
+    """A request for functions gets a 400 naming the field (an answer that ignored it would
+    look valid); off values, as clients send them, are accepted."""
     chat = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="response_format is not supported"):
-        client.chat.completions.create(response_format={"type": "json_object"}, **chat)
     function = {"name": "f", "parameters": {"type": "object"}}
     with pytest.raises(openai.BadRequestError, match="functions is not supported"):
         client.chat.completions.create(functions=[function], **chat)

@@ -320,6 +320,86 @@ def check_shard_race_exact(_, device: str = "cpu", width: int = 5000, ranks=(2, 
     assert (wrong != want).any()
 
 
+def check_grammar_bitmask_exact(_, device: str = "cpu"):
+    """A grammar's bitmask (structured outputs) in the kernels: a masked row's token is the one
+    of the same launch on logits holding only its allowed tokens (-inf elsewhere), exactly, on
+    the split race (greedy and noise rows, several column ranges) and on the filtered path
+    (top-k, top-p, min-p), for float32 and half logits; a row without a bitmask row (-1) draws
+    what it draws in a launch without a bitmask. Bad bitmask arguments raise."""
+    from llm_inference.kernels import sampling
+
+    B, width = 8, 5000
+    gen = torch.Generator().manual_seed(6)
+    logits = (torch.randn(B, width, generator=gen) * 2).to(device)
+    keys = torch.randint(0, 2**32, (B,), generator=gen).to(device)
+    temp = (torch.rand(B, generator=gen) + 0.5).to(device)
+    greedy = torch.tensor([1, 0, 0, 1, 0, 0, 0, 0], dtype=torch.int32, device=device)
+    words = -(-width // 32)
+    bitmask = torch.randint(-(2**31), 2**31, (5, words), generator=gen).to(torch.int32)
+    bitmask[4] = 0
+    bitmask[4, 100] = 1 << 7  # one token only: 3207
+    bitmask = bitmask.to(device)
+    rows = torch.tensor([0, -1, 1, 2, -1, 3, 4, -1], dtype=torch.int32, device=device)
+    bits = (bitmask[:, :, None] >> torch.arange(32, device=device)) & 1
+    allowed = bits.reshape(5, -1)[:, :width].bool()
+    keep = torch.ones(B, width, dtype=torch.bool, device=device)
+    keep[rows >= 0] = allowed[rows[rows >= 0].long()]
+    none = [None, None, None]
+    filters = [torch.full((B,), 40, device=device), torch.full((B,), 0.8, device=device),
+               torch.full((B,), 0.05, device=device)]  # fmt: skip
+    saved = sampling.RETRIES
+    # the filtered rows through the one-pass test and races above a dropped winner, then (with
+    # RETRIES = 0) through the exact search whenever the winner is dropped
+    for dtype, f, g, retries in ((torch.float32, none, greedy, saved),
+                                 (torch.float32, none, None, saved),
+                                 (torch.float32, filters, greedy, saved),
+                                 (torch.float16, filters, None, 0)):  # fmt: skip
+        x = logits.to(dtype)
+        try:
+            sampling.RETRIES = retries
+            got = sampling.sample(x, keys, temp, g, *f, bitmask=bitmask, bitmask_rows=rows)
+            want = sampling.sample(x.masked_fill(~keep, float("-inf")), keys, temp, g, *f)
+            free = sampling.sample(x, keys, temp, g, *f)
+        finally:
+            sampling.RETRIES = saved
+        assert got.tolist() == want.tolist(), (dtype, f[0] is not None, g is not None)
+        assert keep[torch.arange(B), got].all()
+        assert got[6] == 3207
+        assert got[rows < 0].tolist() == free[rows < 0].tolist()
+    for bad in ((bitmask, None), (bitmask.long(), rows), (bitmask[:, :10], rows),
+                (bitmask, rows.long())):  # fmt: skip
+        with pytest.raises(ValueError, match="bitmask"):
+            sampling.sample(logits, keys, temp, None, bitmask=bad[0], bitmask_rows=bad[1])
+
+
+def check_grammar_through_the_sampler(sampler):
+    """The runner's fast path with a grammar: staged rows, half logits straight into the kernel
+    with the bitmask, give what the PyTorch path gives on the masked float32 logits."""
+    import numpy as np
+
+    from llm_inference.sample.grammar import GrammarMask, apply_grammar
+
+    n = 12
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9),
+              SamplingParams(temperature=1.2, top_p=0.8)] * 4  # fmt: skip
+    seeds = list(range(50, 50 + n))
+    params = [p.replace(seed=s) for p, s in zip(params, seeds)]
+    gen = torch.Generator().manual_seed(8)
+    half = (torch.randn(n, V, generator=gen) * 3).to(torch.float16)
+    rng = np.random.default_rng(0)
+    bm = rng.integers(-(2**31), 2**31, size=(8, -(-V // 32)), dtype=np.int64).astype(np.int32)
+    mask = GrammarMask.build(bm, [0, 1, 2, 4, 5, 7, 9, 11], n, "cpu")
+    md = staged_metadata(params, not sampler.fused)
+    md.grammar = mask
+    got = sampler(half if sampler.fused else half.float(), md).token_ids
+    want = Sampler(ReferenceOps())(apply_grammar(half.float(), mask),
+                                   checks.build(params, V, seeds=seeds)).token_ids  # fmt: skip
+    assert (got == want).float().mean() >= 0.9, (got, want)  # rounding may split a near-tie
+    index = mask.row_index
+    assert all(int(bm[index[r], t // 32]) >> (t % 32) & 1 for r, t in enumerate(got.tolist())
+               if index[r] >= 0)  # fmt: skip
+
+
 CHECKS = {f"distribution_{name}": (check_distribution, name) for name in CONFIGS}
 CHECKS |= {
     "chi2_helper": (check_chi2_helper, None),
@@ -336,6 +416,9 @@ CHECKS |= {
     "split_race_exact": (check_split_race_exact, None),
     "filtered_rows_exact": (check_filtered_rows_exact, None),
     "shard_race_exact": (check_shard_race_exact, None),
+    "grammar_bitmask_exact": (check_grammar_bitmask_exact, None),
+    "grammar_through_the_sampler": (check_grammar_through_the_sampler, None),
+    "grammar_through_the_sampler_torch": (check_grammar_through_the_sampler, None),
 }
 
 

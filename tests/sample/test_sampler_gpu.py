@@ -92,11 +92,17 @@ def test_shard_race_equals_sample_on_gpu():
     sampler_triton_checks.check_shard_race_exact(None, "cuda", width=128256)
 
 
+def test_grammar_bitmask_on_gpu():
+    """A grammar's bitmask in the compiled kernels: exactly the launch on logits with -inf
+    outside the grammar (split race and filtered rows, float32 and half)."""
+    sampler_triton_checks.check_grammar_bitmask_exact(None, "cuda")
+
+
 def test_no_compiles_after_warm_up_at_any_batch():
     """After `warm_up` at the largest batch, the race at every batch size of a run (split or
-    not, with and without greedy rows, whole rows and vocabulary slices) compiles nothing: the
-    batch size and split count are not specialized. Before, each new batch size could cost a
-    compile in the middle of a run."""
+    not, with and without greedy rows, with and without a grammar's bitmask, whole rows and
+    vocabulary slices) compiles nothing: the batch size and split count are not specialized.
+    Before, each new batch size could cost a compile in the middle of a run."""
     from helpers import triton_compiles
 
     from llm_inference.kernels import sampling
@@ -107,12 +113,17 @@ def test_no_compiles_after_warm_up_at_any_batch():
     temperature = torch.full((B,), 0.7, device=dev)
     greedy = torch.arange(B, device=dev).remainder(3).eq(0).to(torch.int32)
     shard = logits[:, : V // 2]
+    bitmask = torch.full((3, -(-V // 32)), -1, dtype=torch.int32, device=dev)
+    mask_rows = torch.arange(B, device=dev).remainder(5).sub(2).clamp(max=2).to(torch.int32)
     sampling.warm_up(logits, keys, temperature, greedy)
     sampling.warm_up(shard, keys, temperature, greedy, vocab_start=V // 2)
     with triton_compiles() as compiled:
         for b in (1, 2, 3, 15, 16, 17, 31, 32, 64, 100, 128, 129, 200, 255, 256):
             for g in (None, greedy[:b]):
                 tokens = sampling.sample(logits[:b], keys[:b], temperature[:b], greedy=g)
+                masked = sampling.sample(logits[:b], keys[:b], temperature[:b], greedy=g,
+                                         bitmask=bitmask, bitmask_rows=mask_rows[:b])  # fmt: skip
+                assert torch.equal(masked, tokens)  # every bit set: the same tokens
                 sampling.race_shard(shard[:b], keys[:b], temperature[:b], g, V // 2)
         torch.cuda.synchronize()
     assert compiled == []

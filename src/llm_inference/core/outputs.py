@@ -58,6 +58,11 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
+    # Structured outputs: the step's requests with a grammar that sample, in batch order, and
+    # their token bitmask, which the engine core fills after scheduling (opaque here: an int32
+    # array [len(ids), ceil(vocab_size / 32)], bit v % 32 of word v // 32 allowing token v).
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: object | None = None
 
     @property
     def is_empty(self) -> bool:

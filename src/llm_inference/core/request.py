@@ -96,6 +96,10 @@ class Request:
         # preemption adds nothing twice), reported with the request's first record
         self.prompt_logprobs: list | None = None if sampling_params.prompt_logprobs is None else []
         self.prompt_logprobs_sent = False
+        # Structured outputs: the request's grammar (structured_output/: compiled off the step
+        # loop, then its matcher), set by the engine core; None without. The scheduler
+        # admits the request once `grammar.ready` and lists it in each step that samples it.
+        self.grammar = None
 
     @property
     def all_token_ids(self) -> list[int]:

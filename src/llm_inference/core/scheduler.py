@@ -10,7 +10,8 @@ step's budget of `max_num_batched_tokens`:
    reset, put at the front of the waiting queue) and allocation is retried; if the request
    being scheduled is itself the newest, it is preempted and the step stops there.
 2. If nobody was preempted, WAITING requests are admitted in FIFO order while budget and
-   `max_num_seqs` allow; admission stops at the first request that cannot get blocks. With
+   `max_num_seqs` allow; admission stops at the first request that cannot get blocks, and
+   passes over requests whose grammar (structured outputs) still compiles. With
    prefix caching, an admitted (or readmitted) request starts from its longest cached prefix:
    `num_computed_tokens` = the hit, whole shared blocks (sent to the workers as already
    computed), and only the rest counts against the budget. Blocks are entered into the
@@ -130,9 +131,14 @@ class Scheduler:
         return self._make_output(scheduled, preempted)
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
-        """Move waiting requests to running in FIFO order; returns the budget left."""
+        """Move waiting requests to running in FIFO order; returns the budget left. A request
+        whose grammar still compiles is passed over (it keeps its place in the queue)."""
+        compiling: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.grammar is not None and not request.grammar.ready:
+                compiling.append(self.waiting.popleft())
+                continue
             hit = self.kv_cache_manager.get_computed_blocks(request)
             num_new = min(request.num_tokens - hit.num_tokens, budget)
             self._check_fits(request, hit.num_tokens + num_new)
@@ -144,6 +150,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
         return budget
 
     def _make_output(
@@ -158,6 +165,7 @@ class Scheduler:
         cached_blocks, cached_computed = cached.new_block_ids, cached.num_computed_tokens
         in_flight: list[tuple[Request, bool, int]] = []
         num_scheduled: dict[str, int] = {}
+        constrained: list[str] = []  # requests with a grammar that sample
         total = 0
         for request, num_new in scheduled:
             num_scheduled[request.request_id] = num_new
@@ -192,6 +200,8 @@ class Scheduler:
             samples = computed >= num_tokens + request.num_output_placeholders
             if samples:
                 request.num_output_placeholders += 1
+                if request.grammar is not None:
+                    constrained.append(request.request_id)
             in_flight.append((request, samples, computed))
         self._step_id += 1
         if in_flight:  # an empty step is never executed, so nothing would pop its entry
@@ -205,6 +215,7 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             preempted_request_ids=preempted,
             finished_request_ids=finished,
+            structured_output_request_ids=constrained,
         )
 
     def _preempt(self, request: Request) -> None:

@@ -12,7 +12,13 @@ found room for (`_fit_max_model_len`), and sends it to every worker with the blo
 
 Async scheduling (`EngineConfig.async_scheduling`, ARCHITECTURE.md "One step"): `step()`
 launches step n+1 before it waits for step n's tokens, except while a request on
-`SamplingPath.SYNC` is live: then steps run one at a time.
+`SamplingPath.SYNC` or with structured outputs is live: then steps run one at a time.
+
+Structured outputs (structured_output/): a request's grammar compiles on the manager's
+threads while the scheduler passes it over; after each scheduling the core fills the step's
+token bitmask (`SchedulerOutput.grammar_bitmask`) from the matchers, every token before it
+known since those requests step one at a time. A grammar that fails to compile finishes its
+request with finish reason "abort".
 """
 
 from __future__ import annotations
@@ -25,7 +31,13 @@ from llm_inference.core.outputs import EngineCoreOutput, SchedulerOutput
 from llm_inference.core.request import Request, RequestStatus
 from llm_inference.core.scheduler import Scheduler
 from llm_inference.executor.executor import Executor
+from llm_inference.models.loader import load_tokenizer
 from llm_inference.sampling_params import SamplingPath
+from llm_inference.structured_output import StructuredOutputManager
+
+# An engine with nothing to run but requests whose grammar compiles waits this long at most
+# for one (then steps again: a command, an abort, may be waiting).
+GRAMMAR_WAIT_S = 0.05
 
 
 class KVCacheTooSmallError(ValueError):
@@ -57,6 +69,10 @@ class EngineCore:
         )
         self._pending = None  # (SchedulerOutput, PendingOutput) of the step in flight
         self._sync_ids: set[str] = set()  # live requests that need synchronous steps
+        self.structured = StructuredOutputManager(
+            lambda: load_tokenizer(config.model_path), config.model.vocab_size,
+            config.model.eos_token_ids,
+        )  # fmt: skip
 
     def _fit_max_model_len(self, config: EngineConfig, num_blocks: int) -> int:
         """The final max_model_len, decided once: a request of max_model_len tokens must fit in
@@ -88,7 +104,10 @@ class EngineCore:
         """Queue requests the front end has validated (their ids are new)."""
         for request in requests:
             self.scheduler.add_request(request)
-            if request.sampling_params.sampling_path is SamplingPath.SYNC:
+            params = request.sampling_params
+            if params.structured_outputs is not None:
+                self.structured.add(request)
+            if params.sampling_path is SamplingPath.SYNC or request.grammar is not None:
                 self._sync_ids.add(request.request_id)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
@@ -110,7 +129,11 @@ class EngineCore:
         of the step launched before. Otherwise the step runs to its end before returning."""
         if not self.config.async_scheduling or self._sync_ids:
             outputs = self._update()  # the step an overlapped step left in flight
-            self._pending = self._execute(self.scheduler.schedule(), sync=True)
+            outputs += self._finish_failed_grammars()
+            so = self.scheduler.schedule()
+            if so.is_empty and self.structured.compiling:  # nothing runs until one compiles
+                self.structured.wait(GRAMMAR_WAIT_S)
+            self._pending = self._execute(so, sync=True)
             return outputs + self._update()
         launched = self._execute(self.scheduler.schedule(), sync=False)
         outputs = self._update()
@@ -124,7 +147,21 @@ class EngineCore:
             if so.finished_request_ids or so.preempted_request_ids:
                 self.executor.execute_model(so)
             return None
+        if so.structured_output_request_ids:
+            so.grammar_bitmask = self.structured.fill_bitmask(
+                so.structured_output_request_ids, self.scheduler.requests
+            )
         return so, self.executor.execute_model(so, sync=sync)
+
+    def _finish_failed_grammars(self) -> list[EngineCoreOutput]:
+        """Finish the requests whose grammar failed to compile: a finishing record each."""
+        outputs = []
+        for request, error in self.structured.take_failed():
+            print(f"llm_inference: request {request.request_id!r}: grammar failed: {error}")
+            self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+            self._sync_ids.discard(request.request_id)
+            outputs.append(EngineCoreOutput(request.request_id, [], "abort", output_token_ids=[]))
+        return outputs
 
     def _update(self) -> list[EngineCoreOutput]:
         """Wait for the step in flight, if any, and update the scheduler with its tokens."""
@@ -168,6 +205,7 @@ class EngineCore:
         return self.executor.collective_rpc("stop_profile")
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         if self.executor is not None:
             self.executor.shutdown()
             self.executor = None

@@ -29,6 +29,7 @@ from llm_inference.engine.engine_core import EngineCore, KVCacheTooSmallError
 from llm_inference.engine.output_processor import OutputProcessor
 from llm_inference.outputs import RequestOutput, RequestOutputKind
 from llm_inference.sampling_params import SamplingParams
+from llm_inference.structured_output import check_spec
 
 __all__ = ["KVCacheTooSmallError", "LLMEngine", "check_request_length", "child_seed"]
 
@@ -108,6 +109,8 @@ class LLMEngine:
                 raise ValueError(f"{name} holds token ids outside the vocabulary [0, {vocab}): "
                                  f"{bad[:5]}")  # fmt: skip
         check_request_length(self.max_model_len, len(prompt_token_ids), params.max_tokens)
+        if params.structured_outputs is not None:
+            check_spec(params.structured_outputs)  # the grammar parses: a ValueError names why
 
     def add_request(
         self,

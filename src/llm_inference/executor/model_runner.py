@@ -20,6 +20,7 @@ from llm_inference.executor.pending import PendingOutput, TokenSlots
 from llm_inference.executor.warm_up import run_warm_up
 from llm_inference.kernels import get_ops
 from llm_inference.models.loader import load_model
+from llm_inference.sample.grammar import GrammarMask
 from llm_inference.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
 from llm_inference.sample.tensor_parallel import sample_tensor_parallel
 from llm_inference.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -339,6 +340,7 @@ class ModelRunner:
                 req_ids, [[] for _ in req_ids], [None] * len(req_ids), prompt_lps
             )
             return PendingOutput.done(empty)
+        grammar = self._grammar_mask(so, step)
         num_samples = len(step.sample_rows)
         if num_samples == step.num_tokens:  # every token samples (decodes): rows 0..n-1
             hidden_rows = hidden[:num_samples]
@@ -351,11 +353,21 @@ class ModelRunner:
                 lm_head.vocab_size,
                 None if step.sampling is None else self.sampling_metadata(step),
                 self.input_batch.sampling.argmax_only(step.sample_batch_rows),
-                lambda ks: self.sampling_metadata(step, ks),
+                lambda ks: self.sampling_metadata(step, ks), grammar,
             )  # fmt: skip
             return self._keep_sampled(req_ids, step, out, prompt_lps)
         logits = self.model.compute_logits(hidden_rows)
         if get_tp_rank() != 0:
             return None  # sampling happens on rank 0 only
         smd = self.sampling_metadata(step)
+        smd.grammar = grammar
         return self._keep_sampled(req_ids, step, self.sampler(logits, smd, sync=sync), prompt_lps)
+
+    def _grammar_mask(self, so: SchedulerOutput, step: StepInputs) -> GrammarMask | None:
+        """The step's grammar bitmask (structured outputs) on the device, for the sample rows
+        of the requests the engine core filled it for (in batch order, as the sample rows)."""
+        if so.grammar_bitmask is None:
+            return None
+        ids = set(so.structured_output_request_ids)
+        rows = [k for k, b in enumerate(step.sample_rows) if step.request_ids[b] in ids]
+        return GrammarMask.build(so.grammar_bitmask, rows, len(step.sample_rows), self.device)

@@ -40,6 +40,13 @@ lg2.approx errs by about an ulp of log(E), the size of the rounding of x - log(E
 token changes only where the row's two best race values are that close. Triton's interpreter
 cannot run inline PTX: there (and off NVIDIA) both logs are accurate.
 
+Grammar (structured outputs): `sample` may take a token bitmask [M, ceil(V / 32)] int32 (bit
+v % 32 of word v // 32 allows token v: xgrammar's layout) and, per row, its bitmask row (-1: the
+row is free). Every pass reads x through `_load_x`, which gives -inf to the tokens a row's mask
+disallows, so every path above applies to the grammar's tokens only, as if their logits alone
+were given. A launch without a bitmask compiles without that code (HAS_MASK); in one with, a
+free row's mask loads are predicated off.
+
 Status instead of a token: -1 when the row holds a NaN or +inf logit, -2 when every logit is -inf.
 The caller (the Sampler) turns those into an error or a fallback.
 
@@ -84,21 +91,32 @@ FAST_LOG = True
 
 
 @triton.jit
-def _stats(row_ptr, V, t, BLOCK: tl.constexpr):
+def _load_x(row_ptr, cols, V, t, mask_ptr, masked, HAS_MASK: tl.constexpr):
+    """x = logits / t at `cols` (-inf past V); with HAS_MASK, -inf too where the row's grammar
+    bitmask (its words at `mask_ptr`, read where `masked`) disallows the token."""
+    x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / t
+    if HAS_MASK:
+        word = tl.load(mask_ptr + cols // 32, mask=cols < tl.where(masked, V, 0), other=-1)
+        x = tl.where(((word >> (cols % 32)) & 1) != 0, x, float("-inf"))
+    return x
+
+
+@triton.jit
+def _stats(row_ptr, V, t, mask_ptr, masked, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
     """(max of x, +inf if a logit is NaN or +inf; smallest finite x, +inf if none)."""
     m = tl.full((), float("-inf"), tl.float32)
     fmin = tl.full((), float("inf"), tl.float32)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / t
+        x = _load_x(row_ptr, cols, V, t, mask_ptr, masked, HAS_MASK)
         m = tl.maximum(m, tl.max(tl.where(x != x, float("inf"), x)))
         fmin = tl.minimum(fmin, tl.min(tl.where(x > float("-inf"), x, float("inf"))))
     return m, fmin
 
 
 @triton.jit
-def _search(row_ptr, V, t, m, lo, up, target, MASS: tl.constexpr, BLOCK: tl.constexpr,
-            NP: tl.constexpr):  # fmt: skip
+def _search(row_ptr, V, t, m, lo, up, target, mask_ptr, masked, HAS_MASK: tl.constexpr,
+            MASS: tl.constexpr, BLOCK: tl.constexpr, NP: tl.constexpr):  # fmt: skip
     """The largest element value thr in [lo, up] with S(thr) >= W, where S(c) sums w over the
     elements x >= c, w = 1 (count; W = target) or exp(x - m) (MASS; W = target * S(lo)).
     lo and up must be element values and lo valid (else lo is returned)."""
@@ -115,7 +133,7 @@ def _search(row_ptr, V, t, m, lo, up, target, MASS: tl.constexpr, BLOCK: tl.cons
         mx = tl.full((BLOCK, NP), float("-inf"), tl.float32)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / t
+            x = _load_x(row_ptr, cols, V, t, mask_ptr, masked, HAS_MASK)
             ge = x[:, None] >= piv
             if MASS:
                 S += tl.where(ge, tl.exp(x - m)[:, None], 0.0)
@@ -132,8 +150,9 @@ def _search(row_ptr, V, t, m, lo, up, target, MASS: tl.constexpr, BLOCK: tl.cons
 
 
 @triton.jit
-def _race(row_ptr, V, t, key, thr, min_p, m, NOISE: tl.constexpr, FILTER: tl.constexpr,
-          FAST_LOG: tl.constexpr, BLOCK: tl.constexpr, lo, id_offset):  # fmt: skip
+def _race(row_ptr, V, t, key, thr, min_p, m, mask_ptr, masked, HAS_MASK: tl.constexpr,
+          NOISE: tl.constexpr, FILTER: tl.constexpr, FAST_LOG: tl.constexpr,
+          BLOCK: tl.constexpr, lo, id_offset):  # fmt: skip
     """(argmax over the kept tokens in columns [lo, V) of x - log(-log u), or of x without
     NOISE; the best value; the max of x, +inf if a logit is NaN or +inf). u is uniform_noise's:
     (mix(mix(v) + key) >> 8 + 0.5) / 2**24 with mix = lowbias32, v = id_offset + column (a
@@ -147,7 +166,7 @@ def _race(row_ptr, V, t, key, thr, min_p, m, NOISE: tl.constexpr, FILTER: tl.con
     top_l = tl.full((BLOCK,), float("-inf"), tl.float32)
     for start in range(lo, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / t
+        x = _load_x(row_ptr, cols, V, t, mask_ptr, masked, HAS_MASK)
         top_l = tl.maximum(top_l, tl.where(x != x, float("inf"), x))
         s = x
         if NOISE:
@@ -187,7 +206,7 @@ def _race(row_ptr, V, t, key, thr, min_p, m, NOISE: tl.constexpr, FILTER: tl.con
 
 
 @triton.jit
-def _above(row_ptr, V, t, m, xw, BLOCK: tl.constexpr):
+def _above(row_ptr, V, t, m, xw, mask_ptr, masked, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
     """Over x = logits / t, one pass: (mass exp(x - m) of the x > xw, their count, the mass of
     the x >= xw, the mass of every x). Per-lane sums reduced once, in a fixed order."""
     above = tl.zeros((BLOCK,), tl.float32)
@@ -196,7 +215,7 @@ def _above(row_ptr, V, t, m, xw, BLOCK: tl.constexpr):
     total = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / t
+        x = _load_x(row_ptr, cols, V, t, mask_ptr, masked, HAS_MASK)
         w = tl.exp(x - m)
         above += tl.where(x > xw, w, 0.0)
         count += (x > xw).to(tl.float32)
@@ -206,7 +225,8 @@ def _above(row_ptr, V, t, m, xw, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _verdict(row_ptr, V, t, m, xw, k, p, min_p, BLOCK: tl.constexpr):
+def _verdict(row_ptr, V, t, m, xw, k, p, min_p, mask_ptr, masked, HAS_MASK: tl.constexpr,
+             BLOCK: tl.constexpr):  # fmt: skip
     """(unsure, out) for a token of value xw: the filters may drop it (the test that keeps it
     fails), and they surely drop it. Kept: fewer than k tokens above, less than top_p of the
     mass above (of the top-k set's mass; with top-k, the mass of the x >= xw stands in for
@@ -214,7 +234,7 @@ def _verdict(row_ptr, V, t, m, xw, k, p, min_p, BLOCK: tl.constexpr):
     unsure = tl.exp(xw - m) < min_p
     out = unsure
     if (k < V) | (p < 1.0):
-        above, count, at, total = _above(row_ptr, V, t, m, xw, BLOCK)
+        above, count, at, total = _above(row_ptr, V, t, m, xw, mask_ptr, masked, HAS_MASK, BLOCK)
         unsure = unsure | (count >= k) | ((p < 1.0) & (above >= p * tl.where(k < V, at, total)))
         out = out | (count >= k) | ((p < 1.0) & (above >= p * total))
     return unsure, out
@@ -230,10 +250,10 @@ def _next_up(x):
 
 @triton.jit(do_not_specialize=["B"])
 def _sample_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, top_k_ptr, top_p_ptr,
-                   min_p_ptr, win_ptr, out_ptr, V, B,
+                   min_p_ptr, bitmask_ptr, mask_rows_ptr, mask_stride, win_ptr, out_ptr, V, B,
                    HAS_GREEDY: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
-                   HAS_MIN_P: tl.constexpr, FAST_LOG: tl.constexpr, BLOCK: tl.constexpr,
-                   SEARCH_BLOCK: tl.constexpr, NP: tl.constexpr,
+                   HAS_MIN_P: tl.constexpr, HAS_MASK: tl.constexpr, FAST_LOG: tl.constexpr,
+                   BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NP: tl.constexpr,
                    RETRIES: tl.constexpr):  # fmt: skip
     """Row b's token from its unfiltered race winner (win [3, B], `_split_race`'s raw output):
     the winner itself on greedy and unfiltered rows and where the filters keep it; else the
@@ -241,6 +261,7 @@ def _sample_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, top_k_ptr
     doc, "Filtered rows")."""
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
+    mask_ptr, masked = _mask_row(bitmask_ptr, mask_rows_ptr, mask_stride, row, HAS_MASK)
     t = tl.load(temp_ptr + row)
     idx = tl.load(win_ptr + B + row).to(tl.int32)
     top = tl.load(win_ptr + 2 * B + row).to(tl.float32)  # max of x; +-inf: a status
@@ -261,26 +282,30 @@ def _sample_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, top_k_ptr
         m = top
         key = tl.load(keys_ptr + row).to(tl.uint32)
         xw = tl.load(row_ptr + idx).to(tl.float32) / t
-        unsure, out = _verdict(row_ptr, V, t, m, xw, k, p, min_p, BLOCK)
+        unsure, out = _verdict(row_ptr, V, t, m, xw, k, p, min_p, mask_ptr, masked, HAS_MASK,
+                               BLOCK)  # fmt: skip
         tries = 0
         while unsure & out & (tries < RETRIES):  # the kept tokens are all above xw
-            idx, _, top = _race(row_ptr, V, t, key, _next_up(xw), min_p, m, True, True,
-                                FAST_LOG, BLOCK, 0, 0)  # fmt: skip
+            idx, _, top = _race(row_ptr, V, t, key, _next_up(xw), min_p, m, mask_ptr, masked,
+                                HAS_MASK, True, True, FAST_LOG, BLOCK, 0, 0)  # fmt: skip
             xw = tl.load(row_ptr + idx).to(tl.float32) / t
-            unsure, out = _verdict(row_ptr, V, t, m, xw, k, p, min_p, BLOCK)
+            unsure, out = _verdict(row_ptr, V, t, m, xw, k, p, min_p, mask_ptr, masked,
+                                   HAS_MASK, BLOCK)  # fmt: skip
             tries += 1
         if unsure:
             thr = tl.full((), float("-inf"), tl.float32)
             if (k < V) | (p < 1.0):
-                _, thr = _stats(row_ptr, V, t, BLOCK)  # the smallest finite x
+                _, thr = _stats(row_ptr, V, t, mask_ptr, masked, HAS_MASK, BLOCK)  # smallest x
                 if HAS_TOP_K:
                     if k < V:
-                        thr = _search(row_ptr, V, t, m, thr, m, k, False, SEARCH_BLOCK, NP)
+                        thr = _search(row_ptr, V, t, m, thr, m, k, mask_ptr, masked, HAS_MASK,
+                                      False, SEARCH_BLOCK, NP)  # fmt: skip
                 if HAS_TOP_P:
                     if p < 1.0:
-                        thr = _search(row_ptr, V, t, m, thr, m, p, True, SEARCH_BLOCK, NP)
-            idx, _, top = _race(row_ptr, V, t, key, thr, min_p, m, True, True, FAST_LOG, BLOCK,
-                                0, 0)  # fmt: skip
+                        thr = _search(row_ptr, V, t, m, thr, m, p, mask_ptr, masked, HAS_MASK,
+                                      True, SEARCH_BLOCK, NP)  # fmt: skip
+            idx, _, top = _race(row_ptr, V, t, key, thr, min_p, m, mask_ptr, masked, HAS_MASK,
+                                True, True, FAST_LOG, BLOCK, 0, 0)  # fmt: skip
     _store_token(out_ptr + row, idx, top)
 
 
@@ -291,10 +316,20 @@ def _store_token(out_ptr, idx, top):
     tl.store(out_ptr, token)
 
 
+@triton.jit
+def _mask_row(bitmask_ptr, mask_rows_ptr, mask_stride, row, HAS_MASK: tl.constexpr):
+    """(pointer to row `row`'s bitmask words, whether it has a bitmask row): `_load_x`'s."""
+    mrow = tl.full((), -1, tl.int32)
+    if HAS_MASK:
+        mrow = tl.load(mask_rows_ptr + row)
+    return bitmask_ptr + tl.maximum(mrow, 0).to(tl.int64) * mask_stride, mrow >= 0
+
+
 @triton.jit(do_not_specialize=["id_offset"])
-def _split_race_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, part_ptr, idx_ptr,
-                       V, chunk, id_offset, HAS_GREEDY: tl.constexpr, FAST_LOG: tl.constexpr,
-                       BLOCK: tl.constexpr):  # fmt: skip
+def _split_race_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, bitmask_ptr,
+                       mask_rows_ptr, mask_stride, part_ptr, idx_ptr, V, chunk, id_offset,
+                       HAS_GREEDY: tl.constexpr, HAS_MASK: tl.constexpr,
+                       FAST_LOG: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """Program (row, s): the race over columns [s * chunk, (s + 1) * chunk) of the row (greedy
     rows: the plain argmax); column c is token id_offset + c. part [2, B, S] float32: best
     value, max logit; idx [B, S]."""
@@ -302,19 +337,20 @@ def _split_race_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, part_
     s = tl.program_id(1)
     num_splits = tl.num_programs(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
+    mask_ptr, masked = _mask_row(bitmask_ptr, mask_rows_ptr, mask_stride, row, HAS_MASK)
     lo = s * chunk
     hi = tl.minimum(lo + chunk, V)
     greedy = tl.full((), 0, tl.int32)
     if HAS_GREEDY:
         greedy = tl.load(greedy_ptr + row).to(tl.int32)
     if greedy != 0:
-        idx, best, top = _race(row_ptr, hi, 1.0, 0, 0.0, 0.0, 0.0, False, False, False, BLOCK,
-                               lo, 0)  # fmt: skip
+        idx, best, top = _race(row_ptr, hi, 1.0, 0, 0.0, 0.0, 0.0, mask_ptr, masked, HAS_MASK,
+                               False, False, False, BLOCK, lo, 0)  # fmt: skip
     else:
         t = tl.load(temp_ptr + row)
         key = tl.load(keys_ptr + row).to(tl.uint32)
-        idx, best, top = _race(row_ptr, hi, t, key, 0.0, 0.0, 0.0, True, False, FAST_LOG, BLOCK,
-                               lo, id_offset)  # fmt: skip
+        idx, best, top = _race(row_ptr, hi, t, key, 0.0, 0.0, 0.0, mask_ptr, masked, HAS_MASK,
+                               True, False, FAST_LOG, BLOCK, lo, id_offset)  # fmt: skip
     slot = row * num_splits + s
     tl.store(part_ptr + slot, best)
     tl.store(part_ptr + tl.num_programs(0) * num_splits + slot, top)
@@ -392,6 +428,8 @@ def sample(
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
+    bitmask: torch.Tensor | None = None,
+    bitmask_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token id per row of logits [B, V] -> [B] int64, or a status (module doc).
 
@@ -399,36 +437,64 @@ def sample(
     [0, 2**32), or int32 holding the key's 32 bits (noise_keys of (seed, step)); temperature [B]
     float32 (> 0; ignored on greedy rows); greedy [B] bool or int32 (nonzero: greedy); top_k [B]
     int64 or int32 (>= V: off); top_p [B] float32 in (0, 1] (1: off); min_p [B] float32 in
-    [0, 1] (0: off). None means off for every row.
+    [0, 1] (0: off). None means off for every row. Grammar (module doc): bitmask [M, >= V / 32]
+    int32, last dim contiguous, and bitmask_rows [B] int32 (row b's bitmask row, -1: none).
     """
     B, V = _check_race_args(logits, keys, temperature, greedy)
     dev = logits.device
     _check_row_param("top_k", top_k, B, (torch.int64, torch.int32), dev)
     _check_row_param("top_p", top_p, B, torch.float32, dev)
     _check_row_param("min_p", min_p, B, torch.float32, dev)
+    _check_bitmask(bitmask, bitmask_rows, B, V, dev)
     out = torch.empty(B, dtype=torch.int64, device=dev)
     if B == 0:
         return out
     dummy = temperature  # never read where the matching HAS_* flag is off
+    mask = (bitmask, bitmask_rows)
     block = min(BLOCK, triton.next_power_of_2(V))
     splits = race_splits(B, V, block)
     if top_k is None and top_p is None and min_p is None:
-        return _split_race(logits, keys, temperature, greedy, dummy, out, splits, block)
+        return _split_race(logits, keys, temperature, greedy, dummy, out, splits, block, mask)
     win = torch.empty(3 * B, dtype=torch.float64, device=dev)
-    _split_race(logits, keys, temperature, greedy, dummy, win, splits, block, raw=True)
+    _split_race(logits, keys, temperature, greedy, dummy, win, splits, block, mask, raw=True)
     # On the GPU tiles fit the registers; on CPU (the interpreter) fewer, larger steps are faster.
     search_block = SEARCH_BLOCK if logits.is_cuda else min(4096, triton.next_power_of_2(V))
     _sample_kernel[(B,)](
         logits, logits.stride(0), keys, temperature,
         _greedy_arg(greedy, dummy),
         dummy if top_k is None else top_k, dummy if top_p is None else top_p,
-        dummy if min_p is None else min_p, win, out, V, B,
+        dummy if min_p is None else min_p, *_mask_args(mask, dummy), win, out, V, B,
         HAS_GREEDY=greedy is not None, HAS_TOP_K=top_k is not None,
-        HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None, FAST_LOG=_fast_log(logits),
-        BLOCK=block, SEARCH_BLOCK=search_block, NP=NP, RETRIES=RETRIES,
-        num_warps=8,
+        HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None,
+        HAS_MASK=bitmask is not None, FAST_LOG=_fast_log(logits), BLOCK=block,
+        SEARCH_BLOCK=search_block, NP=NP, RETRIES=RETRIES, num_warps=8,
     )  # fmt: skip
     return out
+
+
+def _check_bitmask(bitmask, rows, B: int, V: int, device) -> None:
+    if (bitmask is None) != (rows is None):
+        raise ValueError("bitmask and bitmask_rows must be given together")
+    if bitmask is None:
+        return
+    if (
+        bitmask.dim() != 2 or bitmask.dtype != torch.int32 or bitmask.device != device
+        or bitmask.shape[1] * 32 < V or bitmask.stride(1) != 1
+    ):  # fmt: skip
+        raise ValueError(
+            f"bitmask must be int32 [M, >= {-(-V // 32)}] on {device}, last dim contiguous, "
+            f"got {tuple(bitmask.shape)} {bitmask.dtype} strides {bitmask.stride()}"
+        )
+    _check_row_param("bitmask_rows", rows, B, torch.int32, device)
+
+
+def _mask_args(mask, dummy) -> tuple:
+    """The kernels' (bitmask_ptr, mask_rows_ptr, mask_stride) for `mask` (bitmask, rows) or
+    (None, None)."""
+    bitmask, rows = mask
+    if bitmask is None:
+        return dummy, dummy, 0
+    return bitmask, rows, bitmask.stride(0)
 
 
 def race_splits(B: int, V: int, block: int) -> int:
@@ -440,8 +506,11 @@ def race_splits(B: int, V: int, block: int) -> int:
 
 def _split_race(
     logits, keys, temperature, greedy, dummy, out, splits: int, block: int,
-    id_offset: int = 0, raw: bool = False,
+    mask=(None, None), id_offset: int = 0, raw: bool = False,
 ):  # fmt: skip
+    """The race over `splits` column ranges per row, merged into `out` (module doc, "Split
+    rows"); `mask`: the grammar's (bitmask, bitmask rows) or (None, None); a shard (id_offset
+    > 0) has none."""
     B, V = logits.shape
     blocks = -(-V // block)
     chunk = -(-blocks // splits) * block
@@ -449,9 +518,10 @@ def _split_race(
     part = torch.empty(2 * B * splits, dtype=torch.float32, device=logits.device)
     idx = torch.empty(B * splits, dtype=torch.int32, device=logits.device)
     _split_race_kernel[(B, splits)](
-        logits, logits.stride(0), keys, temperature, _greedy_arg(greedy, dummy), part, idx,
-        V, chunk, id_offset, HAS_GREEDY=greedy is not None, FAST_LOG=_fast_log(logits),
-        BLOCK=block, num_warps=8,
+        logits, logits.stride(0), keys, temperature, _greedy_arg(greedy, dummy),
+        *_mask_args(mask, dummy), part, idx, V, chunk, id_offset,
+        HAS_GREEDY=greedy is not None, HAS_MASK=mask[0] is not None,
+        FAST_LOG=_fast_log(logits), BLOCK=block, num_warps=8,
     )  # fmt: skip
     # BLOCK_S from the most splits V allows, not this launch's: one compiled merge serves
     # every batch (per-step sizes are not specialized either: module doc, "Compiles")
@@ -480,7 +550,7 @@ def race_shard(
         block = min(BLOCK, triton.next_power_of_2(V))
         splits = race_splits(B, V, block)
         _split_race(logits, keys, temperature, greedy, temperature, out, splits, block,
-                    vocab_start, raw=True)  # fmt: skip
+                    id_offset=vocab_start, raw=True)  # fmt: skip
     elif B:  # an empty shard: nothing to win
         out.fill_(float("-inf"))
         out[B : 2 * B] = vocab_start
@@ -496,12 +566,17 @@ def warm_up(
 ) -> None:
     """Compile what `sample` (given `vocab_start`: `race_shard`) runs on inputs of these dtypes
     and strides, with and without greedy rows, at one row and at all of `logits`' rows (where
-    that many fill the GPU, the unsplit kernel): an engine calls it at start, so that its first
-    requests do not wait for compiles (module doc, "Compiles"). The results are not used."""
-    for rows in sorted({1, logits.shape[0]}):
+    that many fill the GPU, the unsplit kernel), `sample` with and without a grammar bitmask:
+    an engine calls it at start, so that its first requests do not wait for compiles (module
+    doc, "Compiles"). The results are not used."""
+    B, V = logits.shape
+    bitmask = torch.full((1, -(-V // 32)), -1, dtype=torch.int32, device=logits.device)
+    for rows in sorted({1, B}):
         args = (logits[:rows], keys[:rows], temperature[:rows])
         for g in (None, greedy[:rows]):
-            if vocab_start is None:
-                sample(*args, greedy=g)
-            else:
+            if vocab_start is not None:
                 race_shard(*args, g, vocab_start)
+                continue
+            sample(*args, greedy=g)
+            mask_rows = torch.zeros(rows, dtype=torch.int32, device=logits.device)
+            sample(*args, greedy=g, bitmask=bitmask, bitmask_rows=mask_rows)

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from llm_inference.sampling_params import GREEDY_EPS, SamplingParams, SamplingPath
+
+if TYPE_CHECKING:
+    from llm_inference.sample.grammar import GrammarMask
 
 __all__ = ["SamplingMetadata", "noise_keys", "padded_token_ids"]
 
@@ -100,24 +104,11 @@ def _min_tokens_pairs(
     return rows, cols
 
 
-def _choice_next(p: SamplingParams, output: list[int], eos: tuple[int, ...]) -> list[int]:
-    """The tokens that keep `output` on the way to one of the structured-output choices: their
-    next tokens, and EOS where a choice is complete (only EOS once none can go on)."""
-    n = len(output)
-    nxt = {s[n] for s in p.choice_token_ids if len(s) > n and list(s[:n]) == output}
-    if not nxt or any(len(s) == n and list(s) == output for s in p.choice_token_ids):
-        nxt.update(eos)
-    return sorted(nxt)
-
-
-def _bias_lists(
-    params: list[SamplingParams], outputs: list[list[int]], eos: tuple[int, ...], V: int
-):
+def _bias_lists(params: list[SamplingParams], outputs: list[list[int]], V: int):
     """(rows, token ids, biases) of logit_bias and of bad_words (-inf on a word's last token
     where the output ends with the tokens before it), and (rows with a list, rows, token ids)
-    of allowed_token_ids or of the structured-output choices' next tokens; None for either
-    when no row uses it. Ids >= V are dropped (the engine's validate_request refuses them
-    before)."""
+    of allowed_token_ids; None for either when no row uses it. Ids >= V are dropped (the
+    engine's validate_request refuses them before)."""
     rows, cols, values, lists, arows, acols = [], [], [], [], [], []
     for b, p in enumerate(params):
         for t, v in (p.logit_bias or {}).items():
@@ -132,8 +123,6 @@ def _bias_lists(
                 cols.append(last)
                 values.append(float("-inf"))
         allowed = p.allowed_token_ids
-        if p.choice_token_ids:
-            allowed = _choice_next(p, outputs[b], eos)
         if allowed is not None:
             lists.append(b)
             ids = sorted({t for t in allowed if t < V})
@@ -180,6 +169,9 @@ class SamplingMetadata:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # allowed_token_ids: (rows that have a list, rows, token ids), None when no row has one
     allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Structured outputs: the step's grammar bitmask (sample/grammar.py), set by the model
+    # runner on any path; None when no row has a grammar
+    grammar: GrammarMask | None = None
 
     @classmethod
     def build(
@@ -211,7 +203,7 @@ class SamplingMetadata:
         steps = num_output_tokens or [len(out) for out in output_token_ids]
         rows, cols = _min_tokens_pairs(params, steps, eos_token_ids, V)
         lp_rows = [b for b, p in enumerate(params) if p.logprobs is not None]
-        bias, allowed = _bias_lists(params, output_token_ids, eos_token_ids, V)
+        bias, allowed = _bias_lists(params, output_token_ids, V)
 
         def floats(values: list[float]) -> torch.Tensor:
             return to_device(torch.tensor(values, dtype=torch.float32), device)

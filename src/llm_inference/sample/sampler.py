@@ -1,6 +1,8 @@
 """The sampler: one batch of last-token logits [B, V] -> one token per request, all on the device.
 
 Order, as in vLLM v1:
+  0. structured outputs: tokens outside the row's grammar -inf (sample/grammar.py; vLLM's
+     runner masks the logits before its sampler), so that "raw" below means masked;
   1. logprobs from log_softmax of the raw logits (before anything below);
   2. allowed_token_ids (every other token -inf), then logit_bias (added) and bad_words (a
      word's last token -inf where the output ends with the tokens before it);
@@ -10,7 +12,8 @@ Order, as in vLLM v1:
      and are sampled with the exponential race: argmax(probs / E), E ~ Exp(1).
 
 Steps 1-4 run only for rows off SamplingPath.STAGED (`SamplingMetadata.path`); on that path
-the logits reach step 5 untouched. Step 5 has two implementations with the same semantics:
+the logits reach step 5 untouched, and the fused sampler applies step 0 as it reads them.
+Step 5 has two implementations with the same semantics:
 `sample_reference` (PyTorch, any device; the CPU engine's) and the kernel ops' fused sampler
 (`ops.sample`, kernels/sampling.py), which `Sampler(ops)` calls where `ops.fused_sampler` (the
 Triton ops). Both draw the same uniforms u[b, v] = uniform_noise(keys)[b, v] bit for bit, a pure
@@ -32,6 +35,7 @@ from types import ModuleType
 import torch
 
 from llm_inference.outputs import Logprobs
+from llm_inference.sample.grammar import apply_grammar
 from llm_inference.sample.metadata import SamplingMetadata, noise_keys
 from llm_inference.sampling_params import SamplingPath
 
@@ -215,8 +219,11 @@ class Sampler(torch.nn.Module):
         assert logits.dim() == 2 and logits.shape[1] == md.vocab_size, logits.shape
         raw, raw_logprobs = logits, None
         plain = md.path is SamplingPath.STAGED  # steps 1-4 have nothing to do
-        if not (plain and self.fused):  # the fused sampler reads bf16/fp16 logits as they are
-            logits = logits.to(torch.float32, copy=True)  # never change the caller's tensor
+        in_kernel = plain and self.fused  # the fused sampler reads bf16/fp16 logits as they are
+        if md.grammar is not None and not in_kernel:  # step 0 on a copy: the caller's stays
+            raw = apply_grammar(logits.to(torch.float32, copy=True), md.grammar)
+        if not in_kernel:
+            logits = raw.to(torch.float32, copy=True)  # never change the caller's tensor
         if not plain:
             if md.logprobs_rows is not None:
                 raw_logprobs = logits.index_select(0, md.logprobs_rows).log_softmax(dim=-1)
@@ -226,19 +233,22 @@ class Sampler(torch.nn.Module):
             if md.min_tokens_rows is not None:
                 logits[md.min_tokens_rows, md.min_tokens_cols] = float("-inf")
         if self.fused:
+            grammar = md.grammar if in_kernel else None
             token_ids = self.ops.sample(
                 logits, md.noise_keys, md.temperature,
                 greedy=None if md.all_random else md.greedy,
                 top_k=md.top_k, top_p=md.top_p, min_p=md.min_p,
+                bitmask=None if grammar is None else grammar.bitmask,
+                bitmask_rows=None if grammar is None else grammar.row_index,
             )  # fmt: skip
         else:
             token_ids = sample_reference(logits, md)
         status = token_ids
         if sync:
             token_ids = _resolve_status(token_ids, raw)
-        elif plain:  # no host sync; statuses reported from `status`. Nothing masked logits
-            # here, so an emptied row's raw logits are all -inf too: their argmax is token 0.
-            # A broken row's token is 0 too, so the next step's input stays a valid token id.
+        elif plain:  # no host sync; statuses reported from `status`. Nothing but a grammar
+            # masked logits here, so an emptied row's raw logits are all -inf where it allows:
+            # token 0 then. A broken row's token is 0 too: the next input stays a valid id.
             token_ids = token_ids.clamp(min=0)
         else:  # no host sync: take the raw argmax on emptied rows, report statuses
             token_ids = torch.where(token_ids == STATUS_EMPTY, raw.argmax(dim=-1), token_ids)

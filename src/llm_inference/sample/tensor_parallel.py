@@ -9,6 +9,9 @@ are all STAGED and sample with temperature only take `distributed_race` with the
 other row is gathered to rank 0, which runs the normal `Sampler` (a seeded request draws the
 same tokens at any tensor-parallel size) and broadcasts the tokens. A broken row gets a status
 (STATUS_BAD, STATUS_EMPTY) that rank 0 reports on the host as `Sampler(sync=False)` does.
+Structured outputs: every rank first masks its slice with the step's grammar bitmask (each
+has it: it comes with the SchedulerOutput), so each of those ways sees only the grammar's
+tokens, as one sampler over the whole row would (sample/grammar.py).
 
 Every rank ends with the same tokens tensor on its device, so each can feed the samples still
 in flight to the next step (async scheduling) without the host. Nothing here waits for the
@@ -22,6 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from llm_inference.distributed.parallel_state import all_gather, broadcast, gather_last_dim
+from llm_inference.sample.grammar import GrammarMask, apply_grammar
 from llm_inference.sample.metadata import SamplingMetadata, to_device
 from llm_inference.sample.sampler import STATUS_BAD, STATUS_EMPTY, Sampler, SamplerOutput
 
@@ -84,13 +88,16 @@ def sample_tensor_parallel(
     staged: SamplingMetadata | None,
     argmax_only: Sequence[bool],
     metadata: Callable[[list[int]], SamplingMetadata],
+    grammar: GrammarMask | None = None,
 ) -> SamplerOutput:
     """Collective. `local` [R, shard]: this rank's logits of the R rows to sample (column j is
     token vocab_start + j; `vocab_size` tokens in all); `staged`: their inputs as staged on the
     device when every row is STAGED, else None; `argmax_only[k]`: row k takes the argmax of
     its raw logits; `metadata(ks)`: the SamplingMetadata of rows ks (called on rank 0 only,
-    at most once). Every rank returns the same `token_ids` [R] on its device; `status` and
-    `logprobs` are rank 0's only."""
+    at most once); `grammar`: the step's bitmask, applied to `local` in place first. Every rank
+    returns the same `token_ids` [R] on its device; `status` and `logprobs` are rank 0's only."""
+    if grammar is not None:
+        apply_grammar(local, grammar, vocab_start)
     num = local.shape[0]
     if races_on_slices(staged, sampler.fused):
         tokens, status = distributed_race(sampler, local, vocab_start, staged)

@@ -1,12 +1,13 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and the OpenAI error format.
 
 Field names and defaults follow OpenAI's API, plus the extra fields vLLM accepts (those of
-`_SamplingFields` marked vLLM's: sampling, structured outputs of the choice kind, beam search).
+`_SamplingFields` marked vLLM's: sampling, structured outputs, beam search).
 Fields of UNSUPPORTED are refused with a 400 naming them; other unknown fields are ignored; an
 explicit null means the field's default. `n` is bounded here (OpenAI's 1..128); other values are
 range-checked by `SamplingParams` (and `BeamSearchParams`), whose errors name the field. Chat
 content is text only (`content_text`: other parts are a 400 naming them); chat `tools` are
-parsed from the answer as Llama 3 writes calls (tool_parser.py).
+parsed from the answer as Llama 3 writes calls (tool_parser.py), or, with `tool_choice`
+"required" or a named function, the answer is constrained to calls (tool_choice.py).
 """
 
 from __future__ import annotations
@@ -66,17 +67,14 @@ class StreamOptions(_NullIsDefault):
 
 # Fields of OpenAI's or vLLM's API that this server does not implement: a request that sets
 # one (to anything but an off value) gets a 400 naming it, not an answer that ignored it.
-UNSUPPORTED = ("response_format", "guided_json", "guided_regex", "guided_grammar", "functions",
-               "function_call", "best_of", "suffix", "logits_processors")  # fmt: skip
+UNSUPPORTED = ("functions", "function_call", "best_of", "suffix", "logits_processors")
 
 
 def _is_off(field: str, value: Any) -> bool:
     """Whether an UNSUPPORTED field's value asks for nothing (what clients send by default)."""
     if value is None or value is False or value in ("", [], {}):
         return True
-    if field == "best_of":
-        return type(value) is int and value == 1
-    return field == "response_format" and value == {"type": "text"}
+    return field == "best_of" and type(value) is int and value == 1
 
 
 class _SamplingFields(_NullIsDefault):
@@ -111,9 +109,15 @@ class _SamplingFields(_NullIsDefault):
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
     bad_words: list[str] | None = None
-    # vLLM's structured outputs: {"choice": [...]} (other kinds are refused), or the older
-    # guided_choice
+    # Structured outputs (serving.structured_outputs): OpenAI's response_format ({"type":
+    # "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}),
+    # vLLM's structured_outputs ({"json" | "regex" | "choice" | "grammar" | "json_object": ...})
+    # and its older guided_* fields
+    response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
     guided_choice: list[str] | None = None
     # vLLM's beam search: the n best beams (beam_search.py), scored with length_penalty
     use_beam_search: bool = False
@@ -194,12 +198,16 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: continue the last (assistant) message
     tools: list[dict[str, Any]] | None = None  # given to the chat template
-    tool_choice: str | dict[str, Any] | None = None  # "auto" or "none" (tool_parser.py)
+    # "auto" or "none" (tool_parser.py), "required" or {"type": "function", "function":
+    # {"name": ...}} (tool_choice.py)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True  # False: tool_choice "required" makes one call
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra template variables
 
     @property
     def uses_tools(self) -> bool:
-        """Tools given and not turned off: they go to the template, calls are parsed."""
+        """Tools given and not turned off: they go to the template, calls are parsed (or, for
+        "required" or a named function, constrained)."""
         return bool(self.tools) and self.tool_choice != "none"
 
     def field_name(self, param: str) -> str:

@@ -14,6 +14,7 @@ import time
 import uuid
 from typing import Any
 
+from llm_inference.entrypoints.openai.tool_choice import ForcedToolCalls, forced_tool_calls
 from llm_inference.entrypoints.openai.tool_parser import ToolParser, ToolStream, tool_call_items
 from llm_inference.outputs import CompletionOutput, Logprobs, RequestOutput
 
@@ -50,6 +51,9 @@ class ResponseBuilder:
         self.prompt_logprobs = False  # vLLM's prompt_logprobs field in the response
         # chat with tools: the parser that finds tool calls in an answer (tool_parser.py)
         self.tool_parser: ToolParser | None = None
+        # chat with tool_choice "required" or a function's name: every answer is tool calls
+        # (tool_choice.py), finish_reason "tool_calls" once complete
+        self.forced: str | None = None
 
     def _head(self, object_name: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created,
@@ -153,6 +157,10 @@ class ResponseBuilder:
                     choice["message"] = {"role": "assistant", "content": content,
                                          "tool_calls": tool_call_items(calls)}  # fmt: skip
                     choice["finish_reason"] = "tool_calls"
+                if self.forced is not None and (items := forced_tool_calls(self.forced, c.text)):
+                    choice["message"] = {"role": "assistant", "content": None,
+                                         "tool_calls": items}  # fmt: skip
+                    choice["finish_reason"] = _forced_finish(c.finish_reason)
                 if self.prompt_logprobs and self.kind == "completion":
                     choice["prompt_logprobs"] = self.vllm_prompt_logprobs(out.prompt_logprobs)
                 choices.append(choice)
@@ -184,9 +192,24 @@ class ResponseBuilder:
         choice["finish_reason"] = finish_reason
         return {**self._head(name), "choices": [choice]}
 
+    def forced_chunk(self, index: int, items: list[dict], lps: dict | None,
+                     finish_reason: str | None, first: bool) -> dict[str, Any]:  # fmt: skip
+        """A chat choice's delta of forced tool calls (`items`: tool_choice.py's)."""
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if items:
+            delta |= {"content": None, "tool_calls": items}
+        choice = {"index": index, "delta": delta, "logprobs": lps,
+                  "finish_reason": _forced_finish(finish_reason)}  # fmt: skip
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+
     def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
         name = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
         return {**self._head(name), "choices": [], "usage": counts}
+
+
+def _forced_finish(reason: str | None) -> str | None:
+    """A forced tool call's finish_reason: "tool_calls" when its answer ended as it should."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 class DeltaTracker:
@@ -199,7 +222,9 @@ class DeltaTracker:
     first chunk with the role alone) and the `tool_calls` deltas; a choice that sent calls
     ends with finish_reason "tool_calls", as the non-streamed response. A token's logprobs go
     out once, with the first chunk of content after it (those of tokens that became calls,
-    never)."""
+    never). Chat with a forced tool choice: each delta's text goes out as the tool-call deltas
+    it completes (tool_choice.ForcedToolCalls); text that completes none waits, with its
+    logprobs, for the delta that does."""
 
     def __init__(self, builder: ResponseBuilder) -> None:
         self.builder = builder
@@ -210,6 +235,7 @@ class DeltaTracker:
         # chat with tools: each choice's tool stream and the logprobs it holds back
         self.streams: dict[tuple[int, int], ToolStream] = {}
         self.held: dict[tuple[int, int], list[Logprobs]] = {}
+        self.forced: dict[tuple[int, int], ForcedToolCalls] = {}  # a forced tool choice's
 
     def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict[str, Any]]:
         self.prompt_tokens[prompt_index] = len(out.prompt_token_ids)
@@ -229,6 +255,8 @@ class DeltaTracker:
         index = i * self.builder.n + c.index
         offset = self.offsets.get(key)
         first = offset is None
+        if self.builder.forced is not None:
+            return self._forced_chunk(key, index, c, first)
         text, new_lps, calls, finish = c.text, c.logprobs, [], c.finish_reason
         parser = self.builder.tool_parser
         if parser is not None:
@@ -250,3 +278,14 @@ class DeltaTracker:
             offset += sum(len(self.builder.token_text(lp.token_id)) for lp in new_lps)
         self.offsets[key] = offset
         return self.builder.chunk(index, text, lps, finish, first, calls)
+
+    def _forced_chunk(self, key, index: int, c: CompletionOutput, first: bool):
+        reader = self.forced.setdefault(key, ForcedToolCalls(self.builder.forced))
+        new_lps = self.held.pop(key, []) + (c.logprobs or [])
+        items = reader.add(c.text)
+        self.offsets[key] = 0
+        if not items and c.finish_reason is None:  # the role now, the calls when complete
+            self.held[key] = new_lps
+            return self.builder.forced_chunk(index, [], None, None, True) if first else None
+        lps = None if c.logprobs is None else self.builder.logprobs(new_lps, 0)
+        return self.builder.forced_chunk(index, items, lps, c.finish_reason, first)

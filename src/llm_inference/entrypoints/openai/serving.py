@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -37,6 +38,7 @@ from llm_inference.entrypoints.openai.streaming import (
     sse,
     until_disconnected,
 )
+from llm_inference.entrypoints.openai.tool_choice import forced_function, forced_tool_schema
 from llm_inference.entrypoints.openai.tool_parser import get_tool_parser
 from llm_inference.outputs import RequestOutput, RequestOutputKind, accumulate
 from llm_inference.sampling_params import (
@@ -44,6 +46,7 @@ from llm_inference.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
+from llm_inference.structured_output import check_spec
 
 Prompt = tuple[str | None, list[int]]  # (text if given as text, token ids)
 
@@ -122,9 +125,6 @@ class OpenAIServing:
                 if (m.model_extra or {}).get(key) is not None:
                     msg[key] = m.model_extra[key]
             messages.append(msg)
-        if req.tool_choice not in (None, "auto", "none"):
-            raise APIError(400, f"tool_choice {req.tool_choice!r} is not supported (auto and "
-                           "none are)", param="tool_choice")  # fmt: skip
         tools = req.tools if req.uses_tools else None
         if req.continue_final_message and req.add_generation_prompt:
             raise APIError(400, "continue_final_message needs add_generation_prompt=false",
@@ -142,9 +142,10 @@ class OpenAIServing:
     @staticmethod
     def sampling_params(
         req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
-        prompt_logprobs: int | None = None,
+        prompt_logprobs: int | None = None, structured: StructuredOutputsParams | None = None,
     ) -> SamplingParams:  # fmt: skip
-        """SamplingParams from the request; its ValueError (naming the field) becomes a 400."""
+        """SamplingParams from the request (`structured`: its `structured_outputs`); their
+        ValueError (naming the field) becomes a 400."""
         if (field := req.unsupported()) is not None:
             raise APIError(400, f"{field} is not supported by this server", param=field)
         if req.stream and req.prompt_logprobs is not None:
@@ -162,15 +163,6 @@ class OpenAIServing:
                 msg = f"logit_bias keys must be token ids (integers as strings), got {keys}"
                 raise APIError(400, msg, param="logit_bias") from e
         try:
-            structured = None
-            so = dict(req.structured_outputs or {})
-            if req.guided_choice is not None:
-                so.setdefault("choice", req.guided_choice)
-            if so:
-                unknown = sorted(set(so) - {"choice", "json", "regex", "grammar", "json_object"})
-                if unknown:
-                    raise ValueError(f"structured_outputs: unknown keys {unknown}")
-                structured = StructuredOutputsParams(**so)
             return SamplingParams(
                 n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                 min_p=req.min_p, repetition_penalty=req.repetition_penalty,
@@ -198,7 +190,8 @@ class OpenAIServing:
         prompt_lps = req.prompt_logprobs
         if req.echo and req.logprobs is not None:
             prompt_lps = max(req.logprobs, prompt_lps or 0)
-        params = self.sampling_params(req, req.max_tokens, req.logprobs, prompt_lps)
+        structured = await structured_outputs_in_thread(req)
+        params = self.sampling_params(req, req.max_tokens, req.logprobs, prompt_lps, structured)
         builder = ResponseBuilder("completion", self.model_name, self.tokenizer, req.n)
         if req.echo:
             builder.echo = await asyncio.to_thread(self.prompt_texts, prompts)
@@ -214,10 +207,14 @@ class OpenAIServing:
         max_tokens = req.max_tokens
         if req.max_completion_tokens is not None:  # 0 is refused, as max_tokens 0 is
             max_tokens = req.max_completion_tokens
-        params = self.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs)
+        structured = await structured_outputs_in_thread(req)
+        params = self.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs, structured)
         builder = ResponseBuilder("chat", self.model_name, self.tokenizer, req.n)
         builder.prompt_logprobs = req.prompt_logprobs is not None
-        builder.tool_parser = self.tool_parser if req.uses_tools else None
+        builder.forced = forced_function(req.tool_choice) if req.uses_tools else None
+        builder.tool_parser = (
+            self.tool_parser if req.uses_tools and builder.forced is None else None
+        )
         prompt = await asyncio.to_thread(self.chat_prompt, req)
         return await self._run(raw, [prompt], params, builder, req)
 
@@ -294,6 +291,84 @@ class OpenAIServing:
         except Exception as e:  # noqa: BLE001 - the status is sent already: report in-band
             yield sse(_api_error(e, len(streams)).body())
         yield sse("[DONE]")
+
+
+async def structured_outputs_in_thread(req: _SamplingFields) -> StructuredOutputsParams | None:
+    """`structured_outputs(req)` in a worker thread when the request asks for any: xgrammar
+    parses the spec (a large schema takes a while; the first loads xgrammar), which on the
+    event loop would stall every stream."""
+    fields = (req.structured_outputs, req.guided_json, req.guided_regex, req.guided_grammar,
+              req.guided_choice, req.response_format)  # fmt: skip
+    forced = getattr(req, "tool_choice", None) not in (None, "auto", "none")
+    if not forced and all(f is None for f in fields):
+        return None
+    return await asyncio.to_thread(structured_outputs, req)
+
+
+def structured_outputs(req: _SamplingFields) -> StructuredOutputsParams | None:
+    """The request's structured outputs, from the one field that asks for them:
+    `structured_outputs` (vLLM's), a `guided_*` field (its older names), `response_format`
+    (OpenAI's: json_object, or json_schema, whose `strict` is accepted: answers always follow
+    the schema strictly) or chat's `tool_choice` "required" or named (tool_choice.py). A spec
+    that xgrammar cannot take (structured_output.check_spec), or two fields at once, is a 400
+    naming the field."""
+    given: list[tuple[str, str, dict]] = []  # (field, its name in errors, the params' kwargs)
+    if req.structured_outputs:
+        so = dict(req.structured_outputs)
+        unknown = sorted(set(so) - {*StructuredOutputsParams.KINDS, "disable_any_whitespace"})
+        if unknown:
+            raise APIError(400, f"structured_outputs: unknown keys {unknown}",
+                           param="structured_outputs")  # fmt: skip
+        given.append(("structured_outputs", "", so))
+    for kind in ("json", "regex", "grammar", "choice"):
+        if (value := getattr(req, f"guided_{kind}")) is not None:
+            given.append((f"guided_{kind}", f"guided_{kind}", {kind: value}))
+    fmt = req.response_format
+    if fmt is not None and fmt.get("type") != "text":
+        given.append(("response_format", *_response_format(fmt)))
+    forced = forced_tool_choice(req)
+    if forced is not None:  # arguments on one line (tool_choice.py)
+        given.append(("tool_choice", "tools", {"json": forced, "disable_any_whitespace": True}))
+    if len(given) > 1:
+        names = " and ".join(field for field, _, _ in given)
+        raise APIError(400, f"{names} both ask for structured outputs: give one",
+                       param=given[1][0])  # fmt: skip
+    if not given:
+        return None
+    field, name, kwargs = given[0]
+    try:
+        so = StructuredOutputsParams(**kwargs)
+        check_spec(so)
+    except (TypeError, ValueError) as e:
+        message = re.sub(r"^structured_outputs(\.\w+)?", name, str(e)) if name else str(e)
+        raise APIError(400, message, param=field) from e
+    return so
+
+
+def _response_format(fmt: dict) -> tuple[str, dict]:
+    """(its name in errors, StructuredOutputsParams kwargs) of a response_format."""
+    if fmt.get("type") == "json_object":
+        return "response_format", {"json_object": True}
+    schema = fmt.get("json_schema")
+    if fmt.get("type") == "json_schema":
+        if not (isinstance(schema, dict) and "schema" in schema):
+            raise APIError(400, "response_format json_schema needs json_schema: {name, schema, "
+                           "strict}", param="response_format")  # fmt: skip
+        return "response_format.json_schema.schema", {"json": schema["schema"]}
+    raise APIError(400, f"response_format type {fmt.get('type')!r} is not supported (text, "
+                   "json_object and json_schema are)", param="response_format")  # fmt: skip
+
+
+def forced_tool_choice(req: _SamplingFields) -> dict | None:
+    """The JSON schema a chat request's tool_choice "required" or named function puts on the
+    answer (tool_choice.py); None for none and auto."""
+    if not isinstance(req, ChatCompletionRequest) or req.tool_choice in (None, "auto", "none"):
+        return None
+    try:
+        forced = forced_function(req.tool_choice)
+        return forced_tool_schema(req.tools, forced, req.parallel_tool_calls)
+    except ValueError as e:
+        raise APIError(400, str(e), param="tool_choice") from e
 
 
 async def _once(out: RequestOutput) -> AsyncIterator[RequestOutput]:

@@ -1,0 +1,63 @@
+"""Structured outputs on the device: a step's token bitmask, as the sampler applies it.
+
+The engine core fills the bitmask (structured_output/manager.py) for the step's constrained
+requests that sample, in batch order, and sends it with the SchedulerOutput to every rank:
+int32 words, bit v % 32 of word v // 32 allowing token v (xgrammar's layout). `GrammarMask`
+is that bitmask on the device with the sample rows it constrains. Tokens outside the grammar
+take -inf before anything else reads the logits (logprobs included, as vLLM masks the logits
+before its sampler): the fused sampler does it as it reads them (kernels/sampling.py, a row
+without a mask pays nothing), the PyTorch path with `apply_grammar` on its float32 copy, and
+under tensor parallelism each rank on its vocabulary slice (sample/tensor_parallel.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llm_inference.sample.metadata import to_device
+
+
+@dataclass
+class GrammarMask:
+    bitmask: torch.Tensor  # [M, ceil(V / 32)] int32: one row per constrained sample row
+    rows: torch.Tensor  # [M] int64: those sample rows, rising
+    row_index: torch.Tensor  # [R] int32: per sample row its bitmask row, -1 without one
+
+    @classmethod
+    def build(cls, bitmask: np.ndarray, rows: list[int], num_rows: int, device) -> GrammarMask:
+        """`bitmask` row i constrains sample row `rows[i]` of a step of `num_rows`."""
+        if len(rows) != len(bitmask):
+            raise ValueError(f"{len(bitmask)} bitmask rows for {len(rows)} constrained rows")
+        index = np.full(num_rows, -1, dtype=np.int32)
+        index[rows] = np.arange(len(rows), dtype=np.int32)
+        return cls(
+            bitmask=to_device(torch.from_numpy(bitmask), device),
+            rows=to_device(torch.tensor(rows, dtype=torch.int64), device),
+            row_index=to_device(torch.from_numpy(index), device),
+        )
+
+
+def allowed_tokens(bitmask: torch.Tensor, start: int, width: int) -> torch.Tensor:
+    """[M, width] bool: whether token start + j is allowed by each bitmask row (tokens past the
+    bitmask's are not). Unpacked byte by byte: one byte per token, not an int per token."""
+    M, W = bitmask.shape
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+    # little-endian: byte b of word w holds tokens 32 w + 8 b ... 32 w + 8 b + 7, lowest bit first
+    bits = (bitmask.contiguous().view(torch.uint8)[:, :, None] >> shifts) & 1
+    bits = bits.view(M, 32 * W).view(torch.bool)[:, start : start + width]
+    if bits.shape[1] < width:
+        bits = torch.cat([bits, bits.new_zeros(M, width - bits.shape[1])], dim=1)
+    return bits
+
+
+def apply_grammar(logits: torch.Tensor, mask: GrammarMask, vocab_start: int = 0) -> torch.Tensor:
+    """Set to -inf, in place, the logits of the tokens each constrained row's grammar does not
+    allow; `logits` [R, width] column j is token vocab_start + j (a rank's vocabulary slice
+    under tensor parallelism). Returns `logits`."""
+    rows = logits.index_select(0, mask.rows)
+    keep = allowed_tokens(mask.bitmask, vocab_start, logits.shape[1])
+    logits.index_copy_(0, mask.rows, rows.masked_fill_(~keep, float("-inf")))
+    return logits

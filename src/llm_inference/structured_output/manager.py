@@ -1,0 +1,146 @@
+"""The engine core's side of structured outputs: grammars compiled off the step loop, and each
+step's token bitmask (ARCHITECTURE.md, "Structured outputs").
+
+`add(request)` gives a request its `RequestGrammar` and starts compiling its spec on a thread
+pool (xgrammar's compiler releases the GIL while it works, and caches what it compiled by
+spec: n completions of a request, or requests with one schema, compile once). The scheduler
+admits the request only once `grammar.ready`, so a compile never holds up other requests'
+steps. After each scheduling, `fill_bitmask` writes the step's bitmask for the requests the
+scheduler listed (those with a grammar that sample in it): each one's matcher first accepts
+the output tokens it has not seen, then fills its row. Such requests run their steps one at a
+time (the engine core), so every token before the mask is known. The matcher follows the
+request's output tokens alone; preemption keeps them (the request recomputes them), so no
+matcher ever goes back.
+
+A grammar that fails to compile (the front end's `check_spec` lets through only specs that
+parse, so this is xgrammar failing) is reported by `take_failed`: the core finishes such a
+request, never runs it unconstrained.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+
+import numpy as np
+
+from llm_inference.structured_output.spec import compile_grammar, grammar_key
+
+# Compiled grammars xgrammar keeps for reuse (least recently used ones go beyond): vLLM's
+# default. Without a bound a server of many distinct schemas would grow without end.
+CACHE_LIMIT_BYTES = 512 << 20
+
+
+class RequestGrammar:
+    """One request's grammar: its compile (a Future), then its matcher, which has accepted
+    the request's first `num_accepted` output tokens and ends on `stop_token_ids`."""
+
+    def __init__(self, compiled: Future, stop_token_ids: list[int]) -> None:
+        self.compiled = compiled
+        self._stop_token_ids = stop_token_ids
+        self._matcher = None
+        self.num_accepted = 0
+
+    @property
+    def ready(self) -> bool:
+        """Compiled: the request may run. (One whose compile failed never is: `take_failed`
+        reports it, and the core finishes it.)"""
+        return self.compiled.done() and self.compiled.exception() is None
+
+    @property
+    def error(self) -> BaseException | None:
+        """The compile's error, once it failed."""
+        return self.compiled.exception() if self.compiled.done() else None
+
+    def fill(self, bitmask: np.ndarray, row: int, output_token_ids: list[int]) -> None:
+        """Accept the output tokens not yet seen, then write the allowed next tokens into
+        `bitmask[row]`. A token the grammar rejects raises: the sampler draws only tokens of
+        the mask, so that would be a bug, not the model's doing."""
+        import xgrammar as xgr
+
+        if self._matcher is None:
+            self._matcher = xgr.GrammarMatcher(
+                self.compiled.result(), override_stop_tokens=self._stop_token_ids
+            )
+        for token in output_token_ids[self.num_accepted :]:
+            if not self._matcher.accept_token(token):
+                raise RuntimeError(f"the grammar rejected token {token} of its own mask")
+            self.num_accepted += 1
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+class StructuredOutputManager:
+    """Compiles the grammars of `add`ed requests and fills the steps' bitmasks; see the module
+    docstring. `load_tokenizer()` gives the model's tokenizer (loaded on the first structured
+    request, on the pool's thread); the bitmask covers `vocab_size` tokens, the model's."""
+
+    def __init__(
+        self, load_tokenizer: Callable[[], object], vocab_size: int, eos_token_ids: tuple[int, ...]
+    ) -> None:
+        self._load_tokenizer = load_tokenizer
+        self.vocab_size, self.eos_token_ids = vocab_size, eos_token_ids
+        self.threads = max(1, min((os.cpu_count() or 1) // 2, 8))  # as vLLM
+        self._pool: ThreadPoolExecutor | None = None
+        self._compiler = None
+        self._lock = threading.Lock()  # the compiler is built once, by the first compile
+        self._compiling: dict[str, object] = {}  # request id -> Request, until compiled
+
+    def add(self, request) -> None:
+        """Start compiling `request`'s grammar (its sampling params have structured outputs)
+        and set `request.grammar`."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="grammar")
+        key = grammar_key(request.sampling_params.structured_outputs)
+        compiled = self._pool.submit(lambda: compile_grammar(self._get_compiler(), key))
+        request.grammar = RequestGrammar(compiled, sorted(request.stop_token_set))
+        self._compiling[request.request_id] = request
+
+    def _get_compiler(self):
+        """The xgrammar compiler for the model's tokenizer, built by the first compile."""
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self._load_tokenizer(), vocab_size=self.vocab_size,
+                    stop_token_ids=list(self.eos_token_ids),
+                )  # fmt: skip
+                self._compiler = xgr.GrammarCompiler(
+                    info, max_threads=self.threads, cache_limit_bytes=CACHE_LIMIT_BYTES
+                )
+            return self._compiler
+
+    @property
+    def compiling(self) -> bool:
+        return bool(self._compiling)
+
+    def wait(self, timeout: float) -> None:
+        """Wait until a grammar being compiled is done, at most `timeout` seconds: an engine
+        with nothing else to run waits here instead of spinning."""
+        wait([r.grammar.compiled for r in self._compiling.values()], timeout, FIRST_COMPLETED)
+
+    def take_failed(self) -> list[tuple[object, BaseException]]:
+        """(request, error) for each unfinished request whose grammar failed to compile since
+        the last call; requests compiled or finished are forgotten."""
+        failed = []
+        for rid, request in list(self._compiling.items()):
+            if request.is_finished or request.grammar.compiled.done():
+                del self._compiling[rid]
+                if not request.is_finished and request.grammar.error is not None:
+                    failed.append((request, request.grammar.error))
+        return failed
+
+    def fill_bitmask(self, request_ids: list[str], requests: dict) -> np.ndarray:
+        """The token bitmask of a step: row i for request `request_ids[i]` (`requests`: the
+        scheduler's, by id), int32 [len(request_ids), ceil(vocab_size / 32)]."""
+        bitmask = np.empty((len(request_ids), -(-self.vocab_size // 32)), dtype=np.int32)
+        for row, rid in enumerate(request_ids):
+            request = requests[rid]
+            request.grammar.fill(bitmask, row, request.output_token_ids)
+        return bitmask
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

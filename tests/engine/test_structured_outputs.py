@@ -1,0 +1,223 @@
+"""Structured outputs end to end on the tiny random model (CPU): at temperature 1 its answers
+are random, yet each kind's answer passes its validator (jsonschema, re.fullmatch, membership);
+a constrained request leaves the others' tokens alone; its answer survives preemption and
+recompute and async scheduling unchanged; a grammar that is still compiling holds up no other
+request and can be aborted; a spec xgrammar cannot take is a ValueError naming it; an answer
+that does not fit in max_tokens ends with "length"."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import pytest
+
+from llm_inference import LLM, SamplingParams
+from llm_inference import StructuredOutputsParams as S
+from llm_inference.structured_output import manager as manager_module
+
+jsonschema = pytest.importorskip("jsonschema")
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z]{1,4}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pet": {"enum": ["cat", "dog", None]},
+        "likes": {"type": "array", "items": {"type": "boolean"}, "maxItems": 1},
+    },
+    "required": ["name", "age", "pet"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-c]{2,5}-\d{1,3}"
+GRAMMAR = 'root ::= num (" + " num)?\nnum ::= [1-9] [0-9]?'
+CHOICES = ["yes please", "no", "maybe later", 'say "hi"']
+
+
+def valid_person(text: str) -> None:
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+# (spec, validator): every answer of these fits in max_tokens, so every one must end on EOS
+KINDS = {
+    "json": (S(json=PERSON, disable_any_whitespace=True), valid_person),
+    "regex": (S(regex=REGEX), lambda t: re.fullmatch(REGEX, t) or pytest.fail(t)),
+    "grammar": (
+        S(grammar=GRAMMAR),
+        lambda t: re.fullmatch(r"[1-9]\d?( \+ [1-9]\d?)?", t) or pytest.fail(t),
+    ),  # fmt: skip
+    "choice": (S(choice=CHOICES), lambda t: t in CHOICES or pytest.fail(t)),
+}
+PROMPTS = ["The quick brown", "Paris is the capital", "Hello world! How are", "One two"]
+
+
+def constrained(kind: str, seed: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=1.0, seed=seed, max_tokens=64,
+                          structured_outputs=KINDS[kind][0], **kw)  # fmt: skip
+
+
+def plain(seed: int) -> SamplingParams:
+    return SamplingParams(temperature=1.0, seed=100 + seed, max_tokens=16, ignore_eos=True)
+
+
+def mixed_batch(kinds=tuple(KINDS), seeds=range(3)) -> tuple[list[str], list[SamplingParams]]:
+    """Every kind at several seeds (the first with n=2), between unconstrained requests."""
+    prompts, params = [], []
+    for i, kind in enumerate(kinds):
+        for seed in seeds:
+            prompts.append(PROMPTS[(i + seed) % len(PROMPTS)])
+            params.append(constrained(kind, seed, n=2 if seed == seeds[0] else 1))
+        prompts.append(PROMPTS[i % len(PROMPTS)])
+        params.append(plain(i))
+    return prompts, params
+
+
+def answers(outs) -> list[list[tuple]]:
+    return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt):
+    with LLM(str(tiny_ckpt), device="cpu") as llm:  # async scheduling: the default
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def mixed(llm):
+    prompts, params = mixed_batch()
+    return answers(llm.generate(prompts, params, use_tqdm=False))
+
+
+def test_every_kind_passes_its_validator(mixed):
+    prompts, params = mixed_batch()
+    checked = 0
+    for p, outs in zip(params, mixed):
+        if p.structured_outputs is None:
+            continue
+        check = next(v for so, v in KINDS.values() if so == p.structured_outputs)
+        for _, text, reason in outs:
+            assert reason == "stop", text
+            check(text)
+            checked += 1
+    assert checked == len(KINDS) * 4
+    texts = {
+        text
+        for p, outs in zip(params, mixed)
+        for _, text, _ in outs
+        if p.structured_outputs is not None and p.structured_outputs.json is not None
+    }
+    assert len(texts) == 4  # random answers, all different
+
+
+def test_unconstrained_requests_keep_their_tokens(llm, mixed):
+    """Beside constrained requests (their steps one at a time, a bitmask in the batch) the other
+    requests draw exactly the tokens they draw alone (overlapped steps, no bitmask)."""
+    prompts, params = mixed_batch()
+    alone = [(pr, p) for pr, p in zip(prompts, params) if p.structured_outputs is None]
+    outs = answers(llm.generate([a[0] for a in alone], [a[1] for a in alone], use_tqdm=False))
+    assert outs == [o for p, o in zip(params, mixed) if p.structured_outputs is None]
+
+
+def test_same_answers_under_preemption_and_recompute(tiny_ckpt, llm):
+    """An engine whose cache holds a few requests preempts them mid-answer and recomputes
+    them: their grammars go on from every token they kept, and the answers are token for token
+    those of an engine that never preempts (and runs its steps overlapped, not one at a time,
+    until the first constrained request arrives)."""
+    prompts, params = mixed_batch(("json", "choice"), range(2))
+    want = answers(llm.generate(prompts, params, use_tqdm=False))
+    small = dict(block_size=4, kv_cache_memory_bytes=24 * 2048, max_model_len=96)
+    with LLM(str(tiny_ckpt), device="cpu", async_scheduling=False, **small) as other:
+        assert answers(other.generate(prompts, params, use_tqdm=False)) == want
+        assert other.stats()["num_preemptions"] > 0
+
+
+def test_a_constrained_request_joining_overlapped_steps(llm):
+    """Async scheduling: a constrained request added while an overlapped step is in flight (its
+    tokens not yet read) gets masks from every token before them: its answer is valid, and the
+    running requests' tokens are those they draw alone."""
+    engine = llm.engine
+    alone = answers(llm.generate(PROMPTS[:2], [plain(0), plain(1)], use_tqdm=False))
+    engine.add_request("p0", llm.tokenizer(PROMPTS[0]).input_ids, plain(0))
+    engine.add_request("p1", llm.tokenizer(PROMPTS[1]).input_ids, plain(1))
+    outs: dict[str, list] = {}
+    for _ in range(3):
+        assert engine.core._pending is not None or not outs  # overlapped: a step in flight
+        for o in engine.step():
+            outs[o.request_id] = o
+    engine.add_request("c", llm.tokenizer(PROMPTS[2]).input_ids, constrained("json", 7))
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+    valid_person(outs["c"].outputs[0].text)
+    assert answers([outs["p0"], outs["p1"]]) == alone
+
+
+def test_answer_cut_by_max_tokens_ends_with_length(llm):
+    (out,) = llm.generate(PROMPTS[:1], constrained("json", 0).replace(max_tokens=4),
+                          use_tqdm=False)  # fmt: skip
+    c = out.outputs[0]
+    assert c.finish_reason == "length" and len(c.token_ids) == 4 and c.text.startswith("{")
+    with pytest.raises(ValueError):
+        json.loads(c.text)
+
+
+def test_a_spec_xgrammar_cannot_take_is_refused_naming_it(llm):
+    bad = SamplingParams(structured_outputs=S(json={"type": "object", "properties": {
+        "tags": {"type": "array", "uniqueItems": True}}}))  # fmt: skip
+    with pytest.raises(ValueError, match=r"structured_outputs.json: `uniqueItems` at "
+                                         r"#/properties/tags is not supported"):  # fmt: skip
+        llm.generate(PROMPTS[:1], bad, use_tqdm=False)
+    with pytest.raises(ValueError, match="structured_outputs.regex: Regex parsing error"):
+        llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=S(regex="a(")),
+                     use_tqdm=False)  # fmt: skip
+    assert not llm.engine.has_unfinished_requests()
+    (ok,) = llm.generate(PROMPTS[:1], constrained("choice", 1), use_tqdm=False)
+    assert ok.outputs[0].text in CHOICES
+
+
+@pytest.fixture
+def slow_compiles(monkeypatch):
+    """Compiles wait for the event returned (or raise, once it is set with .fail = True)."""
+    gate = threading.Event()
+    gate.fail = False
+    real = manager_module.compile_grammar
+
+    def compile_grammar(compiler, key):
+        assert gate.wait(30)
+        if gate.fail:
+            raise RuntimeError("compiler exploded")
+        return real(compiler, key)
+
+    monkeypatch.setattr(manager_module, "compile_grammar", compile_grammar)
+    yield gate
+    gate.set()
+
+
+def test_a_compiling_grammar_holds_up_no_one_and_can_be_aborted(llm, slow_compiles):
+    engine = llm.engine
+    regex = S(regex=r"[0-9]{3}")  # a spec not compiled before: no cache hit
+    engine.add_request("slow", [5, 6, 7], SamplingParams(structured_outputs=regex, seed=1))
+    engine.add_request("plain", [5, 6, 7], plain(0))
+    finished = []
+    while "plain" not in finished:
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert engine.scheduler.requests["slow"].num_computed_tokens == 0  # never scheduled
+    assert [r.request_id for r in engine.scheduler.waiting] == ["slow"]
+    engine.abort_request("slow")
+    assert not engine.has_unfinished_requests()
+    slow_compiles.set()
+    out = llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=regex), use_tqdm=False)
+    assert re.fullmatch(r"[0-9]{3}", out[0].outputs[0].text)
+
+
+def test_a_grammar_that_fails_to_compile_finishes_its_request(llm, slow_compiles, capsys):
+    slow_compiles.fail = True
+    slow_compiles.set()
+    so = S(grammar='root ::= "never compiled"')
+    out, other = llm.generate(PROMPTS[:2], [SamplingParams(structured_outputs=so), plain(1)],
+                              use_tqdm=False)  # fmt: skip
+    assert out.outputs[0].finish_reason == "abort" and out.outputs[0].token_ids == []
+    assert "grammar failed: compiler exploded" in capsys.readouterr().out
+    assert other.outputs[0].finish_reason == "length"
+    assert not llm.engine.has_unfinished_requests()
