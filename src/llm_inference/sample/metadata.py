@@ -104,32 +104,50 @@ def _min_tokens_pairs(
     return rows, cols
 
 
+def _request_arrays(p: SamplingParams, V: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """p's logit_bias as (token ids, biases) and its allowed_token_ids (sorted, unique, None
+    without a list) as arrays, ids >= V dropped. Built on a request's first step and kept on
+    its params, which never change: a request's lists then cost a copy per step, not a loop
+    in Python over up to 16,384 ids (`protocol.LIST_LIMITS`)."""
+    cached = p.__dict__.get("_arrays")
+    if cached is None or cached[0] != V:
+        bias = {t: float(v) for t, v in (p.logit_bias or {}).items() if t < V}
+        ids = p.allowed_token_ids
+        ids = None if ids is None else np.unique(np.asarray(ids, np.int64))
+        cached = (
+            V,
+            np.fromiter(bias.keys(), np.int64, len(bias)),
+            np.fromiter(bias.values(), np.float32, len(bias)),
+            None if ids is None else ids[ids < V],
+        )
+        object.__setattr__(p, "_arrays", cached)  # a cache beside the frozen fields
+    return cached[1:]
+
+
 def _bias_lists(params: list[SamplingParams], outputs: list[list[int]], V: int):
     """(rows, token ids, biases) of logit_bias and of bad_words (-inf on a word's last token
     where the output ends with the tokens before it), and (rows with a list, rows, token ids)
-    of allowed_token_ids; None for either when no row uses it. Ids >= V are dropped (the
-    engine's validate_request refuses them before)."""
+    of allowed_token_ids, as arrays; None for either when no row uses it. Ids >= V are dropped
+    (the engine's validate_request refuses them before)."""
     rows, cols, values, lists, arows, acols = [], [], [], [], [], []
     for b, p in enumerate(params):
-        for t, v in (p.logit_bias or {}).items():
-            if t < V:
-                rows.append(b)
-                cols.append(t)
-                values.append(float(v))
-        for seq in p.bad_words_token_ids:
-            *head, last = seq
-            if last < V and (not head or outputs[b][-len(head) :] == head):
-                rows.append(b)
-                cols.append(last)
-                values.append(float("-inf"))
-        allowed = p.allowed_token_ids
+        bias_ids, biases, allowed = _request_arrays(p, V)
+        words = [
+            last
+            for *head, last in p.bad_words_token_ids
+            if last < V and (not head or outputs[b][-len(head) :] == head)
+        ]
+        if len(bias_ids) or words:
+            cols += [bias_ids, np.array(words, np.int64)]
+            values += [biases, np.full(len(words), -np.inf, np.float32)]
+            rows.append(np.full(len(bias_ids) + len(words), b, np.int64))
         if allowed is not None:
             lists.append(b)
-            ids = sorted({t for t in allowed if t < V})
-            arows += [b] * len(ids)
-            acols += ids
-    bias = (rows, cols, values) if rows else None
-    return bias, ((lists, arows, acols) if lists else None)
+            arows.append(np.full(len(allowed), b, np.int64))
+            acols.append(allowed)
+    bias = tuple(map(np.concatenate, (rows, cols, values))) if rows else None
+    allowed = (np.array(lists), np.concatenate(arows), np.concatenate(acols)) if lists else None
+    return bias, allowed
 
 
 @dataclass
