@@ -43,12 +43,13 @@ def _ptx(kernel, signature: dict, constexprs: dict) -> str:
 
 SPLIT_SIGNATURE = dict(
     logits_ptr="*bf16", stride="i32", keys_ptr="*i32", temp_ptr="*fp32", greedy_ptr="*u8",
-    part_ptr="*fp32", idx_ptr="*i32", V="i32", chunk="i32", id_offset="i32",
+    bitmask_ptr="*i32", mask_rows_ptr="*i32", mask_stride="i32", part_ptr="*fp32",
+    idx_ptr="*i32", V="i32", chunk="i32", id_offset="i32",
 )  # fmt: skip
 SAMPLE_SIGNATURE = dict(
     logits_ptr="*bf16", stride="i32", keys_ptr="*i32", temp_ptr="*fp32", greedy_ptr="*u8",
-    top_k_ptr="*i32", top_p_ptr="*fp32", min_p_ptr="*fp32", win_ptr="*fp64", out_ptr="*i64",
-    V="i32", B="i32",
+    top_k_ptr="*i32", top_p_ptr="*fp32", min_p_ptr="*fp32", bitmask_ptr="*i32",
+    mask_rows_ptr="*i32", mask_stride="i32", win_ptr="*fp64", out_ptr="*i64", V="i32", B="i32",
 )  # fmt: skip
 
 
@@ -57,7 +58,7 @@ SAMPLE_SIGNATURE = dict(
 def test_split_race_log_for_sm90(fast):
     """lg2.approx with FAST_LOG (the outer log; one per element a thread handles in a step,
     with this Triton's layout), none without (libdevice's logf computes its log without it)."""
-    consts = dict(HAS_GREEDY=True, FAST_LOG=fast, BLOCK=sampling.BLOCK)
+    consts = dict(HAS_GREEDY=True, HAS_MASK=False, FAST_LOG=fast, BLOCK=sampling.BLOCK)
     ptx = _ptx(sampling._split_race_kernel, SPLIT_SIGNATURE, consts)
     count = ptx.count("lg2.approx.f32")
     assert (count > 0) if fast else (count == 0), count
@@ -68,7 +69,8 @@ def test_sample_kernel_log_for_sm90():
     """The filtered race of the per-row kernel (rows whose unfiltered winner is dropped)
     uses it."""
     consts = dict(
-        HAS_GREEDY=True, HAS_TOP_K=True, HAS_TOP_P=True, HAS_MIN_P=True, FAST_LOG=True,
+        HAS_GREEDY=True, HAS_TOP_K=True, HAS_TOP_P=True, HAS_MIN_P=True, HAS_MASK=True,
+        FAST_LOG=True,
         BLOCK=sampling.BLOCK, SEARCH_BLOCK=sampling.SEARCH_BLOCK, NP=sampling.NP,
         RETRIES=sampling.RETRIES,
     )  # fmt: skip
