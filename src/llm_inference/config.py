@@ -116,6 +116,39 @@ class YarnScaling:
         return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
+FP8_WEIGHT_SCALES = ("online", "tensor", "channel", "block")
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """How the linear layers hold FP8 weights (layers/fp8.py). `weight_scale`: "online" (an
+    unquantized checkpoint, quantized at load: --quantization fp8), or the checkpoint's scales:
+    "tensor" (one per weight: `weight_scale`), "channel" (one per output row: `weight_scale`
+    [out, 1]) or "block" (one per `weight_block_size` block: `weight_scale_inv`).
+    `static_input_scale`: the checkpoint has each layer's activation scale (`input_scale`);
+    otherwise activations are scaled per token at run time."""
+
+    weight_scale: str
+    weight_block_size: tuple[int, int] | None = None
+    static_input_scale: bool = False
+
+    def __post_init__(self) -> None:
+        if self.weight_scale not in FP8_WEIGHT_SCALES:
+            raise CheckpointError(
+                f"FP8 weight scales must be one of {FP8_WEIGHT_SCALES}: {self.weight_scale!r}"
+            )
+        block = self.weight_block_size
+        if (self.weight_scale == "block") != (block is not None) or (
+            block is not None and (len(block) != 2 or not all(is_int(b) and b > 0 for b in block))
+        ):
+            raise CheckpointError(
+                f"weight_block_size must be two positive integers for block scales (only): "
+                f"{block!r} with {self.weight_scale!r} scales"
+            )
+        if self.static_input_scale and self.weight_scale == "online":
+            raise CheckpointError("online FP8 quantization has no static input scales")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A checkpoint's shapes, RoPE and special tokens, in transformers' names, and its family's
@@ -143,6 +176,9 @@ class ModelConfig:
     qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen3)
     # Mistral's attention window; none is implemented, so a model_len above it is refused.
     sliding_window: int | None = None
+    # FP8 linear layers (the LM head and embeddings stay in the model dtype): the checkpoint's
+    # format, or "online" when the engine's `quantization="fp8"` quantizes at load.
+    quantization: Fp8Format | None = None
 
     def __post_init__(self) -> None:
         problems = _problems(self)
@@ -199,6 +235,8 @@ def _problems(c: ModelConfig) -> list[str]:
     window = c.sliding_window
     if window is not None and (not is_int(window) or window < 1):
         problems.append(f"sliding_window must be a positive integer or null, not {window!r}")
+    if c.quantization is not None and not isinstance(c.quantization, Fp8Format):
+        problems.append(f"quantization must be an Fp8Format or None, not {c.quantization!r}")
     return problems
 
 

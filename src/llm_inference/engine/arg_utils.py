@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from llm_inference.config import (
     CacheConfig,
     EngineConfig,
+    Fp8Format,
     ParallelConfig,
     SchedulerConfig,
     is_int,
@@ -82,6 +83,12 @@ class EngineArgs:
         "mp", "mp (worker processes on this host) or ray (Ray actors, across a Ray cluster)"
     )
     seed: int = _option(0, "the engine's random seed: requests draw their sampling seeds from it")
+    quantization: str | None = _option(
+        None,
+        "fp8: the linear layers' weights quantized to FP8 at load (per output channel; "
+        "activations per token); FP8 checkpoints are recognized from their config.json",
+        "the checkpoint's (unquantized, or its FP8 format)",
+    )
     kernel_backend: str = _option(
         "auto", "auto, triton (CUDA) or reference (PyTorch); auto: triton on CUDA"
     )
@@ -168,10 +175,14 @@ class EngineArgs:
         for name in ("enable_prefix_caching", "disable_custom_all_reduce"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be 'fp8' or None, got {self.quantization!r}")
         dev = resolve_device(self.device)
         backend = resolve_backend(self.kernel_backend, dev.split(":")[0])
         model_path = str(resolve_model(self.model))
         model_config = load_model_config(model_path)
+        if self.quantization == "fp8" and model_config.quantization is None:
+            model_config = dataclasses.replace(model_config, quantization=Fp8Format("online"))
         limit = model_config.max_position_embeddings
         if self.max_model_len is not None and self.max_model_len > limit:
             raise ValueError(

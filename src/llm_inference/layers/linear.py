@@ -141,8 +141,11 @@ class RowParallelLinear(LinearBase):
         self.reduce_results = reduce_results
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        # A parameter with fewer columns than the checkpoint's holds this rank's part of them;
+        # one with as many (the weight at TP=1, FP8's per-output-row scales) is whole.
         size = param.shape[1]
-        param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
+        start = self.tp_rank * size if size != loaded.shape[1] else 0
+        param.data.copy_(loaded.narrow(1, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x)

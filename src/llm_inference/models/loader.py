@@ -21,6 +21,7 @@ from torch import nn
 
 from llm_inference.config import CheckpointError, ModelConfig
 from llm_inference.kernels import KernelOps
+from llm_inference.layers.fp8 import Fp8Config
 from llm_inference.models.gguf import iter_gguf_weights, load_gguf_config, load_gguf_tokenizer
 from llm_inference.models.gguf_reader import is_gguf
 from llm_inference.models.model_config import (
@@ -34,8 +35,9 @@ from llm_inference.models.registry import model_class
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 # Weight dtypes that are loaded (cast to the model dtype); anything else (integers, bools,
-# FP8 without its scales) is refused.
+# FP8 outside an FP8 checkpoint) is refused.
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+FP8_DTYPE = "F8_E4M3"  # the weights of an FP8 checkpoint (config.json's quantization_config)
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
@@ -84,9 +86,11 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+def safetensors_shapes(
+    files: list[Path], dtypes: tuple[str, ...] = FLOAT_DTYPES
+) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape from the headers of `files` (no data is read); CheckpointError for
-    unreadable headers, non-float dtypes and tensors stored twice."""
+    unreadable headers, dtypes other than `dtypes` and tensors stored twice."""
     shapes: dict[str, tuple[int, ...]] = {}
     where: dict[str, str] = {}
     problems = []
@@ -96,10 +100,10 @@ def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
                 for name in sf.keys():
                     part = sf.get_slice(name)
                     dtype = part.get_dtype()
-                    if dtype not in FLOAT_DTYPES:
+                    if dtype not in dtypes:
                         problems.append(
                             f"{f.name}: tensor {name} has dtype {dtype}; "
-                            f"only {', '.join(FLOAT_DTYPES)} are supported"
+                            f"only {', '.join(dtypes)} are supported"
                         )
                     if name in where:
                         problems.append(f"tensor {name} is stored twice ({where[name]}, {f.name})")
@@ -128,7 +132,7 @@ class LazySlice:
         return self._slice[index]
 
     def materialize(self) -> torch.Tensor:
-        return self._slice[:]
+        return self._slice[:] if self.shape else self._slice[()]
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, LazySlice]]:
@@ -144,7 +148,8 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | LazySlice]]) -> None:
     """Copy Hugging Face-named tensors (or lazy slices of them) into the model's (fused,
-    sharded) parameters; a sharded parameter's loader reads only its rank's part."""
+    sharded) parameters; a sharded parameter's loader reads only its rank's part of a matrix
+    (vectors and scalars, small, are read whole)."""
     params = dict(model.named_parameters())
     for hf_name, tensor in weights:
         if ignored_tensor(hf_name, model.config):
@@ -157,10 +162,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | L
                 break
         param = params[name]
         loader = getattr(param, "weight_loader", None)
-        if loader is None:  # replicated (norms): read whole
-            loader = default_weight_loader
-            if isinstance(tensor, LazySlice):
-                tensor = tensor.materialize()
+        loader = loader or default_weight_loader  # replicated (norms): copied whole
+        if isinstance(tensor, LazySlice) and len(tensor.shape) < 2:
+            tensor = tensor.materialize()
         if isinstance(tensor, torch.Tensor):
             tensor = tensor.to(param.dtype)
         loader(param, tensor) if shard_id is None else loader(param, tensor, shard_id)
@@ -182,13 +186,17 @@ def load_model(
         weights = iter_gguf_weights(path, dtype, config)  # checks the tensors first
     else:
         files = safetensors_files(path)
-        check_shapes(safetensors_shapes(files), config, str(path))
+        fp8 = config.quantization
+        serialized = fp8 is not None and fp8.weight_scale != "online"
+        dtypes = FLOAT_DTYPES + (FP8_DTYPE,) if serialized else FLOAT_DTYPES
+        check_shapes(safetensors_shapes(files, dtypes), config, str(path))
         weights = iter_safetensors(files)
     default_dtype = torch.get_default_dtype()
     try:
         torch.set_default_dtype(dtype)
         with torch.device(device):
-            model = model_class(config.architecture)(config, ops)
+            quant_config = None if config.quantization is None else Fp8Config(config.quantization)
+            model = model_class(config.architecture)(config, ops, quant_config)
     finally:
         torch.set_default_dtype(default_dtype)
     with torch.no_grad():

@@ -11,6 +11,8 @@
   hold; `check_shapes` compares a checkpoint's (safetensors headers or GGUF tensor infos)
   against them and reports every problem in one error, before any tensor is read.
 - `check_sliding_window(config, max_model_len)`: a window shorter than the context is refused.
+- `parse_quantization`: `quantization_config` -> the FP8 format (config.Fp8Format) of an FP8
+  checkpoint, whose scale tensors `expected_shapes` then lists too; other formats are refused.
 
 Only the standard library and config.py: reading a config costs no torch import.
 """
@@ -27,9 +29,11 @@ from typing import Any
 
 from llm_inference.config import (
     CheckpointError,
+    Fp8Format,
     ModelConfig,
     RopeScaling,
     YarnScaling,
+    cdiv,
     is_int,
     is_number,
 )
@@ -234,7 +238,94 @@ def _parse(d: dict[str, Any]) -> ModelConfig:
         qkv_bias=family.qkv_bias,
         qk_norm=family.qk_norm,
         sliding_window=window,
+        quantization=parse_quantization(d.get("quantization_config")),
     )
+
+
+SUPPORTED_QUANTIZATION = (
+    "quant_method 'fp8' (e4m3 weights with per-tensor or weight_block_size scales, dynamic or "
+    "static activation scales) and 'compressed-tensors' FP8 (float 8-bit weights with channel "
+    "or tensor scales, float 8-bit activations dynamic per token or static per tensor)"
+)
+# Modules an FP8 checkpoint may leave unquantized: those that are never quantized here.
+_UNQUANTIZED = {"lm_head"}
+
+
+def parse_quantization(q: Any) -> Fp8Format | None:
+    """config.json's `quantization_config` (None: an unquantized checkpoint) as its FP8
+    format: Hugging Face's and vLLM's "fp8", or llm-compressor's "compressed-tensors" with
+    float8 weights and activations. Anything else is refused, naming what is supported."""
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise CheckpointError(f"quantization_config must be an object, not {q!r}")
+    method = q.get("quant_method")
+    try:
+        if method == "fp8":
+            return _hf_fp8(q)
+        if method == "compressed-tensors":
+            return _compressed_tensors(q)
+        raise CheckpointError(f"quant_method {method!r} is not supported")
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"quantization_config: {e}; supported: {SUPPORTED_QUANTIZATION}"
+        ) from None
+
+
+def _hf_fp8(q: dict[str, Any]) -> Fp8Format:
+    scheme = q.get("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static"):
+        raise CheckpointError(f"activation_scheme {scheme!r} is not 'dynamic' or 'static'")
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise CheckpointError(f"fmt {q['fmt']!r} is not 'e4m3'")
+    _check_unquantized(q.get("modules_to_not_convert") or q.get("ignored_layers"))
+    block = q.get("weight_block_size")
+    if block is None:
+        return Fp8Format("tensor", static_input_scale=scheme == "static")
+    if not isinstance(block, list) or len(block) != 2 or not all(is_int(b) for b in block):
+        raise CheckpointError(f"weight_block_size must be two integers, not {block!r}")
+    if scheme == "static":
+        raise CheckpointError("block scales (weight_block_size) with static activations")
+    return Fp8Format("block", tuple(block))
+
+
+def _compressed_tensors(q: dict[str, Any]) -> Fp8Format:
+    if q.get("format") not in ("float-quantized", "naive-quantized"):
+        raise CheckpointError(f"format {q.get('format')!r} is not 'float-quantized'")
+    if q.get("kv_cache_scheme"):
+        raise CheckpointError("kv_cache_scheme (an FP8 KV cache) is not implemented")
+    _check_unquantized(q.get("ignore"))
+    groups = q.get("config_groups")
+    if not isinstance(groups, dict) or len(groups) != 1:
+        raise CheckpointError(f"config_groups must hold one group, not {groups!r}")
+    group = next(iter(groups.values()))
+    if not isinstance(group, dict) or group.get("targets") != ["Linear"]:
+        raise CheckpointError(f"the config group must target ['Linear']: {group!r}")
+    weights, acts = group.get("weights"), group.get("input_activations")
+
+    def fp8(args: Any, what: str, strategies: tuple[str, ...]) -> str:
+        if not isinstance(args, dict) or args.get("type") != "float" or args.get("num_bits") != 8:
+            raise CheckpointError(f"{what} must be 8-bit floats: {args!r}")
+        if not args.get("symmetric", True) or args.get("strategy") not in strategies:
+            raise CheckpointError(f"{what} must be symmetric with strategy in {strategies}")
+        return args["strategy"]
+
+    strategy = fp8(weights, "weights", ("channel", "tensor"))
+    if weights.get("dynamic"):
+        raise CheckpointError("weights with dynamic scales")
+    static = fp8(acts, "input_activations", ("token", "tensor")) == "tensor"
+    if acts.get("dynamic") == static:
+        raise CheckpointError("activations must be dynamic per token or static per tensor")
+    return Fp8Format(strategy, static_input_scale=static)
+
+
+def _check_unquantized(names: Any) -> None:
+    """The modules a checkpoint leaves unquantized: only those never quantized here."""
+    if names and not (isinstance(names, list) and set(names) <= _UNQUANTIZED):
+        raise CheckpointError(
+            f"unquantized modules {names!r}: linear layers that mix FP8 and the model dtype are "
+            f"not supported (only {sorted(_UNQUANTIZED)} may be listed)"
+        )
 
 
 def scaled_positions(max_positions: int, scaling: RopeScaling | YarnScaling | None) -> int:
@@ -366,7 +457,27 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes |= {p + f"self_attn.{x}_proj.bias": (c.kv_size,) for x in "kv"}
         if c.qk_norm:
             shapes |= {p + f"self_attn.{x}_norm.weight": (c.head_dim,) for x in "qk"}
+    if c.quantization is not None and c.quantization.weight_scale != "online":
+        shapes |= _fp8_scale_shapes(shapes, c.quantization)
     return shapes
+
+
+def _fp8_scale_shapes(shapes: dict[str, tuple[int, ...]], f: Fp8Format) -> dict:
+    """The scale tensors of an FP8 checkpoint's linear weights (() is a scalar, also stored as
+    [1])."""
+    scales = {}
+    for name, shape in shapes.items():
+        if not name.endswith("_proj.weight"):
+            continue
+        (out, inp), base = shape, name.removesuffix("weight")
+        if f.weight_scale == "block":
+            bn, bk = f.weight_block_size
+            scales[base + "weight_scale_inv"] = (cdiv(out, bn), cdiv(inp, bk))
+        else:
+            scales[base + "weight_scale"] = (out, 1) if f.weight_scale == "channel" else ()
+        if f.static_input_scale:
+            scales[base + "input_scale"] = ()
+    return scales
 
 
 def check_sliding_window(c: ModelConfig, max_model_len: int) -> None:
@@ -409,7 +520,7 @@ def check_shapes(
     wrong = sorted(
         f"{n}: checkpoint {tuple(found[n])}, expected {want[n]}"
         for n in set(want) & set(found)
-        if tuple(found[n]) != want[n]
+        if tuple(found[n]) != want[n] and not (want[n] == () and tuple(found[n]) == (1,))
     )
     problems = list(other_problems)
     if missing:

@@ -1,0 +1,192 @@
+"""FP8 linear layers (vLLM's Fp8LinearMethod and compressed-tensors' FP8 W8A8, reduced):
+float8_e4m3fn weights with one float32 scale per output row, activations quantized per token
+at run time (or with the checkpoint's static scale). Decode reads half the bytes of bf16.
+
+Every checkpoint form (config.Fp8Format) ends in that one layout after loading
+(`process_weights_after_loading`):
+- online (an unquantized checkpoint, `quantization="fp8"`): the weight loads in the model
+  dtype, then each row is scaled so that its largest magnitude is FP8's largest, 448;
+- per-tensor scales (one per checkpoint weight: qkv_proj holds three, gate_up_proj two) are
+  repeated over their rows; per-channel scales are the layout already;
+- block scales (`weight_block_size`) are dequantized and the weight requantized per row: one
+  layout to run, for a second rounding (at most half an e4m3 step, 2^-4 relative).
+
+`apply` computes x @ W^T from the quantized x and W: on CUDA with compute capability 8.9 or
+more through `torch._scaled_mm` with row-wise scales (per-token x per-channel); elsewhere the
+reference dequantizes both and multiplies in the activation dtype, the same product up to
+rounding. Under tensor parallelism a scale follows its weight rows: sharded with a
+column-parallel layer's outputs, whole on every rank of a row-parallel one (its output is
+whole); a shard of a block-scaled weight must hold whole blocks (as in vLLM).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llm_inference.config import Fp8Format, cdiv
+from llm_inference.kernels import KernelOps
+from llm_inference.layers.quantization import LinearMethodBase
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+# Smallest row maximum scaled: an all-zero row gets a tiny scale, not a division by zero.
+MIN_AMAX = 1e-12
+
+
+def quantize_rows(
+    x: torch.Tensor, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] as FP8 and its float32 scales [R, 1] (x ~ q * scale): each row's largest
+    magnitude maps to FP8_MAX, or `scale` (a static scalar) is used and what exceeds the range
+    saturates. Computed in float32, as vLLM's quantization kernels."""
+    x = x.float()
+    if scale is None:
+        scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
+    else:
+        scale = scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    scaled_mm: bool,
+) -> torch.Tensor:
+    """x [T, K] @ (weight [N, K] FP8 * weight_scale [N])^T, x quantized per token (or with the
+    static `input_scale`); `scaled_mm`: through torch._scaled_mm, else the reference."""
+    q, x_scale = quantize_rows(x, input_scale)
+    if scaled_mm:  # row-wise scaling takes bf16 output only
+        y = torch._scaled_mm(
+            q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
+            out_dtype=torch.bfloat16,
+        )  # fmt: skip
+        return y.to(x.dtype)
+    w = (weight.float() * weight_scale[:, None]).to(x.dtype)
+    return F.linear((q.float() * x_scale).to(x.dtype), w)
+
+
+def scaled_mm_supported(weight: torch.Tensor) -> bool:
+    """torch._scaled_mm's FP8 needs compute capability 8.9 (Ada, Hopper and later) and both
+    matrix dimensions of W multiples of 16."""
+    return (
+        weight.is_cuda
+        and torch.cuda.get_device_capability(weight.device) >= (8, 9)
+        and weight.shape[0] % 16 == 0
+        and weight.shape[1] % 16 == 0
+    )
+
+
+def _shard_index(shard_id: int | str) -> int:
+    """The slot of a fused layer's part: q, k, v or gate (0), up (1)."""
+    return "qkv".index(shard_id) if isinstance(shard_id, str) else shard_id
+
+
+def _per_shard_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str = 0) -> None:
+    """A checkpoint's scalar (a per-tensor weight or input scale) into its part's slot; the
+    same on every rank."""
+    param.data[_shard_index(shard_id)] = loaded.reshape(())
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """The QuantizationConfig of FP8 models: every linear layer gets an Fp8LinearMethod."""
+
+    format: Fp8Format
+
+    def get_linear_method(self, ops: KernelOps) -> LinearMethodBase:
+        return Fp8LinearMethod(ops, self.format)
+
+
+class Fp8LinearMethod(LinearMethodBase):
+    """Creates `weight` (FP8, or the model dtype for online quantization) and the checkpoint's
+    scales; after loading, the layer holds `weight` [N, K] FP8, `weight_scale` [N] float32 and
+    `input_scale` (a float32 scalar, or None: per token)."""
+
+    def __init__(self, ops: KernelOps, fmt: Fp8Format) -> None:
+        super().__init__(ops)
+        self.fmt = fmt
+        self.scaled_mm = False  # decided from the loaded weight's device
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        weight_loader: Callable,
+    ) -> None:
+        fmt, rows, cols = self.fmt, sum(output_partition_sizes), input_size_per_partition
+        layer.output_partition_sizes = output_partition_sizes
+        dtype = None if fmt.weight_scale == "online" else FP8  # None: the model dtype
+        _register(layer, "weight", torch.empty(rows, cols, dtype=dtype), weight_loader)
+        parts = len(output_partition_sizes)
+        if fmt.weight_scale == "tensor":
+            _register(
+                layer, "weight_scale", torch.zeros(parts, dtype=torch.float32), _per_shard_loader
+            )
+        elif fmt.weight_scale == "channel":
+            _register(
+                layer, "weight_scale", torch.empty(rows, 1, dtype=torch.float32), weight_loader
+            )
+        elif fmt.weight_scale == "block":
+            bn, bk = fmt.weight_block_size
+            if any(size % bn for size in output_partition_sizes) or (
+                layer.tp_size > 1 and cols % bk
+            ):
+                raise ValueError(
+                    f"a shard of {output_partition_sizes} output rows and {cols} input features "
+                    f"does not hold whole blocks of weight_block_size {list(fmt.weight_block_size)}"
+                    f" (tensor_parallel_size {layer.tp_size})"
+                )
+
+            def block_loader(param, loaded, *shard_id):
+                # [out / bn, in / bk] blocks -> one row per output row, sharded as the weight
+                whole = loaded.narrow(0, 0, loaded.shape[0]).float()
+                weight_loader(param, whole.repeat_interleave(bn, dim=0), *shard_id)
+
+            scale = torch.empty(rows, cdiv(cols, bk), dtype=torch.float32)
+            _register(layer, "weight_scale_inv", scale, block_loader)
+        if fmt.static_input_scale:
+            _register(
+                layer, "input_scale", torch.zeros(parts, dtype=torch.float32), _per_shard_loader
+            )
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        fmt, weight = self.fmt, layer.weight.data
+        if fmt.weight_scale == "online":
+            weight, scale = quantize_rows(weight)
+        elif fmt.weight_scale == "block":
+            bk = fmt.weight_block_size[1]
+            per_column = layer.weight_scale_inv.repeat_interleave(bk, dim=1)[:, : weight.shape[1]]
+            weight, scale = quantize_rows(weight.float() * per_column)
+            del layer.weight_scale_inv
+        elif fmt.weight_scale == "tensor":
+            sizes = torch.tensor(layer.output_partition_sizes, device=weight.device)
+            scale = layer.weight_scale.repeat_interleave(sizes)
+        else:
+            scale = layer.weight_scale
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale.reshape(-1).float(), requires_grad=False)
+        if fmt.static_input_scale:  # one scale for the fused parts' common input: the largest
+            layer.input_scale = nn.Parameter(layer.input_scale.max(), requires_grad=False)
+        else:
+            layer.input_scale = None
+        self.scaled_mm = scaled_mm_supported(weight)
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        y = fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, self.scaled_mm)
+        return y if bias is None else y.add_(bias)
+
+
+def _register(layer: nn.Module, name: str, data: torch.Tensor, loader: Callable) -> None:
+    param = nn.Parameter(data, requires_grad=False)
+    param.weight_loader = loader
+    layer.register_parameter(name, param)
