@@ -2,7 +2,9 @@
 the tensor names, dtypes, shapes and `quantization_config` of Hugging Face's "fp8" (block
 scales `weight_scale_inv`, as Qwen3-*-FP8 and DeepSeek; per-tensor `weight_scale` with static
 `input_scale`, as vLLM's and AutoFP8's) and of llm-compressor's "compressed-tensors"
-(FP8_DYNAMIC: bf16 `weight_scale` [out, 1] per channel; FP8 static: per-tensor [1] scales)."""
+(FP8_DYNAMIC: bf16 `weight_scale` [out, 1] per channel; FP8 static: per-tensor [1] scales).
+Also `steady`, a random model that FP8 rounding disturbs as little as a trained one, and
+`logits`, a model's logits over one prompt."""
 
 from __future__ import annotations
 
@@ -11,12 +13,14 @@ import shutil
 from pathlib import Path
 
 import torch
+from helpers import make_checkpoint
 from safetensors.torch import load_file, save_file
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BLOCK = (16, 16)
+PROMPT = torch.tensor([1, 5, 9, 20, 33, 2, 70, 71, 15, 16, 100, 4])
 # Static activation scales: q, k and v differ (the engine takes their maximum).
 INPUT_SCALES = {"q_proj": 0.02, "k_proj": 0.025, "v_proj": 0.015}
 
@@ -97,3 +101,20 @@ def write_fp8_checkpoint(src: Path, dst: Path, layout: str) -> dict[str, torch.T
     cfg["quantization_config"] = config
     (dst / "config.json").write_text(json.dumps(cfg))
     return dequantized
+
+
+def steady(folder, make=make_checkpoint, **overrides):
+    """A random model whose residual stream outweighs each layer's update, as a trained
+    model's does (small weights, embeddings scaled up): FP8's rounding then moves the logits a
+    little. (With updates that dominate, a random model is chaotic: every rounding grows.)"""
+    folder = make(folder, initializer_range=0.02, **overrides)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.embed_tokens.weight"] *= 100
+    save_file(tensors, folder / "model.safetensors")
+    return folder
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        hidden = model(PROMPT, torch.arange(len(PROMPT)), [len(PROMPT)])
+        return model.compute_logits(hidden)

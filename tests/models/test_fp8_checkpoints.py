@@ -10,9 +10,8 @@ import json
 
 import pytest
 import torch
-from fp8_testfiles import LAYOUTS, write_fp8_checkpoint
-from helpers import assert_greedy_close, make_checkpoint, make_sharp_checkpoint
-from safetensors.torch import load_file, save_file
+from fp8_testfiles import LAYOUTS, logits, steady, write_fp8_checkpoint
+from helpers import assert_greedy_close, make_sharp_checkpoint
 
 from llm_inference import LLM, SamplingParams
 from llm_inference.config import CheckpointError, Fp8Format
@@ -22,30 +21,12 @@ from llm_inference.models.loader import load_model, load_model_config
 from llm_inference.models.model_config import parse_hf_config
 
 FP8 = torch.float8_e4m3fn
-PROMPT = torch.tensor([1, 5, 9, 20, 33, 2, 70, 71, 15, 16, 100, 4])
 EPS = 2.0**-4  # e4m3: 3 mantissa bits, round to nearest: half a step, relative
-
-
-def steady(folder, make=make_checkpoint, **overrides):
-    """A random model whose residual stream outweighs each layer's update, as a trained
-    model's does (small weights, embeddings scaled up): FP8's rounding then moves the logits a
-    little. (With updates that dominate, a random model is chaotic: every rounding grows.)"""
-    folder = make(folder, initializer_range=0.02, **overrides)
-    tensors = load_file(folder / "model.safetensors")
-    tensors["model.embed_tokens.weight"] *= 100
-    save_file(tensors, folder / "model.safetensors")
-    return folder
 
 
 @pytest.fixture(scope="module")
 def steady_ckpt(tmp_path_factory):
     return steady(tmp_path_factory.mktemp("steady"))
-
-
-def logits(model) -> torch.Tensor:
-    with torch.no_grad():
-        hidden = model(PROMPT, torch.arange(len(PROMPT)), [len(PROMPT)])
-        return model.compute_logits(hidden)
 
 
 def dequantized(layer) -> torch.Tensor:
