@@ -3,9 +3,9 @@ quantization interface, reduced to what the engine uses).
 
 A linear layer (layers/linear.py, and the LM head) owns no matmul: at construction it asks
 `get_linear_method(quant_config, ops)` for its method. A quantization config picks the method
-for a layer; the only config is None: unquantized weights in the model dtype
-(`UnquantizedLinearMethod`). A quantized format (FP8) adds a `QuantizationConfig` and its
-method here.
+for a layer: None gives unquantized weights in the model dtype (`UnquantizedLinearMethod`);
+layers/fp8.py's `Fp8Config` gives FP8 weights (`Fp8LinearMethod`), built by models/loader.py
+from the model config's FP8 format. The LM head and the embeddings are never quantized.
 """
 
 from __future__ import annotations

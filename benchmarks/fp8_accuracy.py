@@ -1,0 +1,88 @@
+"""FP8 accuracy: how far online FP8 quantization (`quantization="fp8"`) moves the default
+model's next-token distributions, on the CPU (the reference FP8 path: weights and activations
+rounded to e4m3 exactly as on the GPU, the products in float32).
+
+The text is this repository's ARCHITECTURE.md (English prose; its git blob id is printed), cut
+into windows of `--window` tokens; every position of a window but the last predicts the next
+token. Per position: KL(float32 || FP8) of the next-token distributions, whether the argmax
+agrees, and the log-likelihood of the true next token (perplexity); the bfloat16 model (no
+quantization) is measured the same way, for scale. Prints a markdown report.
+
+    PYTHONPATH=src python benchmarks/fp8_accuracy.py [--positions 4096] [--window 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+from llm_inference.config import Fp8Format
+from llm_inference.kernels.reference import ReferenceOps
+from llm_inference.models.default_model import resolve_model
+from llm_inference.models.loader import load_model, load_model_config, load_tokenizer
+
+TEXT = Path(__file__).resolve().parents[1] / "ARCHITECTURE.md"
+
+
+def window_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        hidden = model(ids, torch.arange(len(ids)), [len(ids)])
+        return model.compute_logits(hidden).float().log_softmax(-1)
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--positions", type=int, default=4096, help="positions scored, at least")
+    p.add_argument("--window", type=int, default=1024)
+    args = p.parse_args()
+
+    path = resolve_model(None)
+    config = load_model_config(path)
+    fp8 = dataclasses.replace(config, quantization=Fp8Format("online"))
+    ref = load_model(path, ReferenceOps())
+    variants = {  # compared with the float32 model; bfloat16 for scale
+        'FP8 (`quantization="fp8"`)': load_model(path, ReferenceOps(), config=fp8),
+        "bfloat16 (no quantization)": load_model(path, ReferenceOps(), dtype=torch.bfloat16),
+    }
+    ids = load_tokenizer(path)(TEXT.read_text(), add_special_tokens=False).input_ids
+    windows = [torch.tensor(ids[i : i + args.window]) for i in range(0, len(ids) - 1, args.window)]
+    windows = windows[: -(-args.positions // (args.window - 1))]
+    nll = {"float32": []} | {name: [] for name in variants}
+    kl, agree = {name: [] for name in variants}, {name: [] for name in variants}
+    for w in windows:
+        lp_ref = window_logprobs(ref, w)[:-1]
+        nll["float32"].append(-lp_ref.gather(1, w[1:, None]).squeeze(1))
+        for name, model in variants.items():
+            lp = window_logprobs(model, w)[:-1]
+            kl[name].append((lp_ref.exp() * (lp_ref - lp)).sum(-1))
+            agree[name].append((lp_ref.argmax(-1) == lp.argmax(-1)).float())
+            nll[name].append(-lp.gather(1, w[1:, None]).squeeze(1))
+    positions = sum(len(w) - 1 for w in windows)
+    ppl = {name: torch.cat(v).mean().exp().item() for name, v in nll.items()}
+    blob, commit = (git("hash-object", str(TEXT)), git("rev-parse", "--short", "HEAD"))
+    print(f"- model: {Path(path).name} ({path}); the float32 model is the reference")
+    print(f"- text: ARCHITECTURE.md, git blob {blob} (commit {commit}), {len(ids)} tokens; "
+          f"{positions} positions in windows of {args.window} tokens")  # fmt: skip
+    print(f"- machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          "CPU (FP8: the reference path, operands rounded to e4m3 as on the GPU)")  # fmt: skip
+    print(f"- perplexity of the float32 model: {ppl['float32']:.3f}")
+    print()
+    print("| against float32 | mean KL, nats | median | p99 | max | top-1 agreement | perplexity |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name in variants:
+        k, a = torch.cat(kl[name]), torch.cat(agree[name])
+        print(f"| {name} | {k.mean():.5f} | {k.median():.5f} | {k.quantile(0.99):.4f} | "
+              f"{k.max():.4f} | {a.mean():.2%} | {ppl[name]:.3f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
