@@ -2,11 +2,12 @@
 model's next-token distributions, on the CPU (the reference FP8 path: weights and activations
 rounded to e4m3 exactly as on the GPU, the products in float32).
 
-The text is this repository's ARCHITECTURE.md (English prose; its git blob id is printed), cut
-into windows of `--window` tokens; every position of a window but the last predicts the next
-token. Per position: KL(float32 || FP8) of the next-token distributions, whether the argmax
-agrees, and the log-likelihood of the true next token (perplexity); the bfloat16 model (no
-quantization) is measured the same way, for scale. Prints a markdown report.
+The text is this repository's ARCHITECTURE.md (English prose) as of commit 1e67b03, read
+from git so that it stays fixed, cut into windows of `--window` tokens; every position of a
+window but the last predicts the next token. Per position: KL(float32 || FP8) of the
+next-token distributions, whether the argmax agrees, and the log-likelihood of the true next
+token (perplexity); the bfloat16 model (no quantization) is measured the same way, for scale.
+Prints a markdown report.
 
     PYTHONPATH=src python benchmarks/fp8_accuracy.py [--positions 4096] [--window 1024]
 """
@@ -26,7 +27,7 @@ from llm_inference.kernels.reference import ReferenceOps
 from llm_inference.models.default_model import resolve_model
 from llm_inference.models.loader import load_model, load_model_config, load_tokenizer
 
-TEXT = Path(__file__).resolve().parents[1] / "ARCHITECTURE.md"
+TEXT = "1e67b03:ARCHITECTURE.md"  # a git object: the text never changes
 
 
 def window_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
@@ -36,7 +37,10 @@ def window_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def git(*args: str) -> str:
-    return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
+    repo = Path(__file__).resolve().parents[1]
+    return subprocess.run(
+        ["git", *args], cwd=repo, capture_output=True, text=True, check=True
+    ).stdout
 
 
 def main() -> None:
@@ -53,7 +57,7 @@ def main() -> None:
         'FP8 (`quantization="fp8"`)': load_model(path, ReferenceOps(), config=fp8),
         "bfloat16 (no quantization)": load_model(path, ReferenceOps(), dtype=torch.bfloat16),
     }
-    ids = load_tokenizer(path)(TEXT.read_text(), add_special_tokens=False).input_ids
+    ids = load_tokenizer(path)(git("show", TEXT), add_special_tokens=False).input_ids
     windows = [torch.tensor(ids[i : i + args.window]) for i in range(0, len(ids) - 1, args.window)]
     windows = windows[: -(-args.positions // (args.window - 1))]
     nll = {"float32": []} | {name: [] for name in variants}
@@ -68,9 +72,8 @@ def main() -> None:
             nll[name].append(-lp.gather(1, w[1:, None]).squeeze(1))
     positions = sum(len(w) - 1 for w in windows)
     ppl = {name: torch.cat(v).mean().exp().item() for name, v in nll.items()}
-    blob, commit = (git("hash-object", str(TEXT)), git("rev-parse", "--short", "HEAD"))
     print(f"- model: {Path(path).name} ({path}); the float32 model is the reference")
-    print(f"- text: ARCHITECTURE.md, git blob {blob} (commit {commit}), {len(ids)} tokens; "
+    print(f"- text: `git show {TEXT}`, {len(ids)} tokens; "
           f"{positions} positions in windows of {args.window} tokens")  # fmt: skip
     print(f"- machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           "CPU (FP8: the reference path, operands rounded to e4m3 as on the GPU)")  # fmt: skip
