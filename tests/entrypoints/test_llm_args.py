@@ -109,6 +109,7 @@ def test_every_engine_argument_has_a_cli_flag():
                     "model": "some/folder",
                     "gpu_memory_utilization": 0.25,
                     "distributed_executor_backend": "ray",
+                    "quantization": "fp8",
                 }.get(f.name, 3)
                 argv, want = [flag, str(value)], value  # fmt: skip
             args = parser.parse_args([*command, *argv])
