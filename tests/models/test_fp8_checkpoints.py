@@ -164,3 +164,30 @@ def test_fp8_tensors_need_the_config_and_their_scales(steady_ckpt, tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"missing tensors: .*q_proj\.weight_scale_inv"):
         load_model(folder, ReferenceOps())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="torch._scaled_mm's FP8 needs CUDA compute capability 8.9+",
+)
+@pytest.mark.parametrize("eager", [False, True], ids=["cuda_graphs", "eager"])
+def test_cuda_engine_runs_scaled_mm(tmp_path, eager):
+    """The engine on CUDA (Triton kernels, bfloat16, CUDA graphs or not) with its linear layers
+    through torch._scaled_mm: greedy tokens as the unquantized engine's up to near ties (wider
+    than on the CPU: bfloat16 rounds the activations before they are quantized)."""
+    folder = steady(tmp_path / "peaked", make_sharp_checkpoint, factor=100, num_hidden_layers=2)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 320, (n,), generator=g).tolist() for n in (1, 7, 33, 120, 250)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=5)
+    runs = {}
+    for quantization in (None, "fp8"):
+        with LLM(str(folder), device="cuda", dtype="bfloat16", kv_cache_memory_bytes=64 << 20,
+                 enforce_eager=eager, quantization=quantization) as llm:  # fmt: skip
+            model = llm.engine.executor.workers[0].model_runner.model
+            down = model.layers[0].mlp.down_proj
+            assert (down.weight.dtype == FP8) == (quantization == "fp8")
+            if quantization:
+                assert down.quant_method.scaled_mm
+            runs[quantization] = llm.generate(prompts, params, use_tqdm=False)
+    assert_greedy_close(runs["fp8"], runs[None], near_tie=0.5, who="FP8 on CUDA")
