@@ -3,7 +3,7 @@
 # multicast, as on the target machines) and $B, the bench command.
 OUT=${OUT:-/tmp/gpu_out}; R=$(mktemp -d); mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=src
-# Pure-Python wheels the machine lacks (gguf), carried in .whl/ (`carry: [".whl"]`).
+# Wheels the machine lacks (scripts/README.md lists them), carried in .whl/ (`carry: [".whl"]`).
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=src:/tmp/site
