@@ -316,3 +316,21 @@ def test_top_level_help_speaks_to_users(capsys):
         parser.parse_args(["bench", "--help"])
     out = capsys.readouterr().out
     assert all(kind in out for kind in ("latency", "throughput", "prefill", "serve"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "missing"),
+    [(["serve", "--port", "1"], "fastapi"), (["bench", "serve", "--num-prompts", "1"], "httpx")],
+)
+def test_serve_without_the_serve_extra_is_one_error(monkeypatch, capsys, argv, missing):
+    """`pip install -e .` alone has no server packages: `serve` and `bench serve` say which
+    is missing and how to install it, in one line, not with an import traceback."""
+    for name in ("llm_inference.entrypoints.openai.api_server", missing):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setitem(sys.modules, missing, None)  # `import missing` raises
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error: {missing} is not installed: the server and `bench serve` need the serve extra "
+        '(pip install -e ".[serve]" in a clone of the repository)'
+    ]

@@ -215,10 +215,15 @@ def _one_line(e: BaseException) -> str:
     return text
 
 
+# The `serve` extra's packages, imported only by the server and `bench serve`.
+SERVE_PACKAGES = ("fastapi", "starlette", "uvicorn", "httpx")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand. Errors a user can cause or meet (bad arguments or checkpoints, a
-    missing device, files, the OS, the engine's workers: ValueError, RuntimeError, OSError)
-    print one `error: ...` line and exit 1; Ctrl-C exits 130; usage errors are argparse's (2).
+    missing device, files, the OS, the engine's workers: ValueError, RuntimeError, OSError;
+    the serve extra not installed) print one `error: ...` line and exit 1; Ctrl-C exits 130;
+    usage errors are argparse's (2).
     Anything else (TypeError, AttributeError, ...) is a bug and keeps its traceback, as do all
     errors when LLM_INFERENCE_TRACEBACK=1."""
     args = build_parser().parse_args(argv)
@@ -227,6 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)  # end the line the terminal echoed ^C on
         return 130
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in SERVE_PACKAGES:
+            raise
+        hint = 'pip install -e ".[serve]" in a clone of the repository'
+        print(f"error: {e.name} is not installed: the server and `bench serve` need the serve "
+              f"extra ({hint})", file=sys.stderr)  # fmt: skip
+        return 1
     except (ValueError, RuntimeError, OSError) as e:
         if os.environ.get("LLM_INFERENCE_TRACEBACK") == "1":
             raise
