@@ -65,6 +65,18 @@ class WorkerError(RuntimeError):
     """A tensor-parallel worker process raised or died."""
 
 
+def check_usable(closed: bool, unusable: str | None) -> None:
+    """The error for a call to tensor-parallel workers (of either executor) that are shut down
+    (`closed`) or broken (`unusable`: why)."""
+    if closed:
+        raise RuntimeError("the tensor-parallel workers have been shut down")
+    if unusable is not None:
+        raise WorkerError(
+            f"the tensor-parallel workers are unusable ({unusable}); close this engine and "
+            "create a new one"
+        )
+
+
 def check_parallel_config(config: EngineConfig) -> None:
     """Raise ValueError when tensor_parallel_size does not fit the model or the machine."""
     n = config.parallel.tensor_parallel_size
@@ -209,15 +221,6 @@ class MultiprocWorkers:
 
     # ---- calls ----------------------------------------------------------------------------
 
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise RuntimeError("the tensor-parallel workers have been shut down")
-        if self._unusable is not None:
-            raise WorkerError(
-                f"the tensor-parallel workers are unusable ({self._unusable}); close this "
-                "engine and create a new one"
-            )
-
     def collective_rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
         """Call `method(*args)` on every rank's Worker; the results in rank order."""
         return self.submit(method, *args).result(timeout)
@@ -225,7 +228,7 @@ class MultiprocWorkers:
     def submit(self, method: str, *args: Any) -> PendingCall:
         """Send `method(*args)` to every rank and return at once; the ranks run it after the
         calls sent before (whose replies may still be unread)."""
-        self._check_usable()
+        check_usable(self._closed, self._unusable)
         data = pickle.dumps((self._seq + 1, method, args), protocol=pickle.HIGHEST_PROTOCOL)
         self._seq += 1
         call = self._calls[self._seq] = _Call(self._seq, method, self.world_size)
@@ -283,7 +286,7 @@ class MultiprocWorkers:
         rank answered `call`, checking on the processes; its results or its WorkerError."""
         give_up = None if timeout is None else time.monotonic() + timeout
         while call.owing:
-            self._check_usable()
+            check_usable(self._closed, self._unusable)
             waiting = {self._from[r]: r for r in call.owing}
             for conn in wait_connections(list(waiting), POLL_S):
                 self._read_reply(waiting[conn])

@@ -34,7 +34,7 @@ import weakref
 from typing import Any
 
 from llm_inference.config import EngineConfig
-from llm_inference.executor.multiproc import WorkerError, check_heads_divide
+from llm_inference.executor.multiproc import WorkerError, check_heads_divide, check_usable
 
 POLL_S = 0.5
 ERROR_GRACE_S = 2.0  # after a rank raises, how long the others get to reply (or be found dead)
@@ -156,13 +156,7 @@ class RayWorkers:
     def submit(self, method: str, *args: Any) -> RayCall:
         """Send `method(*args)` to every rank's Worker and return at once; each rank runs it
         after the calls sent before."""
-        if self._closed:
-            raise RuntimeError("the tensor-parallel workers have been shut down")
-        if self._unusable is not None:
-            raise WorkerError(
-                f"the tensor-parallel workers are unusable ({self._unusable}); close this "
-                "engine and create a new one"
-            )
+        check_usable(self._closed, self._unusable)
         return self._submit("call", [(a, (method, *args)) for a in self.actors])
 
     def collective_rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
