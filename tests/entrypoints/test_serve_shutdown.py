@@ -116,3 +116,42 @@ def test_a_killed_engine_core_stops_the_server_with_an_error(tiny_ckpt):
     assert proc.returncode == 1, err
     assert "the engine stopped" in err and "error: the engine stopped" in err, err
     assert "Traceback" not in err, err
+
+
+def test_a_second_ctrl_c_does_not_end_in_a_traceback(tiny_ckpt):
+    """Two SIGINTs (an impatient Ctrl-C, or a signal sent to a process group as well as to the
+    server): the second repeats the first instead of forcing uvicorn's exit, whose cancelled
+    lifespan logs a traceback; the server still exits with 130 and leaves no process."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "llm_inference.entrypoints.cli", "serve", "--model",
+           str(tiny_ckpt), "--device", "cpu", "--port", str(port),
+           "--kv-cache-memory-bytes", str(1 << 20)]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+                time.sleep(0.1)
+        (core,) = _spawned_children(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        seen = []  # the second signal once the first is handled (two pending SIGINTs are one)
+        for line in proc.stderr:
+            seen.append(line)
+            if "Shutting down" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        err = "".join(seen) + err
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert "Waiting for application shutdown" in err  # the lifespan ran: the engine shut down
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{core}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{core}").exists()

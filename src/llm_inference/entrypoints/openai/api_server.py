@@ -286,8 +286,12 @@ def run_server(
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
+            # Every request is aborted and the shutdown is bounded (timeout_graceful_shutdown,
+            # AsyncLLM.shutdown's own timeout), so a second Ctrl-C only repeats the first: it
+            # does not force uvicorn's exit, whose cancelled lifespan prints a traceback.
             llm.abort_all()
-            super().handle_exit(sig, frame)
+            if not self.should_exit:
+                super().handle_exit(sig, frame)
 
         async def on_tick(self, counter: int) -> bool:
             # A dead engine (its core process killed, a step failed) serves nothing: stop, so
