@@ -114,6 +114,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--device", default=None, help="our server's --device (cpu for a flow check)")
     p.add_argument("--ours-args", default="", help="more arguments for our server (one string)")
+    p.add_argument(
+        "--ours-env",
+        default="",
+        help="environment variables for our server: NAME=VALUE, space-separated",
+    )
+    p.add_argument("--save-detailed", action="store_true",
+                   help="each run's chunk times into detailed_ENGINE_RATE.json "
+                        "(for benchmarks/serve_stalls.py)")  # fmt: skip
     p.add_argument("--vllm-args", default="", help="more arguments for vLLM's server")
     p.add_argument("--vllm-site", default="/tmp/site", help="where vLLM is installed")
     p.add_argument(
@@ -444,7 +452,9 @@ def ours_server(args, ckpt: Path, port: int, log: Path, pythonpath: list[str],
     if prefix_caching is not None:
         cmd.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
     cmd += args.ours_args.split()
-    return Server("ours", cmd, _base_env(pythonpath), port, log)
+    env = _base_env(pythonpath)
+    env.update(item.split("=", 1) for item in args.ours_env.split())
+    return Server("ours", cmd, env, port, log)
 
 
 def vllm_server(args, ckpt: Path, port: int, log: Path) -> Server:
@@ -515,7 +525,8 @@ def bench(url: str, args, ckpt: Path, **options) -> dict:
                **options}  # fmt: skip
     argv = ["bench", "serve"]
     for key, value in options.items():
-        argv += [f"--{key.replace('_', '-')}", str(value)]
+        flag = f"--{key.replace('_', '-')}"
+        argv += [flag] if value is True else [flag, str(value)]
     return bench_serve.run_benchmark(build_parser().parse_args(argv))
 
 
@@ -676,7 +687,11 @@ def run_engine(
             # Seed i + 1: every rate its own prompts (no prefix cache hits across runs), the
             # same for both engines.
             r = measured(server, args, ckpt, request_rate=rate, num_prompts=n, seed=i + 1,
-                         input_len=args.input_len, output_len=args.output_len)  # fmt: skip
+                         input_len=args.input_len, output_len=args.output_len,
+                         **({"save_detailed": True} if args.save_detailed else {}))  # fmt: skip
+            if "requests" in r:  # each request's chunk times: a file of their own
+                detailed = s.out / f"detailed_{engine}_{rate_label(rate)}.json"
+                detailed.write_text(json.dumps({"requests": r.pop("requests")}))
             run["result"] = r
             s.data["runs"].append(run)
             print(f"[{engine}] rate {rate_label(rate)}: {summary_line(r)}", flush=True)

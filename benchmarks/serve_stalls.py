@@ -7,8 +7,11 @@ For each gap over `--threshold-ms`, its wall-clock interval; a gap is "shared" w
 half of the streams running at its midpoint are inside a long gap of their own at that instant.
 Prints the count of long gaps, the share of them that are shared, and the longest ones with how
 many streams were stalled with them; `--png` plots every gap against the time it ended.
+`--gc-log` reads the server's GC pause log (the file named by LLM_INFERENCE_GC_LOG while it
+ran): the collections of each process during the run, and how many long gaps overlap a pause.
 
     python3 benchmarks/serve_stalls.py RESULT.json [--threshold-ms 50] [--png gaps.png]
+        [--gc-log gc.log]
 """
 
 from __future__ import annotations
@@ -43,9 +46,38 @@ def stalls(requests: list[dict], threshold_s: float) -> list[dict]:
         running = sum(s <= mid <= e for s, e in spans)
         # long gaps that began before mid and end after it
         stalled = sum(e > mid for s, e, _ in by_start[: bisect.bisect_right(starts, mid)])
-        out.append({"ms": (b - a) * 1e3, "stream": stream, "running": running,
+        out.append({"ms": (b - a) * 1e3, "start": a, "end": b, "stream": stream,
+                    "running": running,
                     "stalled": stalled, "shared": stalled * 2 >= running})  # fmt: skip
     return out
+
+
+def gc_pauses(path: str, since: float, until: float) -> list[tuple[float, float, int, int]]:
+    """(start, end, pid, generation) of the logged collections that ended in [since, until]."""
+    out = []
+    for line in open(path):
+        end, pid, generation, ms, _ = line.split()
+        end = float(end)
+        if since <= end <= until:
+            out.append((end - float(ms) / 1e3, end, int(pid), int(generation)))
+    return out
+
+
+def gc_report(found: list[dict], pauses: list[tuple[float, float, int, int]]) -> list[str]:
+    """Per process and generation: collections, total and longest ms; then the long gaps that
+    overlap any pause."""
+    lines = [
+        "| pid | generation | collections | total ms | longest ms |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    by_key: dict[tuple[int, int], list[float]] = {}
+    for a, b, pid, generation in pauses:
+        by_key.setdefault((pid, generation), []).append((b - a) * 1e3)
+    for (pid, generation), ms in sorted(by_key.items()):
+        lines.append(f"| {pid} | {generation} | {len(ms)} | {sum(ms):.1f} | {max(ms):.1f} |")
+    hit = sum(any(a < s["end"] and s["start"] < b for a, b, _, _ in pauses) for s in found)
+    lines.append(f"\n{hit} of {len(found)} long gaps overlap a GC pause.")
+    return lines
 
 
 def main() -> None:
@@ -54,6 +86,7 @@ def main() -> None:
     p.add_argument("--threshold-ms", type=float, default=50.0)
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--png", default=None)
+    p.add_argument("--gc-log", default=None, help="the LLM_INFERENCE_GC_LOG file of the run")
     args = p.parse_args()
     requests = json.load(open(args.result))["requests"]
     found = stalls(requests, args.threshold_ms / 1e3)
@@ -64,6 +97,11 @@ def main() -> None:
     print("| gap ms | stream | streams running | stalled with it |\n|---:|---:|---:|---:|")
     for s in found[: args.top]:
         print(f"| {s['ms']:.1f} | {s['stream']} | {s['running']} | {s['stalled']} |")
+    if args.gc_log:
+        every = gaps(requests)
+        since = min(r["start"] for r in requests)
+        pauses = gc_pauses(args.gc_log, since, max(g[1] for g in every))
+        print("\n".join(gc_report(found, pauses)))
     if args.png:
         import matplotlib
 

@@ -1,4 +1,5 @@
-"""Internal switches for A/B benchmarking, read from environment variables, all in this module.
+"""Internal switches for A/B benchmarking and measurement, read from environment variables, all
+in this module.
 
 They are not engine options: the defaults are the engine's choices (benchmarks/DECISIONS.md
 says why), and a switch only turns a choice off to measure what it brings. Each is read when
@@ -23,6 +24,11 @@ LLM_INFERENCE_MIXED_CUDA_GRAPH_SIZES
     executor/cuda_graph.py (`mixed_buckets`). A comma-separated list of token counts (each at
     least 2 and at most max_num_batched_tokens) replaces it; empty: no mixed-step graphs
     (decode steps still replay theirs).
+LLM_INFERENCE_GC_LOG
+    Unset (default): nothing. A file path: every process that freezes its startup heap (the
+    server, the engine core, the tensor-parallel workers, `LLM`; gc_heap.py) appends a line per
+    cyclic GC collection of at least 1 ms: its wall-clock end (time.time()), pid, generation,
+    milliseconds and objects collected, for benchmarks/serve_stalls.py `--gc-log`.
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
         "LLM_INFERENCE_FUSED_ALL_REDUCE_NORM", True
     ),
     "LLM_INFERENCE_MIXED_CUDA_GRAPH_SIZES": _graph_sizes,
+    "LLM_INFERENCE_GC_LOG": lambda: os.environ.get("LLM_INFERENCE_GC_LOG") or None,
 }
 
 

@@ -44,3 +44,15 @@ def test_command_line(tmp_path):
                          text=True, check=True).stdout  # fmt: skip
     assert out.startswith("5 of 61 gaps over 50 ms; 4 shared")
     assert "| 200.0 | " in out and "| 80.0 | 3 | 4 | 1 |" in out
+
+
+def test_gc_log(tmp_path):
+    """A 150 ms generation-2 pause inside the shared stall overlaps its four gaps, not the lone
+    one; a pause before the run is left out."""
+    path, log = tmp_path / "r.json", tmp_path / "gc.log"
+    path.write_text(json.dumps({"requests": _streams()}))
+    log.write_text("50.0 7 2 300.0 5\n100.25 7 2 150.00 12\n100.305 8 0 2.00 0\n")
+    out = subprocess.run([sys.executable, str(SCRIPT), str(path), "--gc-log", str(log)],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert "| 7 | 2 | 1 | 150.0 | 150.0 |" in out and "| 8 | 0 | 1 | 2.0 | 2.0 |" in out
+    assert "4 of 5 long gaps overlap a GC pause." in out

@@ -1,0 +1,39 @@
+"""gc_heap: the pause log of envs.LLM_INFERENCE_GC_LOG."""
+
+import gc
+import os
+
+from llm_inference import gc_heap
+
+
+def test_pause_log_records_collections_until_thawed(tmp_path, monkeypatch):
+    log = tmp_path / "gc.log"
+    monkeypatch.setenv("LLM_INFERENCE_GC_LOG", str(log))
+    monkeypatch.setattr(gc_heap, "GC_LOG_MIN_MS", 0.0)
+    gc.disable()  # no automatic collection takes the cycle first
+    try:
+        gc_heap.freeze_startup_heap()
+        gc_heap.freeze_startup_heap()  # a second freeze adds no second logger
+        assert sum(isinstance(cb, gc_heap._PauseLog) for cb in gc.callbacks) == 1
+        cycle = []
+        cycle.append(cycle)
+        del cycle
+        assert gc.collect() >= 1
+    finally:
+        gc_heap.thaw_heap()
+        gc.enable()
+    lines = log.read_text().splitlines()
+    end, pid, generation, ms, collected = lines[-1].split()
+    assert int(pid) == os.getpid() and int(generation) == 2
+    assert float(ms) >= 0 and int(collected) >= 1 and float(end) > 0
+    gc.collect()
+    assert log.read_text().splitlines() == lines  # thawed: no longer logging
+
+
+def test_no_log_without_the_variable(monkeypatch):
+    monkeypatch.delenv("LLM_INFERENCE_GC_LOG", raising=False)
+    try:
+        gc_heap.freeze_startup_heap()
+        assert not any(isinstance(cb, gc_heap._PauseLog) for cb in gc.callbacks)
+    finally:
+        gc_heap.thaw_heap()
