@@ -52,25 +52,26 @@ def stalls(requests: list[dict], threshold_s: float) -> list[dict]:
     return out
 
 
-def gc_pauses(path: str, since: float, until: float) -> list[tuple[float, float, int, int]]:
-    """(start, end, pid, generation) of the logged collections that ended in [since, until]."""
+def gc_pauses(path: str, since: float, until: float) -> list[tuple[float, float, str, int]]:
+    """(start, end, "pid name", generation) of the logged collections that ended in
+    [since, until]."""
     out = []
     for line in open(path):
-        end, pid, generation, ms, _ = line.split()
+        end, pid, generation, ms, _, name = line.split()
         end = float(end)
         if since <= end <= until:
-            out.append((end - float(ms) / 1e3, end, int(pid), int(generation)))
+            out.append((end - float(ms) / 1e3, end, f"{pid} {name}", int(generation)))
     return out
 
 
-def gc_report(found: list[dict], pauses: list[tuple[float, float, int, int]]) -> list[str]:
+def gc_report(found: list[dict], pauses: list[tuple[float, float, str, int]]) -> list[str]:
     """Per process and generation: collections, total and longest ms; then the long gaps that
     overlap any pause."""
     lines = [
-        "| pid | generation | collections | total ms | longest ms |",
+        "| process | generation | collections | total ms | longest ms |",
         "|---:|---:|---:|---:|---:|",
     ]
-    by_key: dict[tuple[int, int], list[float]] = {}
+    by_key: dict[tuple[str, int], list[float]] = {}
     for a, b, pid, generation in pauses:
         by_key.setdefault((pid, generation), []).append((b - a) * 1e3)
     for (pid, generation), ms in sorted(by_key.items()):

@@ -23,7 +23,8 @@ def test_pause_log_records_collections_until_thawed(tmp_path, monkeypatch):
         gc_heap.thaw_heap()
         gc.enable()
     lines = log.read_text().splitlines()
-    end, pid, generation, ms, collected = lines[-1].split()
+    end, pid, generation, ms, collected, name = lines[-1].split()
+    assert name == "MainProcess"
     assert int(pid) == os.getpid() and int(generation) == 2
     assert float(ms) >= 0 and int(collected) >= 1 and float(end) > 0
     gc.collect()

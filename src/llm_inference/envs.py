@@ -28,7 +28,7 @@ LLM_INFERENCE_GC_LOG
     Unset (default): nothing. A file path: every process that freezes its startup heap (the
     server, the engine core, the tensor-parallel workers, `LLM`; gc_heap.py) appends a line per
     cyclic GC collection of at least 1 ms: its wall-clock end (time.time()), pid, generation,
-    milliseconds and objects collected, for benchmarks/serve_stalls.py `--gc-log`.
+    milliseconds, objects collected and process name, for benchmarks/serve_stalls.py `--gc-log`.
 """
 
 from __future__ import annotations

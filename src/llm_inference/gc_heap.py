@@ -10,6 +10,7 @@ envs.LLM_INFERENCE_GC_LOG set, those processes also log their collections' pause
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import time
 
@@ -38,11 +39,12 @@ def thaw_heap() -> None:
 
 
 class _PauseLog:
-    """A gc callback appending "end_time pid generation ms collected" for each collection of at
-    least GC_LOG_MIN_MS to a file shared by the processes (lines are short appends)."""
+    """A gc callback appending "end_time pid generation ms collected process_name" for each
+    collection of at least GC_LOG_MIN_MS to a file shared by the processes (short appends)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.name = multiprocessing.current_process().name.replace(" ", "_")
         self.started = 0.0
 
     def __call__(self, phase: str, info: dict) -> None:
@@ -53,4 +55,4 @@ class _PauseLog:
         if ms >= GC_LOG_MIN_MS:
             gen, collected = info["generation"], info["collected"]
             with open(self.path, "a") as f:
-                f.write(f"{time.time():.6f} {os.getpid()} {gen} {ms:.2f} {collected}\n")
+                f.write(f"{time.time():.6f} {os.getpid()} {gen} {ms:.2f} {collected} {self.name}\n")

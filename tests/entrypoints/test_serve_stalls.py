@@ -51,8 +51,11 @@ def test_gc_log(tmp_path):
     one; a pause before the run is left out."""
     path, log = tmp_path / "r.json", tmp_path / "gc.log"
     path.write_text(json.dumps({"requests": _streams()}))
-    log.write_text("50.0 7 2 300.0 5\n100.25 7 2 150.00 12\n100.305 8 0 2.00 0\n")
+    log.write_text(
+        "50.0 7 2 300.0 5 core\n100.25 7 2 150.00 12 core\n100.305 8 0 2.00 0 MainProcess\n"
+    )
     out = subprocess.run([sys.executable, str(SCRIPT), str(path), "--gc-log", str(log)],
                          capture_output=True, text=True, check=True).stdout  # fmt: skip
-    assert "| 7 | 2 | 1 | 150.0 | 150.0 |" in out and "| 8 | 0 | 1 | 2.0 | 2.0 |" in out
+    assert "| 7 core | 2 | 1 | 150.0 | 150.0 |" in out
+    assert "| 8 MainProcess | 0 | 1 | 2.0 | 2.0 |" in out
     assert "4 of 5 long gaps overlap a GC pause." in out
