@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import os
 
 
 def gaps(requests: list[dict]) -> list[tuple[float, float, int]]:
@@ -56,6 +57,8 @@ def gc_pauses(path: str, since: float, until: float) -> list[tuple[float, float,
     """(start, end, "pid name", generation) of the logged collections that ended in
     [since, until]."""
     out = []
+    if not os.path.exists(path):  # no collection was long enough to be logged
+        return out
     for line in open(path):
         end, pid, generation, ms, _, name = line.split()
         end = float(end)
