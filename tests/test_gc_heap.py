@@ -38,3 +38,19 @@ def test_no_log_without_the_variable(monkeypatch):
         assert not any(isinstance(cb, gc_heap._PauseLog) for cb in gc.callbacks)
     finally:
         gc_heap.thaw_heap()
+
+
+def test_young_threshold_while_frozen(monkeypatch):
+    """Frozen: the young generation's threshold is GC_YOUNG_THRESHOLD, or the variable's;
+    thawed: Python's again."""
+    before = gc.get_threshold()
+    monkeypatch.delenv("LLM_INFERENCE_GC_YOUNG", raising=False)
+    try:
+        gc_heap.freeze_startup_heap()
+        assert gc.get_threshold() == (gc_heap.GC_YOUNG_THRESHOLD, *before[1:])
+        monkeypatch.setenv("LLM_INFERENCE_GC_YOUNG", "700")
+        gc_heap.freeze_startup_heap()
+        assert gc.get_threshold() == (700, *before[1:])
+    finally:
+        gc_heap.thaw_heap()
+    assert gc.get_threshold() == before

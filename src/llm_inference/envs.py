@@ -24,6 +24,10 @@ LLM_INFERENCE_MIXED_CUDA_GRAPH_SIZES
     executor/cuda_graph.py (`mixed_buckets`). A comma-separated list of token counts (each at
     least 2 and at most max_num_batched_tokens) replaces it; empty: no mixed-step graphs
     (decode steps still replay theirs).
+LLM_INFERENCE_GC_YOUNG
+    Unset (default): the processes that freeze their startup heap (gc_heap.py) collect the
+    young generation every GC_YOUNG_THRESHOLD new objects; a number: that threshold instead
+    (700: Python's own).
 LLM_INFERENCE_GC_LOG
     Unset (default): nothing. A file path: every process that freezes its startup heap (the
     server, the engine core, the tensor-parallel workers, `LLM`; gc_heap.py) appends a line per
@@ -74,6 +78,15 @@ def _graph_sizes() -> tuple[int, ...] | None:
     return tuple(sorted(sizes))
 
 
+def _positive_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
 environment_variables: dict[str, Callable[[], Any]] = {
     "LLM_INFERENCE_SKINNY_GEMM": lambda: _flag("LLM_INFERENCE_SKINNY_GEMM", True),
     "LLM_INFERENCE_PDL": _pdl,
@@ -81,6 +94,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
         "LLM_INFERENCE_FUSED_ALL_REDUCE_NORM", True
     ),
     "LLM_INFERENCE_MIXED_CUDA_GRAPH_SIZES": _graph_sizes,
+    "LLM_INFERENCE_GC_YOUNG": lambda: _positive_int("LLM_INFERENCE_GC_YOUNG"),
     "LLM_INFERENCE_GC_LOG": lambda: os.environ.get("LLM_INFERENCE_GC_LOG") or None,
 }
 

@@ -16,6 +16,10 @@ import time
 
 from llm_inference import envs
 
+# New tracked objects between young-generation collections while serving (Python's: 700).
+GC_YOUNG_THRESHOLD = 50_000
+_python_thresholds = gc.get_threshold()
+
 # Collections shorter than this are not logged: young generations take microseconds.
 GC_LOG_MIN_MS = 1.0
 
@@ -26,6 +30,8 @@ def freeze_startup_heap() -> None:
     (or the owner closes)."""
     gc.collect()
     gc.freeze()
+    young = envs.LLM_INFERENCE_GC_YOUNG or GC_YOUNG_THRESHOLD
+    gc.set_threshold(young, *_python_thresholds[1:])
     path = envs.LLM_INFERENCE_GC_LOG
     if path and not any(isinstance(cb, _PauseLog) for cb in gc.callbacks):
         gc.callbacks.append(_PauseLog(path))
@@ -35,6 +41,7 @@ def thaw_heap() -> None:
     """Undo `freeze_startup_heap`: objects left frozen are never finalized, and native
     extensions (Triton's nanobind bindings) then print pages of leak warnings at exit."""
     gc.unfreeze()
+    gc.set_threshold(*_python_thresholds)
     gc.callbacks[:] = [cb for cb in gc.callbacks if not isinstance(cb, _PauseLog)]
 
 
