@@ -228,11 +228,15 @@ def test_structured_outputs_params_checked():
     for kw, name in (({"choice": "ab"}, "choice"), ({"choice": [""]}, "choice"),
                      ({"choice": []}, "choice"), ({"json": 3}, "json"), ({"regex": ""}, "regex"),
                      ({"grammar": 1}, "grammar"), ({"json_object": 1}, "json_object"),
-                     ({"json": {"x": {1, 2}}}, "json")):  # fmt: skip
+                     ({"json": {"x": {1, 2}}}, "json"),
+                     ({"structural_tag": "[1]"}, "structural_tag"),
+                     ({"structural_tag": "{oops"}, "structural_tag")):  # fmt: skip
         with pytest.raises(ValueError, match=f"structured_outputs.{name} (must|is not)"):
             StructuredOutputsParams(**kw)
     assert StructuredOutputsParams(regex="a+").kind == "regex"
     assert StructuredOutputsParams(json='{"type": "integer"}').kind == "json"
+    tag = StructuredOutputsParams(structural_tag={"type": "structural_tag"})
+    assert tag.kind == "structural_tag" and tag.structural_tag == '{"type": "structural_tag"}'
     so = StructuredOutputsParams(choice=["a"])
     with pytest.raises(ValueError, match="allowed_token_ids must be None with structured"):
         SamplingParams(structured_outputs=so, allowed_token_ids=[1])

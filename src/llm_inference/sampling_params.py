@@ -77,7 +77,11 @@ class StructuredOutputsParams:
     - `regex`: a regular expression the whole answer matches;
     - `grammar`: an EBNF grammar as xgrammar reads it (GBNF: `rule ::= ...`, starting at
       `root`);
-    - `choice`: one of these strings (stored as a tuple).
+    - `choice`: one of these strings (stored as a tuple);
+    - `structural_tag`: xgrammar's structural tag (a dict or its JSON text, stored as text):
+      `{"type": "structural_tag", "format": {...}}`, or vLLM's older `{"structures": [{"begin",
+      "schema", "end"}], "triggers": [...]}` (free text, each tag's content following its
+      schema once a trigger starts it).
 
     `disable_any_whitespace`: JSON without whitespace between its tokens (vLLM's field).
     Only the spec's shape is checked here; whether xgrammar compiles it is checked when the
@@ -88,9 +92,11 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict | None = None
     disable_any_whitespace: bool = False
 
-    KINDS: ClassVar[tuple[str, ...]] = ("json", "regex", "choice", "grammar", "json_object")
+    KINDS: ClassVar[tuple[str, ...]] = ("json", "regex", "choice", "grammar", "json_object",
+                                        "structural_tag")  # fmt: skip
 
     def __post_init__(self) -> None:
         given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
@@ -118,6 +124,16 @@ class StructuredOutputsParams:
                 object.__setattr__(self, "json", json_module.loads(json_module.dumps(value)))
             except (TypeError, ValueError) as e:
                 raise ValueError(f"structured_outputs.json is not JSON: {e}") from e
+        if kind == "structural_tag":
+            try:
+                tag = json_module.loads(value) if isinstance(value, str) else value
+                text = json_module.dumps(tag)
+            except (TypeError, ValueError):
+                tag = text = None
+            if not isinstance(tag, dict):
+                raise ValueError("structured_outputs.structural_tag must be a JSON object (a dict "
+                                 f"or its text), got {value!r}")  # fmt: skip
+            object.__setattr__(self, "structural_tag", text)
         if kind in ("regex", "grammar") and not _is_text(value):
             raise ValueError(
                 f"structured_outputs.{kind} must be a non-empty string of valid Unicode, got "

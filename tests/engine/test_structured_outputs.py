@@ -33,10 +33,22 @@ PERSON = {
 REGEX = r"[a-c]{2,5}-\d{1,3}"
 GRAMMAR = 'root ::= num (" + " num)?\nnum ::= [1-9] [0-9]?'
 CHOICES = ["yes please", "no", "maybe later", 'say "hi"']
+# xgrammar's structural tag: "<a>", a JSON object of POINT, "</a>"
+POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+         "required": ["x"], "additionalProperties": False}  # fmt: skip
+TAG = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+    {"type": "const_string", "value": "<a>"},
+    {"type": "json_schema", "json_schema": POINT},
+    {"type": "const_string", "value": "</a>"}]}}  # fmt: skip
 
 
 def valid_person(text: str) -> None:
     jsonschema.validate(json.loads(text), PERSON)
+
+
+def valid_tag(text: str) -> None:
+    inner = re.fullmatch(r"<a>(.*)</a>", text, re.S) or pytest.fail(text)
+    jsonschema.validate(json.loads(inner.group(1)), POINT)
 
 
 # (spec, validator): every answer of these fits in max_tokens, so every one must end on EOS
@@ -48,6 +60,7 @@ KINDS = {
         lambda t: re.fullmatch(r"[1-9]\d?( \+ [1-9]\d?)?", t) or pytest.fail(t),
     ),  # fmt: skip
     "choice": (S(choice=CHOICES), lambda t: t in CHOICES or pytest.fail(t)),
+    "structural_tag": (S(structural_tag=TAG), valid_tag),
 }
 PROMPTS = ["The quick brown", "Paris is the capital", "Hello world! How are", "One two"]
 
@@ -171,6 +184,12 @@ def test_a_spec_xgrammar_cannot_take_is_refused_naming_it(llm):
     with pytest.raises(ValueError, match="structured_outputs.regex: Regex parsing error"):
         llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=S(regex="a(")),
                      use_tqdm=False)  # fmt: skip
+    bad_tag = S(structural_tag={"type": "structural_tag", "format": {"type": "nope"}})
+    with pytest.raises(ValueError, match="structured_outputs.structural_tag: .*nope"):
+        llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=bad_tag), use_tqdm=False)
+    old_form = S(structural_tag={"structures": [{"begin": "<f>"}], "triggers": ["<f"]})
+    with pytest.raises(ValueError, match="structural_tag: .*begin, schema, end"):
+        llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=old_form), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     (ok,) = llm.generate(PROMPTS[:1], constrained("choice", 1), use_tqdm=False)
     assert ok.outputs[0].text in CHOICES

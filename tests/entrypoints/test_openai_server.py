@@ -261,6 +261,11 @@ def test_every_way_to_ask_for_structured_outputs(client, live_server, stream):
          lambda t: re.fullmatch(r"\([1-9]\d?\)", t) or pytest.fail(t)),
         (dict(extra_body={"guided_grammar": grammar}),
          lambda t: re.fullmatch(r"\([1-9]\d?\)", t) or pytest.fail(t)),
+        (dict(response_format={"type": "structural_tag", "format": {
+            "type": "sequence", "elements": [{"type": "const_string", "value": "<n>"},
+                                             {"type": "regex", "pattern": "[1-9]{1,2}"},
+                                             {"type": "const_string", "value": "</n>"}]}}),
+         lambda t: re.fullmatch(r"<n>[1-9]{1,2}</n>", t) or pytest.fail(t)),
     ]  # fmt: skip
     for i, (kw, check) in enumerate(cases):
         kw = {"model": MODEL_NAME, "temperature": 1.0, "seed": i, "max_tokens": 60,
@@ -317,8 +322,10 @@ def test_structured_output_errors_name_the_field(client):
          "response_format", "guided_regex and response_format both ask for structured"),
         (dict(response_format={"type": "json_schema"}), "response_format",
          "response_format json_schema needs json_schema"),
+        (dict(response_format={"type": "xml"}), "response_format",
+         "response_format type 'xml' is not supported"),
         (dict(response_format={"type": "structural_tag"}), "response_format",
-         "response_format type 'structural_tag' is not supported"),
+         "response_format: "),
         (dict(extra_body={"structured_outputs": {"regex": "a", "min_tokens": 1}}),
          "structured_outputs", "structured_outputs: unknown keys ['min_tokens']"),
     ]  # fmt: skip

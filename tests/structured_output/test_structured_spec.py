@@ -68,7 +68,11 @@ def test_check_spec_takes_what_xgrammar_enforces():
         S(regex=r"\d{3}-[a-z]+"),
         S(grammar='root ::= "(" [0-9]+ ")"'),
         S(choice=["a", "b"]),
-    ):
+        S(structural_tag={"type": "structural_tag", "format": {"type": "const_string",
+                                                               "value": "ok"}}),
+        S(structural_tag={"structures": [{"begin": "<f>", "schema": {"type": "object"},
+                                          "end": "</f>"}], "triggers": ["<f"]}),
+    ):  # fmt: skip
         check_spec(so)
 
 

@@ -28,7 +28,8 @@ _ONE = ("items", "additionalItems", "additionalProperties", "unevaluatedProperti
 _LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _MAPS = ("properties", "patternProperties", "$defs", "definitions")
 
-GrammarKey = tuple[str, str, bool]  # (kind: json, json_object, regex or grammar; text; any ws)
+# (kind: json, json_object, regex, grammar or structural_tag; text; any whitespace)
+GrammarKey = tuple[str, str, bool]
 
 
 def grammar_key(so: StructuredOutputsParams) -> GrammarKey:
@@ -57,7 +58,29 @@ def compile_grammar(compiler, key: GrammarKey):
         return compiler.compile_builtin_json_grammar()
     if kind == "regex":
         return compiler.compile_regex(text)
+    if kind == "structural_tag":
+        return compiler.compile_structural_tag(*_structural_tag_args(text))
     return compiler.compile_grammar(text)
+
+
+def _structural_tag_args(text: str) -> tuple:
+    """xgrammar's arguments for a structural tag: its JSON text, or for vLLM's older form
+    ({"structures": [{"begin", "schema", "end"}], "triggers"}) the tags and the triggers."""
+    import xgrammar as xgr
+
+    tag = json.loads(text)
+    if "structures" not in tag:
+        return (text,)
+    try:
+        items = [xgr.StructuralTagItem(begin=s["begin"], end=s["end"],
+                                       schema=json.dumps(s["schema"]))
+                 for s in tag["structures"]]  # fmt: skip
+        return items, list(tag["triggers"])
+    except (KeyError, TypeError) as e:
+        raise ValueError(
+            '"structures" must be a list of {begin, schema, end}, with '
+            f'"triggers": a list of strings ({type(e).__name__}: {e})'
+        ) from e
 
 
 def check_spec(so: StructuredOutputsParams) -> None:
@@ -90,7 +113,9 @@ def _parse_error(kind: str, text: str, any_whitespace: bool) -> str | None:
             xgr.Grammar.from_regex(text)
         elif kind == "grammar":
             xgr.Grammar.from_ebnf(text)
-    except (RuntimeError, ValueError) as e:
+        elif kind == "structural_tag":
+            xgr.Grammar.from_structural_tag(*_structural_tag_args(text))
+    except (RuntimeError, ValueError, TypeError) as e:
         # "[12:00:00] /project/cpp/x.cc:12: Check failed: (...) is false: what went wrong"
         message = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip())
         return re.sub(r"^Check failed: .*? is false: ", "", message)

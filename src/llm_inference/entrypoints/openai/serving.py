@@ -309,9 +309,9 @@ def structured_outputs(req: _SamplingFields) -> StructuredOutputsParams | None:
     """The request's structured outputs, from the one field that asks for them:
     `structured_outputs` (vLLM's), a `guided_*` field (its older names), `response_format`
     (OpenAI's: json_object, or json_schema, whose `strict` is accepted: answers always follow
-    the schema strictly) or chat's `tool_choice` "required" or named (tool_choice.py). A spec
-    that xgrammar cannot take (structured_output.check_spec), or two fields at once, is a 400
-    naming the field."""
+    the schema strictly; vLLM's structural_tag) or chat's `tool_choice` "required" or named
+    (tool_choice.py). A spec that xgrammar cannot take (structured_output.check_spec), or two
+    fields at once, is a 400 naming the field."""
     given: list[tuple[str, str, dict]] = []  # (field, its name in errors, the params' kwargs)
     if req.structured_outputs:
         so = dict(req.structured_outputs)
@@ -355,8 +355,11 @@ def _response_format(fmt: dict) -> tuple[str, dict]:
             raise APIError(400, "response_format json_schema needs json_schema: {name, schema, "
                            "strict}", param="response_format")  # fmt: skip
         return "response_format.json_schema.schema", {"json": schema["schema"]}
+    if fmt.get("type") == "structural_tag":  # the whole object is the tag, as vLLM takes it
+        return "response_format", {"structural_tag": fmt}
     raise APIError(400, f"response_format type {fmt.get('type')!r} is not supported (text, "
-                   "json_object and json_schema are)", param="response_format")  # fmt: skip
+                   "json_object, json_schema and structural_tag are)",
+                   param="response_format")  # fmt: skip
 
 
 def forced_tool_choice(req: _SamplingFields) -> dict | None:
