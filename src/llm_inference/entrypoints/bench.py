@@ -97,6 +97,7 @@ def random_checkpoint(shape: str, root: Path | None = None) -> Path:
         model = model_class(config).to(torch.bfloat16)
     model.save_pretrained(folder, safe_serialization=True)
     del model
+    torch.cuda.empty_cache()  # for another process: vllm_throughput.py starts vLLM next
     vocab = {f"w{i}": i for i in range(config.vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
