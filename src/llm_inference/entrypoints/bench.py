@@ -101,9 +101,8 @@ def random_checkpoint(shape: str, root: Path | None = None) -> Path:
     vocab = {f"w{i}": i for i in range(config.vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(
-        folder
-    )
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
+    tokenizer.save_pretrained(folder)
     return folder
 
 
