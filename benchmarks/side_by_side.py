@@ -1,7 +1,9 @@
 """Tables and a plot from one GPU machine start: this engine, vLLM and transformers, back to back.
 
-Reads a folder of JSON results: `ours_SHAPE_{latency,throughput,prefill}.json` (written by
-`llm-inference bench ... --json`), `vllm_SHAPE.json` (../shared/vllm/vllm_bench.py),
+Reads a folder of JSON results, one table row per SHAPE with an `ours_SHAPE_latency.json`:
+`ours_SHAPE_{latency,throughput,prefill}.json` (written by `llm-inference bench ... --json`),
+`vllm_SHAPE.json` (../shared/vllm/vllm_bench.py for the Llama 3.2 shapes, else
+benchmarks/vllm_throughput.py --latency: the same decode keys, its own throughput keys),
 `vllm_prefill_SHAPE.txt` (prefill_bench.py's output, optional), `hf_SHAPE.json`
 (benchmarks/hf_decode.py) and the mixes `{ours,vllm}_SHAPE_mix_NAME.json` (scripts/gpu_vs_vllm.sh
 MIXES=1); writes a markdown table (and one of the mixes, where there are any) and a PNG of
@@ -17,7 +19,6 @@ import re
 import sys
 from pathlib import Path
 
-SHAPES = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.2-3b_tp2")  # _tp2: both engines at TP=2
 BATCHES = (1, 8, 64, 256)
 
 
@@ -50,7 +51,8 @@ def collect(folder: Path, shape: str) -> dict:
         if str(bs) in hf:
             row["hf"][bs] = hf[str(bs)]
     row["ours_tput"] = thr.get("output_tok_per_s")
-    row["vllm_tput"] = (vl.get("throughput") or {}).get("out_tok_per_s")
+    # vllm_throughput.py's key (bench throughput's), or vllm_bench.py's
+    row["vllm_tput"] = vl.get("output_tok_per_s") or vl.get("throughput", {}).get("out_tok_per_s")
     row["ours_prefill"] = {k.split("_")[1]: v for k, v in pre.items() if k.startswith("prefill_")}
     row["vllm_prefill"] = vllm_prefill(folder, shape)
     row["profile"] = {k: v for k, v in lat.items() if k.startswith("profile_bs")}
@@ -106,14 +108,18 @@ def plot(rows: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(rows), figsize=(5.5 * len(rows), 4.2), squeeze=False)
+    cols = min(3, len(rows))
+    nrows = -(-len(rows) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4.2 * nrows), squeeze=False)
+    for ax in axes.flat[len(rows) :]:
+        ax.remove()
     styles = {
         "ours": ("llm_inference", "o-"),
         "vllm": ("vLLM 0.26.0", "s-"),
         "hf": ("transformers", "^-"),
         "floor": ("floor (bytes / bandwidth)", "k--"),
     }
-    for ax, (shape, row) in zip(axes[0], rows.items()):
+    for ax, (shape, row) in zip(axes.flat, rows.items()):
         for key, (label, style) in styles.items():
             pts = sorted(row[key].items())
             if pts:
@@ -156,7 +162,10 @@ def mix_table(folder: Path) -> str:
 
 def main() -> None:
     folder, out_md, out_png = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
-    rows = {s: collect(folder, s) for s in SHAPES if (folder / f"ours_{s}_latency.json").is_file()}
+    # SHAPE[_tpN]: a named shape, at tensor parallel size N in both engines
+    found = folder.glob("ours_*_latency.json")
+    shapes = sorted(p.name.removeprefix("ours_").removesuffix("_latency.json") for p in found)
+    rows = {s: collect(folder, s) for s in shapes}
     out_md.write_text(table(rows) + mix_table(folder))
     plot(rows, out_png)
     print(out_md.read_text())

@@ -5,7 +5,12 @@ The same dataset, seed and sampling options (bench_datasets.py, through bench's 
 with `--seed-requests` (ours seeds every request with its index, at no cost; vLLM draws a seeded
 request's noise row by row in `random_sample`, a cost users who do not seed never pay, so by
 default its requests go unseeded); a warm-up on the first 8, then all of them in one timed call;
-the results under bench throughput's `--json` keys, plus `vllm` (its version). vLLM starts as
+the results under bench throughput's `--json` keys, plus `vllm` (its version). `--latency`, for
+the shapes ../shared/vllm/vllm_bench.py does not know, first measures vLLM's decode ms per step
+at `--batches` as vllm_bench.py does (the prompts `bench latency` draws, 128 random ids each;
+medians of 3 greedy runs of 136 and of 8 tokens, their difference over 128 steps) under its JSON
+keys `decode_ms_per_step_bsN`, then runs the throughput workload in the same vLLM process (one
+start: an 8B model's takes 60-90 s). vLLM starts as
 ../shared/vllm/vllm_bench.py starts it: the random-weight checkpoint of a named shape (bench's
 `random_checkpoint`, the one our bench loads), no tokenizer, token ids only, bench's defaults
 where bench has its own (`--max-model-len`, prefix caching off unless
@@ -13,12 +18,15 @@ where bench has its own (`--max-model-len`, prefix caching off unless
 root:
 
     PYTHONPATH=src python3 benchmarks/vllm_throughput.py --model llama-3.2-1b --dataset lognormal
+    PYTHONPATH=src python3 benchmarks/vllm_throughput.py --model qwen3-8b --latency --json OUT.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
+import statistics
 import time
 from pathlib import Path
 
@@ -42,8 +50,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seed request i with i, as ours (default: unseeded)")  # fmt: skip
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step (default: vLLM's)")  # fmt: skip
+    p.add_argument("--latency", action="store_true",
+                   help="first decode ms per step at --batches, as vllm_bench.py")  # fmt: skip
+    p.add_argument("--batches", type=batch_sizes, default=list(bench.BATCHES),
+                   help="--latency's batch sizes (default: 1,8,64,256)")  # fmt: skip
     p.add_argument("--json", default=None, help="also write the results to this file")
     return p
+
+
+def batch_sizes(text: str) -> list[int]:
+    """`--batches`: comma-separated positive integers."""
+    sizes = [int(b) for b in text.split(",")]
+    if min(sizes) < 1:
+        raise ValueError(text)
+    return sizes
+
+
+def latency_prompts(vocab: int, batches: list[int], seed: int = 0) -> dict[int, list[list[int]]]:
+    """Each batch size's 128-token prompts: those `bench latency` draws (one generator over the
+    batch sizes in turn, ids below the vocabulary's last 256; vllm_bench.py's for Llama 3)."""
+    rng = random.Random(seed)
+    return {bs: [[rng.randrange(vocab - 256) for _ in range(128)] for _ in range(bs)]
+            for bs in batches}  # fmt: skip
 
 
 def build_requests(args, folder) -> tuple[Workload, list[list[int]], list[dict]]:
@@ -87,10 +115,18 @@ def main() -> None:
         torch.cuda.synchronize()
         return time.perf_counter() - t
 
+    res = {}
+    if args.latency:
+        vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
+        ms = decode_latency(llm, vllm, latency_prompts(vocab, args.batches))
+        rows = {f"bs{bs}": {"ms_per_step": v} for bs, v in ms.items()}
+        print(f"vLLM {vllm.__version__}, " + bench.format_result(
+            {"model": model, "kind": "latency", **rows}))  # fmt: skip
+        res = {f"decode_ms_per_step_bs{bs}": v for bs, v in ms.items()}
     timed(8)  # the warm-up, as bench throughput's
     dt = timed(len(inputs))
     n_in, n_out = sum(map(len, prompts)), sum(kw["max_tokens"] for kw in kwargs)
-    res = {
+    res |= {
         "model": model, "kind": "throughput", "tp": args.tensor_parallel_size,
         "seconds": dt, "requests_per_s": len(prompts) / dt, "output_tok_per_s": n_out / dt,
         "total_tok_per_s": (n_in + n_out) / dt, "output_tokens": n_out,
@@ -100,6 +136,31 @@ def main() -> None:
     print(f"vLLM {vllm.__version__}, " + bench.format_result(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+
+
+def decode_latency(llm, vllm, prompts: dict[int, list[list[int]]]) -> dict[int, float]:
+    """vllm_bench.py's decode ms per step at each batch size: after two warm-ups of 8 tokens,
+    the median of 3 greedy runs of 136 tokens less that of 8, over 128 steps."""
+    import torch
+
+    def timed(inputs, max_tokens: int) -> float:
+        sp = vllm.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                 detokenize=False)  # fmt: skip
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate(inputs, sp, use_tqdm=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    out = {}
+    for bs, batch in prompts.items():
+        inputs = [{"prompt_token_ids": ids} for ids in batch]
+        for _ in range(2):
+            timed(inputs, 8)
+        short = statistics.median(timed(inputs, 8) for _ in range(3))
+        long = statistics.median(timed(inputs, 136) for _ in range(3))
+        out[bs] = round((long - short) / 128 * 1e3, 3)
+    return out
 
 
 if __name__ == "__main__":

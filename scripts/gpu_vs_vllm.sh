@@ -8,6 +8,9 @@
 #   SHAPE=llama-3.2-1b PREFILL=1 OUT=$OUT bash scripts/gpu_vs_vllm.sh
 #   SHAPE=llama-3.2-3b OUT=$OUT bash scripts/gpu_vs_vllm.sh
 #   SHAPE=llama-3.2-3b TP=2 OUT=$OUT bash scripts/gpu_vs_vllm.sh     (two GPUs)
+#   SHAPE=qwen3-8b OUT=$OUT bash scripts/gpu_vs_vllm.sh                (also qwen2.5-7b, mistral-7b)
+# vllm_bench.py knows the Llama 3.2 shapes only: for the others vLLM runs the same two workloads
+# through benchmarks/vllm_throughput.py --latency (one vLLM start, the same JSON names).
 # MIXES=1 runs instead the realistic mixes of issue 28 on both engines (one call per shape):
 # chat-like (600 lognormal requests, temperature 0.8, top-p 0.95), prefill-heavy (256 prompts of
 # 2,000 tokens, 8 new) and long (16 prompts of 12,000 tokens, 256 new), at max_model_len 16,384,
@@ -41,13 +44,21 @@ if [ "${HF:-0}" = 1 ]; then
   timeout 540 python3 benchmarks/hf_decode.py "$SHAPE" "$OUT/hf_$SHAPE.json" 2>&1 | grep bs
   exit
 fi
-(export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0
- TP=$TP OUT=$OUT timeout 280 python3 $VC/vllm_bench.py "$SHAPE" 2>&1 \
-   | grep -v "it/s\|WARN\|INFO" | tail -2
- if [ "${PREFILL:-0}" = 1 ]; then
-   timeout 150 python3 $VC/prefill_bench.py vllm "${SHAPE#llama-3.2-}" 2>&1 \
-     | grep "prefill" | tee "$OUT/vllm_prefill_$SHAPE.txt"
- fi)
+case $SHAPE in
+  llama-3.2-1b|llama-3.2-3b)
+    (export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0
+     TP=$TP OUT=$OUT timeout 280 python3 $VC/vllm_bench.py "$SHAPE" 2>&1 \
+       | grep -v "it/s\|WARN\|INFO" | tail -2
+     if [ "${PREFILL:-0}" = 1 ]; then
+       timeout 150 python3 $VC/prefill_bench.py vllm "${SHAPE#llama-3.2-}" 2>&1 \
+         | grep "prefill" | tee "$OUT/vllm_prefill_$SHAPE.txt"
+     fi) ;;
+  *)  # writes the random checkpoint our bench then reads
+    (export PYTHONPATH=src:/tmp/site PATH=/tmp/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0
+     timeout 360 python3 benchmarks/vllm_throughput.py --model "$SHAPE" --latency \
+       --tensor-parallel-size "$TP" --json "$OUT/vllm_${SHAPE}${SUFFIX}.json" 2>&1 \
+       | grep -v "it/s\|WARN\|INFO" | tail -9) ;;
+esac
 $B latency --model "$SHAPE" --tensor-parallel-size "$TP" \
   --json "$OUT/ours_${SHAPE}${SUFFIX}_latency.json" 2>&1 | grep -v "it/s" | tail -7
 # Token ids only, as vllm_bench.py asks of vLLM (detokenize=False).

@@ -243,3 +243,41 @@ def test_throughput_requests_longer_than_max_model_len_are_one_error(tiny_ckpt, 
     assert err.startswith("error: the workload's longest request is 70 tokens") and (
         "--max-model-len 64" in err
     )
+
+
+@pytest.mark.parametrize(
+    "shape,model_type",
+    [("llama-3.1-8b", "llama"), ("qwen2.5-7b", "qwen2"), ("qwen3-8b", "qwen3"),
+     ("mistral-7b", "mistral")],
+)  # fmt: skip
+def test_named_shapes_write_their_family_and_vocabulary(shape, model_type, tmp_path, monkeypatch):
+    """Each family's named shape, shrunk to two small layers (the real ones are 15 GB), keeps the
+    rest: `random_checkpoint` writes its transformers class with its vocabulary, bos and eos ids
+    inside it and a word-level tokenizer over all of it; transformers reads it back as its
+    family, `shape_bytes` counts every parameter written (biases and q/k norms too), and our
+    engine loads it and runs bench's throughput requests on it."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
+    monkeypatch.setitem(bench.SHAPES, shape, {**bench.SHAPES[shape], **small})
+    folder = bench.random_checkpoint(shape, root=tmp_path)
+    vocab = bench.SHAPES[shape]["vocab_size"]
+    config = AutoConfig.from_pretrained(folder)
+    assert config.model_type == model_type and config.vocab_size == vocab
+    assert config.architectures == [bench.SHAPES[shape]["model"]]
+    assert 0 <= config.bos_token_id < vocab and 0 <= config.eos_token_id < vocab
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        numel = sum(torch.Size(f.get_slice(k).get_shape()).numel() for k in f.keys())
+    assert bench.shape_bytes(shape) == 2 * numel
+
+    prompts, params = bench.throughput_requests(SMALL, shape, folder)
+    with LLM(str(folder), device="cpu", dtype="float32", max_model_len=64) as llm:
+        assert llm.config.model.model_type == model_type
+        # every id is a word (transformers 5 loads Qwen2's as a Qwen2Tokenizer, which keeps
+        # the vocabulary but cannot split text into these words: bench sends ids, not text)
+        words = llm.get_tokenizer().convert_ids_to_tokens([1, vocab - 1])
+        assert words == ["w1", f"w{vocab - 1}"]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]

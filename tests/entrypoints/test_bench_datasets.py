@@ -11,8 +11,10 @@ import random
 import re
 import statistics
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from llm_inference.entrypoints import bench
 from llm_inference.entrypoints.bench_datasets import Workload
@@ -134,12 +136,18 @@ def test_sharegpt_parsing_and_filtering(tmp_path, tokenizer):
     assert w.describe(*_lens(requests))["dataset_path"] == str(path)
 
 
-def test_vllm_script_builds_the_requests_bench_throughput_sends(tiny_ckpt, tmp_path, tokenizer):
-    """benchmarks/vllm_throughput.py (importable without vLLM): for the same options, the same
-    prompt ids and max_tokens as `bench throughput`, and vLLM sampling arguments that match."""
+def _vllm_script():
+    """benchmarks/vllm_throughput.py as a module (it imports vLLM only in main)."""
     spec = importlib.util.spec_from_file_location("vllm_throughput", VLLM_SCRIPT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def test_vllm_script_builds_the_requests_bench_throughput_sends(tiny_ckpt, tmp_path, tokenizer):
+    """benchmarks/vllm_throughput.py (importable without vLLM): for the same options, the same
+    prompt ids and max_tokens as `bench throughput`, and vLLM sampling arguments that match."""
+    script = _vllm_script()
     path, _ = _sharegpt_file(tmp_path, tokenizer)
     vocab = json.loads((tiny_ckpt / "config.json").read_text())["vocab_size"]
     cases = [
@@ -162,6 +170,49 @@ def test_vllm_script_builds_the_requests_bench_throughput_sends(tiny_ckpt, tmp_p
             for i, p in enumerate(params)
         ]  # fmt: skip
         assert max(t for p in prompts for t in p) < vocab  # the model's ids, not 10,000's
+
+
+def test_vllm_script_latency_flags():
+    """`--latency` with `--batches` (default bench latency's 1,8,64,256); a batch size that is
+    not a positive integer is a usage error."""
+    parse = _vllm_script().build_parser().parse_args
+    assert (parse([]).latency, parse([]).batches) == (False, [1, 8, 64, 256])
+    args = parse(["--model", "qwen3-8b", "--latency", "--batches", "1,8"])
+    assert (args.model, args.latency, args.batches) == ("qwen3-8b", True, [1, 8])
+    for bad in ("0", "1,x", ""):
+        with pytest.raises(SystemExit):
+            parse(["--latency", "--batches", bad])
+
+
+def test_vllm_script_latency_times_bench_latencys_prompts(monkeypatch):
+    """`--latency` gives vLLM the prompts `bench latency` gives ours (here in Mistral's vocabulary
+    of 32,768) and times them as vllm_bench.py: per batch two warm-ups of 8 greedy tokens, then 3
+    runs of 8 and 3 of 136, ms per step = the difference of their medians over 128 steps (a fake
+    clock advancing 1 ms per generated step, 2 ms more per run's prefill)."""
+    script = _vllm_script()
+    ours = []
+    monkeypatch.setattr(bench, "_timed_generate", lambda llm, p, sp: ours.append(p) or 0.0)
+    fake_llm = SimpleNamespace(config=SimpleNamespace(model=SimpleNamespace(vocab_size=32768)))
+    bench.decode_latency(fake_llm, [1, 8])
+    prompts = script.latency_prompts(32768, [1, 8])
+    assert prompts == {1: ours[0], 8: ours[8]} and len(ours) == 16
+    assert all(len(p) == 128 and max(p) < 32768 - 256 for batch in prompts.values() for p in batch)
+
+    clock, runs = [0.0], []
+
+    def generate(inputs, sp, use_tqdm):
+        runs.append((len(inputs), sp["max_tokens"]))
+        assert sp == dict(temperature=0, max_tokens=sp["max_tokens"], ignore_eos=True,
+                          detokenize=False)  # fmt: skip
+        assert not use_tqdm and [i["prompt_token_ids"] for i in inputs] == prompts[len(inputs)]
+        clock[0] += (2 + sp["max_tokens"]) / 1e3
+
+    monkeypatch.setattr(script, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    vllm = SimpleNamespace(SamplingParams=lambda **kw: kw)
+    ms = script.decode_latency(SimpleNamespace(generate=generate), vllm, prompts)
+    assert ms == {1: 1.0, 8: 1.0}
+    assert runs == [(bs, n) for bs in (1, 8) for n in [8] * 5 + [136] * 3]
 
 
 BAD_OPTIONS = [

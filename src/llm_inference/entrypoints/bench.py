@@ -8,11 +8,12 @@
   output lengths uniform in [100, 1024], random token ids), temperature 0.6, `ignore_eos`:
   requests/s, output and total tokens/s, and the workload with its mean lengths.
 
-`--model` takes a checkpoint folder or a named shape (`llama-3.2-1b`, `llama-3.2-3b`,
-`llama-3.1-8b`) written once with random weights (bf16) into a temporary folder. The engine
-flags are `EngineArgs`' (engine/arg_utils.py), with bench's own defaults (`BENCH_DEFAULTS`).
-Only the public API (`LLM`, `EngineArgs`, `SamplingParams`) and bench_datasets are used, so the
-file also runs as a script (`python3 .../bench.py latency ...`).
+`--model` takes a checkpoint folder or a named shape (`SHAPES`: Llama 3.2 1B and 3B, Llama 3.1
+8B, Qwen2.5 7B, Qwen3 8B, Mistral 7B v0.3) written once with random weights (bf16) into a
+temporary folder. The engine flags are `EngineArgs`' (engine/arg_utils.py), with bench's own
+defaults (`BENCH_DEFAULTS`). Only the public API (`LLM`, `EngineArgs`, `SamplingParams`),
+bench_datasets and the model registry are used, so the file also runs as a script
+(`python3 .../bench.py latency ...`).
 """
 
 from __future__ import annotations
@@ -29,20 +30,43 @@ from pathlib import Path
 
 from llm_inference.engine.arg_utils import EngineArgs, resolve_device
 from llm_inference.entrypoints.bench_datasets import Workload, add_workload_args, workload_line
+from llm_inference.models.registry import FAMILIES
 from llm_inference.sampling_params import SamplingParams
 
+# Each named shape: the transformers class its checkpoint is written with (registry.py's
+# family) and its config's arguments, the released config.json's values.
+VOCAB = 128256  # Llama 3's vocabulary
+_LLAMA3 = dict(model="LlamaForCausalLM", vocab_size=VOCAB, rms_norm_eps=1e-5,
+               max_position_embeddings=131072, rope_theta=500000.0, bos_token_id=128000,
+               eos_token_id=128001)  # fmt: skip
+_LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)  # fmt: skip
 SHAPES = {
-    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+    "llama-3.2-1b": dict(**_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                         tie_word_embeddings=True, rope_factor=32.0),
-    "llama-3.2-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         tie_word_embeddings=True, rope_scaling=dict(_LLAMA3_ROPE, factor=32.0)),
+    "llama-3.2-3b": dict(**_LLAMA3, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
                          num_attention_heads=24, num_key_value_heads=8, head_dim=128,
-                         tie_word_embeddings=True, rope_factor=32.0),
-    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         tie_word_embeddings=True, rope_scaling=dict(_LLAMA3_ROPE, factor=32.0)),
+    "llama-3.1-8b": dict(**_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                         tie_word_embeddings=False, rope_factor=8.0),
+                         tie_word_embeddings=False, rope_scaling=dict(_LLAMA3_ROPE, factor=8.0)),
+    "qwen2.5-7b": dict(model="Qwen2ForCausalLM", hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       head_dim=128, vocab_size=152064, tie_word_embeddings=False,
+                       rms_norm_eps=1e-6, max_position_embeddings=131072, rope_theta=1e6,
+                       use_sliding_window=False, bos_token_id=151643, eos_token_id=151643),
+    "qwen3-8b": dict(model="Qwen3ForCausalLM", hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+                     rms_norm_eps=1e-6, max_position_embeddings=40960, rope_theta=1e6,
+                     use_sliding_window=False, bos_token_id=151643, eos_token_id=151645),
+    "mistral-7b": dict(model="MistralForCausalLM", hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       head_dim=128, vocab_size=32768, tie_word_embeddings=False,
+                       rms_norm_eps=1e-5, max_position_embeddings=32768, rope_theta=1e6,
+                       sliding_window=None, bos_token_id=1, eos_token_id=2),  # v0.3
 }  # fmt: skip
-VOCAB = 128256
 PROMPT_IDS = 10000  # throughput's random prompt ids are in [0, 10000) (the model's if smaller)
 BATCHES = (1, 8, 64, 256)
 # The engine options bench runs with unless told otherwise: half precision, room for the
@@ -53,43 +77,46 @@ _NO_PROFILE = {"total_ms": 0.0, "kernels": {}}  # subtracted from a profile: the
 
 
 def random_checkpoint(shape: str, root: Path | None = None) -> Path:
-    """A Llama checkpoint of a named shape with random bf16 weights and a word-level tokenizer
-    over the whole vocabulary (`w0` .. `w128255`); written once, then reused."""
+    """A checkpoint of a named shape: its family's transformers class with random bf16 weights
+    and a word-level tokenizer over its whole vocabulary (`w0`, `w1`, ...; transformers 5 reads
+    Qwen2's as a Qwen2Tokenizer, which decodes them but cannot encode them: bench sends token
+    ids); written once, then reused."""
     import torch
+    import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     folder = (root or Path(tempfile.gettempdir()) / "llm_inference_bench") / shape
     if (folder / "config.json").is_file():
         return folder
     s = dict(SHAPES[shape])
-    factor = s.pop("rope_factor")
-    config = LlamaConfig(
-        **s, vocab_size=VOCAB, rms_norm_eps=1e-5, max_position_embeddings=131072,
-        rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001,
-        rope_scaling={"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    )  # fmt: skip
+    model_class = getattr(transformers, s.pop("model"))
+    config = model_class.config_class(**s)
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model = model_class(config).to(torch.bfloat16)
     model.save_pretrained(folder, safe_serialization=True)
     del model
-    vocab = {f"w{i}": i for i in range(VOCAB)}
+    torch.cuda.empty_cache()  # for another process: vllm_throughput.py starts vLLM next
+    vocab = {f"w{i}": i for i in range(config.vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(folder)
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
+    tokenizer.save_pretrained(folder)
     return folder
 
 
 def shape_bytes(shape: str) -> int:
-    """The bf16 bytes of a named shape's weights (what `random_checkpoint` writes)."""
+    """The bf16 bytes of a named shape's weights (what `random_checkpoint` writes: every
+    parameter, norms, Qwen2's q/k/v biases and Qwen3's q/k norms included)."""
     s = SHAPES[shape]
-    h, q, kv = s["hidden_size"], s["num_attention_heads"], s["num_key_value_heads"]
-    layer = 2 * h * q * s["head_dim"] + 2 * h * kv * s["head_dim"] + 3 * h * s["intermediate_size"]
-    embeddings = VOCAB * h * (1 if s["tie_word_embeddings"] else 2)
-    return 2 * (embeddings + s["num_hidden_layers"] * (layer + 2 * h) + h)
+    family = FAMILIES[s["model"]]
+    h, hd = s["hidden_size"], s["head_dim"]
+    q, kv = s["num_attention_heads"] * hd, s["num_key_value_heads"] * hd
+    layer = 2 * h * q + 2 * h * kv + 3 * h * s["intermediate_size"] + 2 * h
+    layer += family.qkv_bias * (q + 2 * kv) + family.qk_norm * 2 * hd
+    embeddings = s["vocab_size"] * h * (1 if s["tie_word_embeddings"] else 2)
+    return 2 * (embeddings + s["num_hidden_layers"] * layer + h)
 
 
 def copy_bandwidth(device: str = "cuda", nbytes: int = 1 << 30) -> float:
@@ -310,9 +337,10 @@ def add_bench_args(p: argparse.ArgumentParser, kind: str | None = None) -> None:
         p.set_defaults(kind=kind)
     p.add_argument(
         "--model", default=None,
-        help=f"a checkpoint folder, or a named shape ({', '.join(SHAPES)}: random bf16 weights, "
-        f"written once under {tempfile.gettempdir()}/llm_inference_bench/; 2.5, 6.4 and 16 GB) "
-        "(default: llama-3.2-1b on a GPU, the default model on the CPU)",
+        help="a checkpoint folder, or a named shape ("
+        + ", ".join(f"{s}: {shape_bytes(s) / 1e9:.1f} GB" for s in SHAPES)
+        + f"; random bf16 weights, written once under {tempfile.gettempdir()}/llm_inference_bench/)"
+        " (default: llama-3.2-1b on a GPU, the default model on the CPU)",
     )  # fmt: skip
     p.add_argument("--num-prompts", type=int, default=256, help="throughput requests")
     add_workload_args(p)
