@@ -49,6 +49,10 @@ def accepts(compiler, so: S, text: str) -> bool:
         (S(json={"allOf": [{"type": "integer"}, {"minimum": 3}]}), "`allOf` of several schemas"),
         (S(json={"items": {"$ref": "https://example.com/s.json"}}),
          "`$ref` to another document (https://example.com/s.json) at #/items"),
+        (S(json={"type": "string", "pattern": "^a+$", "maxLength": 2}),
+         "`maxLength` with `pattern` at #"),
+        (S(json={"properties": {"d": {"type": "string", "format": "date", "minLength": 1}}}),
+         "`minLength` with `format` at #/properties/d"),
     ],
 )  # fmt: skip
 def test_check_spec_names_the_problem(so, message):
@@ -63,7 +67,8 @@ def test_check_spec_takes_what_xgrammar_enforces():
         S(json={"type": "object", "properties": {"not": {"type": "integer"}, "if": {}}}),
         S(json={"type": "integer", "multipleOf": 3, "minimum": 0}),
         S(json={"allOf": [{"$ref": "#/$defs/a"}], "$defs": {"a": {"type": "string"}}}),
-        S(json='{"type": "string", "pattern": "^a+$", "maxLength": 4}'),
+        S(json='{"type": "string", "pattern": "^a{1,4}$"}'),
+        S(json={"type": "string", "minLength": 2, "maxLength": 4}),
         S(json_object=True),
         S(regex=r"\d{3}-[a-z]+"),
         S(grammar='root ::= "(" [0-9]+ ")"'),
@@ -182,3 +187,18 @@ def test_a_failed_compile_is_never_ready():
     assert not RequestGrammar(pending, [EOS]).ready
     grammar = RequestGrammar(failed, [EOS])
     assert not grammar.ready and str(grammar.error) == "no"
+
+
+def test_string_lengths_keep_control_characters_out(compiler):
+    """xgrammar's own grammar for minLength/maxLength takes a raw tab (invalid JSON); as the
+    spec compiles it, the lengths hold and the tab is refused, nested too."""
+    short = {"type": "string", "minLength": 1, "maxLength": 3}
+    assert xgr.GrammarMatcher(compiler.compile_json_schema(json.dumps(short))).accept_string(
+        '"a\tb"'
+    )
+    for schema in (short, {"type": "object", "properties": {"s": short}, "required": ["s"]}):
+        wrap = (lambda t: t) if schema is short else (lambda t: '{"s": ' + t + "}")
+        so = S(json=schema)
+        assert accepts(compiler, so, wrap('"abc"')) and accepts(compiler, so, wrap('"é"'))
+        for bad in ('"a\tb"', '""', '"abcd"'):
+            assert not accepts(compiler, so, wrap(bad)), (schema, bad)

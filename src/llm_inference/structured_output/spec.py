@@ -38,6 +38,10 @@ def grammar_key(so: StructuredOutputsParams) -> GrammarKey:
     kind = so.kind
     if kind == "json":
         text = so.json if isinstance(so.json, str) else json.dumps(so.json)
+        try:
+            text = json.dumps(_length_patterns(json.loads(text)))
+        except ValueError:
+            pass  # not JSON: check_spec says so
     elif kind == "choice":
         kind, text = "grammar", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
                                                        for c in so.choice)  # fmt: skip
@@ -46,6 +50,34 @@ def grammar_key(so: StructuredOutputsParams) -> GrammarKey:
     else:
         text = getattr(so, kind)
     return kind, text, not so.disable_any_whitespace
+
+
+# The characters of a JSON string that need no escape: xgrammar's grammar for a string with
+# minLength/maxLength lets raw control characters in (invalid JSON), its patterns do not.
+_PLAIN_CHAR = '[^"\\\\\\x00-\\x1f]'
+
+
+def _length_patterns(schema: object) -> object:
+    """`schema` with each string's minLength/maxLength (and no pattern or format) as the same
+    bounds on a pattern of plain characters (xgrammar allows no escapes there either)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    bounds = (out.get("minLength"), out.get("maxLength"))
+    plain = "pattern" not in out and "format" not in out
+    if out.get("type") == "string" and bounds != (None, None) and plain:
+        low, high = out.pop("minLength", 0), out.pop("maxLength", None)
+        out["pattern"] = f"^{_PLAIN_CHAR}{{{low},{'' if high is None else high}}}$"
+    for k in _ONE:
+        if isinstance(out.get(k), dict):
+            out[k] = _length_patterns(out[k])
+    for k in _LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [_length_patterns(s) for s in out[k]]
+    for k in _MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: _length_patterns(s) for name, s in out[k].items()}
+    return out
 
 
 def compile_grammar(compiler, key: GrammarKey):
@@ -131,6 +163,10 @@ def _ignored_keyword(schema: object, path: str) -> str | None:
     for key in IGNORED_KEYWORDS:
         if key in schema:
             return f"`{key}` at {path}"
+    lengths = [k for k in ("minLength", "maxLength") if k in schema]
+    other = next((k for k in ("pattern", "format") if k in schema), None)
+    if lengths and other:
+        return f"`{lengths[0]}` with `{other}` at {path}"
     if "multipleOf" in schema and schema.get("type") != "integer":
         return f"`multipleOf` on a non-integer at {path}"
     if len(schema.get("allOf", ())) > 1:
