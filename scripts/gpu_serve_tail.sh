@@ -7,13 +7,13 @@
 # its shared settings), every chunk's time saved; then benchmarks/serve_stalls.py on each run,
 # with our processes' GC pause log (envs.LLM_INFERENCE_GC_LOG). Folders serve_* in $OUT.
 #   GC_YOUNG="700 default" OUT=$OUT bash scripts/gpu_serve_tail.sh
-# SERVE_ARGS: more serve_compare options (a CPU flow check: VLLM=0 PROMPTS=6 INPUT_LEN=16
+# OURS=0: vLLM's alone. SERVE_ARGS: more serve_compare options (a CPU flow check: VLLM=0 PROMPTS=6 INPUT_LEN=16
 # OUTPUT_LEN=8 SERVE_ARGS="--device cpu --dtype float32 --model TINY_CKPT --max-model-len 256").
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"  # $OUT, the environment
 common="--rates inf --inf-prompts ${PROMPTS:-800} --input-len ${INPUT_LEN:-512}
   --output-len ${OUTPUT_LEN:-256} --save-detailed ${SERVE_ARGS:-}"
-for young in ${GC_YOUNG:-default}; do
+for young in $([ "${OURS:-1}" = 1 ] && echo "${GC_YOUNG:-default}"); do
   d=$OUT/serve_ours_gc_$young; mkdir -p "$d"
   env="LLM_INFERENCE_GC_LOG=$d/gc.log"
   [ "$young" = default ] || env="$env LLM_INFERENCE_GC_YOUNG=$young"
