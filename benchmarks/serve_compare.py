@@ -415,8 +415,11 @@ def ours_pythonpath(args, notes: dict) -> list[str]:
         )
     folder = Path(tempfile.gettempdir()) / "serve_compare_deps"
     linked = link_serve_deps(site, folder)
-    if not _imports([str(SRC), str(folder)], SERVE_IMPORTS):
-        raise RuntimeError(f"fastapi/uvicorn/pydantic do not import even from {folder}")
+    if not _imports([str(SRC), str(folder)], SERVE_IMPORTS):  # they need more: all of site
+        if not _imports([str(SRC), str(site)], SERVE_IMPORTS):
+            raise RuntimeError(f"fastapi/uvicorn/pydantic do not import even from {site}")
+        notes["ours_web_stack"] = f"all of {site} (its links alone did not import)"
+        return [str(SRC), str(site)]
     notes["ours_web_stack"] = f"linked from {site}: " + ", ".join(linked)
     return [str(SRC), str(folder)]
 

@@ -208,17 +208,25 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
         time.sleep(0.1)
 
 
+class _Compiles(list):
+    def __init__(self) -> None:
+        super().__init__()
+        self.details: list[str] = []
+
+
 @contextlib.contextmanager
 def triton_compiles():
     """The names of the Triton kernels compiled (in-memory cache misses, loads from the disk
-    cache included) while the block runs, in a list the block can read after it."""
+    cache included) while the block runs, in a list the block can read after it; its `details`
+    hold each compile's specialization as Triton describes it (for an assert's message)."""
     import triton
 
-    names: list[str] = []
+    names = _Compiles()
     old = triton.knobs.runtime.jit_post_compile_hook
 
     def hook(*args, **kw):
         names.append(kw["fn"].name)
+        names.details.append(str(kw.get("repr", "")))
 
     triton.knobs.runtime.jit_post_compile_hook = hook
     try:

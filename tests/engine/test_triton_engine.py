@@ -82,7 +82,7 @@ def test_first_requests_compile_nothing(tmp_path, eager):
                 llm.generate(batch, mixed, use_tqdm=False)
             long = [[(7 * i + j) % 300 + 2 for j in range(400)] for i in range(6)]
             llm.generate(long, SamplingParams(temperature=0.8, max_tokens=3), use_tqdm=False)
-    assert compiled == []
+    assert compiled == [], compiled.details
 
 
 def test_prompt_logprobs_with_graphs_equal_reference(tmp_path):
@@ -138,7 +138,7 @@ def test_structured_outputs_on_cuda_compile_nothing(tiny_ckpt):
                                      logprobs=2 if i % 5 == 4 else None)
                       for i in range(12)]  # fmt: skip
             outs = llm.generate((prompts * 3)[:12], params, use_tqdm=False)
-    assert compiled == []
+    assert compiled == [], compiled.details
     for i, o in enumerate(outs):
         assert o.finish_reason == "stop", o.text
         if i % 3 == 0:

