@@ -247,6 +247,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     # Share the K/V of full blocks of equal token prefixes across requests (core/prefix_cache.py).
     enable_prefix_caching: bool = True
+    # The K/V caches' torch dtype: EngineConfig.dtype, or "float8_e4m3fn" (kv_cache_dtype="fp8":
+    # one scale per layer for K and one for V, kernels/reference.py).
+    kv_cache_dtype: str = "float32"
 
 
 @dataclass(frozen=True)

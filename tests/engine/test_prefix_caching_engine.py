@@ -1,7 +1,8 @@
 """Prefix caching through the real engine (tiny random checkpoint, float32 on CPU): greedy
 outputs are the same with caching on and off (and as transformers'), on prompts sharing
 prefixes that end inside a block and at a block edge, full-prompt hits, follow-up turns that
-hit decoded blocks, n > 1 completions, and preemption; the switch and the stats."""
+hit decoded blocks, n > 1 completions, and preemption (with a float32 and an FP8 KV cache);
+the switch and the stats."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from llm_inference.engine.arg_utils import EngineArgs
 from llm_inference.entrypoints.cli import build_parser
 
 BLOCK = 16  # the default block size; one block of the tiny model is 8192 bytes in float32
+BLOCK_BYTES = {"auto": 8192, "fp8": 2048}  # by kv_cache_dtype (FP8: one byte an element)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
@@ -52,19 +54,23 @@ def run_turns(ckpt, caching: bool, **kw):
     return outs, stats
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize(
     "engine_kw",
-    [{}, dict(max_num_batched_tokens=24), dict(kv_cache_memory_bytes=8 * 8192, max_model_len=80)],
+    [{}, dict(max_num_batched_tokens=24), dict(kv_cache_blocks=8, max_model_len=80)],
     ids=["default", "chunked_prefill", "preempting"],
 )
-def test_greedy_outputs_equal_with_caching_on_and_off(tiny_ckpt, engine_kw):
-    on, on_stats = run_turns(tiny_ckpt, True, **engine_kw)
-    off, off_stats = run_turns(tiny_ckpt, False, **engine_kw)
+def test_greedy_outputs_equal_with_caching_on_and_off(tiny_ckpt, engine_kw, kv_cache_dtype):
+    kw = dict(engine_kw, kv_cache_dtype=kv_cache_dtype)
+    if "kv_cache_blocks" in kw:  # as many blocks in either dtype
+        kw["kv_cache_memory_bytes"] = kw.pop("kv_cache_blocks") * BLOCK_BYTES[kv_cache_dtype]
+    on, on_stats = run_turns(tiny_ckpt, True, **kw)
+    off, off_stats = run_turns(tiny_ckpt, False, **kw)
     assert on == off
     assert off_stats["prefix_cache_hits"] == off_stats["prefix_cache_queries"] == 0
     queries = sum(len(p) for p in FIRST + SECOND) + 45 + 8 + 6  # tokens of each admission
     assert on_stats["prefix_cache_hits"] >= 2 * BLOCK
-    if "kv_cache_memory_bytes" in engine_kw:  # readmissions after preemption query again
+    if "kv_cache_blocks" in engine_kw:  # readmissions after preemption query again
         assert on_stats["num_preemptions"] > 0
         assert on_stats["prefix_cache_queries"] > queries
     else:  # 32 + 16 + 16 + 16 + 32 + 32 (SECOND) + 48 (the follow-up turn hits its outputs)
@@ -97,14 +103,16 @@ def test_n_completions_share_the_prompt_blocks(tiny_ckpt):
     assert stats["prefix_cache_hits"] == 2 * 2 * BLOCK
 
 
-def test_64_requests_with_aborts_and_preemption_equal_caching_off(tiny_ckpt):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_64_requests_with_aborts_and_preemption_equal_caching_off(tiny_ckpt, kv_cache_dtype):
     rng = random.Random(5)
     prompts = []
     for i in range(64):
         stem = BASE[: rng.choice([16, 20, 32, 33, 47, 64])]
         prompts.append(stem + tokens(100 + i, rng.randint(0, 12)) if i % 7 else stem)
     params = [replace_max(GREEDY, rng.randint(2, 10)) for _ in prompts]
-    kw = dict(kv_cache_memory_bytes=24 * 8192, max_model_len=96, max_num_seqs=16)
+    kw = dict(kv_cache_memory_bytes=24 * BLOCK_BYTES[kv_cache_dtype], max_model_len=96,
+              max_num_seqs=16, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     with llm(tiny_ckpt, False, **kw) as engine:
         want = [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
     with llm(tiny_ckpt, True, **kw) as engine:

@@ -52,6 +52,7 @@ BAD_ENGINE_ARGS = [
     ("seed", 1.5),
     ("tensor_parallel_size", 0),
     ("kv_cache_memory_bytes", -1),
+    ("kv_cache_dtype", "fp8_e5m2"),
 ]
 
 
@@ -110,6 +111,7 @@ def test_every_engine_argument_has_a_cli_flag():
                     "gpu_memory_utilization": 0.25,
                     "distributed_executor_backend": "ray",
                     "quantization": "fp8",
+                    "kv_cache_dtype": "fp8",
                 }.get(f.name, 3)
                 argv, want = [flag, str(value)], value  # fmt: skip
             args = parser.parse_args([*command, *argv])

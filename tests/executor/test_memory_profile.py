@@ -15,18 +15,21 @@ def _runner(folder, **kw) -> ModelRunner:
     return ModelRunner(config, torch.device("cpu"))
 
 
-def test_profile_step_takes_the_paged_kernels_of_real_steps(tiny_ckpt, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_profile_step_takes_the_paged_kernels_of_real_steps(tiny_ckpt, monkeypatch, kv_cache_dtype):
     """300 tokens of budget, max_model_len 128, 2 sequences at most: the forward is two 128-token
-    prompts through `unified_attention` over the paged cache, never the dense path (which ran
-    one SDPA over [heads, n, n] scores: 69 GB at 16k tokens on the 8B shape), and leaves no KV
-    cache behind. The sampler gets the logits of 2 rows (one per sequence), on its most
-    demanding path."""
-    runner = _runner(tiny_ckpt, max_num_batched_tokens=300, max_model_len=128, max_num_seqs=2)
+    prompts through `unified_attention` over the paged cache (in the cache's dtype: the FP8
+    kernels with an FP8 cache), never the dense path (which ran one SDPA over [heads, n, n]
+    scores: 69 GB at 16k tokens on the 8B shape), and leaves no KV cache behind. The sampler
+    gets the logits of 2 rows (one per sequence), on its most demanding path."""
+    runner = _runner(tiny_ckpt, max_num_batched_tokens=300, max_model_len=128, max_num_seqs=2,
+                     kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     backend, ops = runner.model.attn_backend, runner.ops
-    calls = []
+    calls, cache_dtype = [], torch.float8_e4m3fn if kv_cache_dtype == "fp8" else torch.float32
 
     def attention(q, k_cache, v_cache, block_table, cu, seq_lens, *args, **kw):
         calls.append((len(q), cu.tolist(), seq_lens.tolist(), kw["max_query_len"], len(k_cache)))
+        assert k_cache.dtype == v_cache.dtype == cache_dtype
         return real(q, k_cache, v_cache, block_table, cu, seq_lens, *args, **kw)
 
     def dense(*args):

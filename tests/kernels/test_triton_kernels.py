@@ -1,10 +1,13 @@
 """Triton kernels against their PyTorch references (kernels/reference.py).
 
-CPU: the interpreter cases of triton_kernel_checks.py (small sizes, float32 and float16) run once
-in a child process started with TRITON_INTERPRET=1, so the interpreter is on before triton is
-imported there; each kernel reports its own result.
+CPU: the interpreter cases of triton_kernel_checks.py (small sizes, float32 and float16; FP8
+caches read by the paged attention, and stored where no rounding happens: the interpreter's
+float32 -> float8 cast rounds wrongly) run once in a child process started with
+TRITON_INTERPRET=1, so the interpreter is on before triton is imported there; each kernel
+reports its own result.
 GPU (skipped without CUDA): bfloat16 at real sizes: context lengths mixed from 1 to 4096 in one
-batch, random non-contiguous block tables, block sizes 16 and 32, Llama 3 head shapes.
+batch, random non-contiguous block tables, block sizes 16 and 32, Llama 3 head shapes; the
+paged attention and the KV stores with bfloat16 and FP8 caches.
 """
 
 from __future__ import annotations
@@ -24,6 +27,13 @@ import triton_kernel_checks as checks  # noqa: E402
 from interpreter import run_checks  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# bfloat16 caches, and FP8 caches (Triton's float8_e4m3fn: compute capability 8.9+)
+FP8_CACHES = pytest.mark.parametrize("fp8", [
+    False,
+    pytest.param(True, marks=pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+        reason="FP8 KV caches need compute capability 8.9+")),
+], ids=["bf16_cache", "fp8_cache"])  # fmt: skip
 LLAMA_SHAPES = [(32, 8, 64), (24, 8, 128)]  # Llama 3.2 1B and 3B: (q heads, KV heads, head dim)
 
 
@@ -116,9 +126,10 @@ def mixed_lens(num_seqs: int, block_size: int, seed: int) -> list[int]:
 
 
 @cuda
+@FP8_CACHES
 @pytest.mark.parametrize("shape", LLAMA_SHAPES)
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_paged_attention_gpu_bf16(shape, block_size):
+def test_paged_attention_gpu_bf16(shape, block_size, fp8):
     from llm_inference.kernels.paged_attention import default_block_n
 
     block_n = default_block_n(shape[2], block_size)
@@ -126,7 +137,7 @@ def test_paged_attention_gpu_bf16(shape, block_size):
             (5, block_n, True), (128, block_n, False), (1, block_n, False, True),
             (5, block_n, True, True), (32, block_n, False, True)]  # fmt: skip
     lens = mixed_lens(40, block_size, seed=block_size)
-    checks.check_paged_attention("cuda", torch.bfloat16, lens, *shape, block_size, 1, cfgs)
+    checks.check_paged_attention("cuda", torch.bfloat16, lens, *shape, block_size, 1, cfgs, fp8)
 
 
 @cuda
@@ -181,14 +192,19 @@ def test_rotary_gpu_bf16(shape):
 
 
 @cuda
+@FP8_CACHES
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_store_kv_cache_gpu_bf16(block_size, head_dim):
-    checks.check_store_kv_cache("cuda", torch.bfloat16, 4096, 8, head_dim, block_size, seed=1)
+def test_store_kv_cache_gpu_bf16(block_size, head_dim, fp8):
+    """FP8: rounded to nearest even and saturated bit for bit as reference.to_cache."""
+    checks.check_store_kv_cache("cuda", torch.bfloat16, 4096, 8, head_dim, block_size, seed=1,
+                                fp8=fp8)  # fmt: skip
 
 
 @cuda
+@FP8_CACHES
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("shape", LLAMA_SHAPES)
-def test_rotary_store_kv_gpu_bf16(shape, block_size):
-    checks.check_rotary_store_kv("cuda", torch.bfloat16, 4096, *shape, block_size, seed=7)
+def test_rotary_store_kv_gpu_bf16(shape, block_size, fp8):
+    checks.check_rotary_store_kv("cuda", torch.bfloat16, 4096, *shape, block_size, seed=7,
+                                 fp8=fp8)  # fmt: skip

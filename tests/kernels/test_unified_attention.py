@@ -3,11 +3,11 @@ dense float64 attention.
 
 CPU: the cases of unified_attention_checks.py (small sizes, float32 and float16: mixed batches
 of chunks and decodes, empty sequences, padding rows, GQA 1-4, block sizes 16 and 32, head_dim
-32-128, several tile configs, the decode path with and without splits) run once in a child
-process started with TRITON_INTERPRET=1; each case reports its own result.
+32-128, several tile configs, the decode path with and without splits, FP8 caches) run once
+in a child process started with TRITON_INTERPRET=1; each case reports its own result.
 GPU (skipped without CUDA): bfloat16 at real sizes: query lengths 1 to 5,000, contexts up to
 32,768, GQA 1-8, head_dim 64 and 128, block sizes 16 and 32, random non-contiguous block
-tables; and CUDA-graph replays with new contents.
+tables, bfloat16 and FP8 caches; and CUDA-graph replays with new contents.
 """
 
 from __future__ import annotations
@@ -26,6 +26,13 @@ import unified_attention_checks as checks  # noqa: E402
 from interpreter import run_checks  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# bfloat16 caches, and FP8 caches (Triton's float8_e4m3fn: compute capability 8.9+)
+FP8_CACHES = pytest.mark.parametrize("fp8", [
+    False,
+    pytest.param(True, marks=pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+        reason="FP8 KV caches need compute capability 8.9+")),
+], ids=["bf16_cache", "fp8_cache"])  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -88,15 +95,18 @@ GPU_CTX = [0, 32767, 5, 1000, 30000, 7, 4096, 2048, 31, 0, 16, 3]
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_unified_attention_gpu_bf16_mixed(shape, block_size):
+@FP8_CACHES
+def test_unified_attention_gpu_bf16_mixed(shape, block_size, fp8):
     checks.check_unified("cuda", torch.bfloat16, GPU_Q, GPU_CTX, shape, block_size,
-                         seed=block_size + shape[2], tiles=((64, 32), (128, 64)))  # fmt: skip
+                         seed=block_size + shape[2], tiles=((64, 32), (128, 64)),
+                         fp8=fp8)  # fmt: skip
 
 
 @cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape", GPU_SHAPES)
-def test_unified_attention_gpu_bf16_long_prefill(shape):
+@FP8_CACHES
+def test_unified_attention_gpu_bf16_long_prefill(shape, fp8):
     """Steps with a chunk of at least LONG_QUERY tokens take the long-prefill tile (head_dim 64
     and 128); from 0 and after a deep context, beside shorter chunks and a decode."""
     from llm_inference.kernels import unified_attention as ua
@@ -104,18 +114,19 @@ def test_unified_attention_gpu_bf16_long_prefill(shape):
     assert ua.default_tiles(shape[0] // shape[1], shape[2], 5000)[:2] in ((128, 128), (256, 64))
     q_lens, contexts = [5000, 1, 300, ua.LONG_QUERY], [0, 9000, 100, 2003]
     checks.check_unified("cuda", torch.bfloat16, q_lens, contexts, shape, 16, seed=3,
-                         tiles=((128, 128), (256, 64)))  # fmt: skip
+                         tiles=((128, 128), (256, 64)), fp8=fp8)  # fmt: skip
 
 
 @cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape", GPU_SHAPES[:2])
-def test_unified_attention_gpu_bf16_decode(shape):
+@FP8_CACHES
+def test_unified_attention_gpu_bf16_decode(shape, fp8):
     """Decode-only steps (the split-K path): 1 and 40 sequences, contexts up to 32,768."""
     lens = [32767, 0, 4095, 1, 15, 16, 17, 2000] * 5
     checks.check_unified("cuda", torch.bfloat16, [1] * 40, lens, shape, 16, seed=1,
-                         decode_splits=(1, 7, 64))  # fmt: skip
-    checks.check_unified("cuda", torch.bfloat16, [1], [32767], shape, 16, seed=2)
+                         decode_splits=(1, 7, 64), fp8=fp8)  # fmt: skip
+    checks.check_unified("cuda", torch.bfloat16, [1], [32767], shape, 16, seed=2, fp8=fp8)
 
 
 @cuda

@@ -18,6 +18,14 @@ import torch
 # Relative L2 error allowed per sequence (attention) and elementwise tolerances (the rest).
 ATTN_TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
 ELEM_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# (k_scale, v_scale) of the FP8 cache cases: not 1, so a kernel that ignores either fails.
+FP8_SCALES = (0.3, 1.7)
+
+
+def as_cache(x: torch.Tensor, device, dtype, fp8: bool, scale: float) -> torch.Tensor:
+    """x as a cache of `dtype`, or as an FP8 cache of that scale (reference.to_cache)."""
+    reference, _ = _ops()
+    return reference.to_cache(x, reference.FP8, scale).to(device) if fp8 else x.to(device, dtype)
 
 
 def _ops():
@@ -26,9 +34,11 @@ def _ops():
     return reference, triton_ops
 
 
-def make_paged_case(device, dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size, gen):
-    """Random q and caches; each sequence's blocks are a random, non-contiguous set of a pool
-    larger than needed. block_tables is a strided view with random (valid) ids past the end."""
+def make_paged_case(device, dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size, gen,
+                    fp8=False):  # fmt: skip
+    """Random q and caches (`fp8`: FP8 caches with FP8_SCALES); each sequence's blocks are a
+    random, non-contiguous set of a pool larger than needed. block_tables is a strided view
+    with random (valid) ids past the end."""
     need = [math.ceil(n / block_size) for n in seq_lens]
     width = max(need) + 2
     num_blocks = sum(need) + 7
@@ -39,19 +49,21 @@ def make_paged_case(device, dtype, seq_lens, num_heads, num_kv_heads, head_dim, 
         tables[i, :n] = perm[used : used + n]
         used += n
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(cache_shape, generator=gen).to(device, dtype)
-    v_cache = torch.randn(cache_shape, generator=gen).to(device, dtype)
+    k_cache = as_cache(torch.randn(cache_shape, generator=gen), device, dtype, fp8, FP8_SCALES[0])
+    v_cache = as_cache(torch.randn(cache_shape, generator=gen), device, dtype, fp8, FP8_SCALES[1])
     q = (2 * torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)).to(device, dtype)
     block_tables = tables.to(device, torch.int32)[:, :width]
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     return q, k_cache, v_cache, block_tables, lens
 
 
-def assert_attention_close(out, q, k_cache, v_cache, block_tables, lens, scale, what=""):
+def assert_attention_close(out, q, k_cache, v_cache, block_tables, lens, scale, what="",
+                           k_scale=1.0, v_scale=1.0):  # fmt: skip
+    """Per sequence, relative L2 error against the reference in float32 (which reads any
+    cache in float32)."""
     reference, _ = _ops()
-    f = torch.float32
     ref = reference.paged_attention_decode(
-        q.to(f), k_cache.to(f), v_cache.to(f), block_tables, lens, scale
+        q.float(), k_cache, v_cache, block_tables, lens, scale, k_scale=k_scale, v_scale=v_scale
     )
     assert torch.isfinite(out).all(), f"{what}: unwritten (NaN) or non-finite outputs"
     err = (out.float() - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)
@@ -62,37 +74,38 @@ def assert_attention_close(out, q, k_cache, v_cache, block_tables, lens, scale, 
 
 
 def check_paged_attention(device, dtype, seq_lens, num_heads, num_kv_heads, head_dim,
-                          block_size, seed, configs=()):  # fmt: skip
+                          block_size, seed, configs=(), fp8=False):  # fmt: skip
     """The public launcher (default and tight max_seq_len), then each configuration
     (splits, tile, fused merge[, True: in a random seq_order]) through `paged_attention.launch`:
     each sequence spreads its
     own tiles over the splits, so more splits than a short sequence has tiles leaves some
-    empty."""
+    empty. `fp8`: FP8 caches, with FP8_SCALES."""
     from llm_inference.kernels import paged_attention
 
     gen = torch.Generator().manual_seed(seed)
     case = make_paged_case(
-        device, dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size, gen
+        device, dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size, gen, fp8
     )
     q, k_cache, v_cache, block_tables, lens = case
     scale = head_dim**-0.5
+    scales = dict(zip(("k_scale", "v_scale"), FP8_SCALES if fp8 else (1.0, 1.0)))
     for max_len in (None, max(seq_lens)):
         out = torch.full_like(q, float("nan"))
         res = paged_attention.paged_attention_decode(
-            q, k_cache, v_cache, block_tables, lens, scale, out, max_seq_len=max_len
+            q, k_cache, v_cache, block_tables, lens, scale, out, max_seq_len=max_len, **scales
         )
         assert res is out
-        assert_attention_close(out, *case, scale, f"max_seq_len={max_len}")
+        assert_attention_close(out, *case, scale, f"max_seq_len={max_len}", **scales)
     for splits, block_n, fused, *ordered in configs:
         # ordered: the programs dispatched in a random order of the sequences (seq_order)
         order = torch.randperm(len(seq_lens), generator=gen).to(device) if ordered else None
         out = torch.full_like(q, float("nan"))
         paged_attention.launch(
             q, k_cache, v_cache, block_tables, lens, scale, out, splits, block_n,
-            fused_merge=fused, seq_order=order,
+            fused_merge=fused, seq_order=order, **scales,
         )  # fmt: skip
         what = f"splits={splits} n={block_n} fused={fused} ordered={bool(ordered)}"
-        assert_attention_close(out, *case, scale, what)
+        assert_attention_close(out, *case, scale, what, **scales)
 
 
 def check_rms_norm(device, dtype, num_tokens, hidden, seed):
@@ -168,31 +181,56 @@ def check_rotary(device, dtype, num_tokens, num_heads, num_kv_heads, head_dim, s
     assert torch.equal(qkv[:, v_start:], ref_qkv[:, v_start:]), "v must be untouched"
 
 
-def check_store_kv_cache(device, dtype, num_tokens, num_kv_heads, head_dim, block_size, seed):
+def fp8_representable(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Normal e4m3 values (or 0) times a power-of-two `scale`, every 7th one 1000 x scale: an
+    FP8 store keeps them exactly or saturates them to 448, without rounding (Triton's
+    interpreter rounds float32 to float8 wrongly: 7.97 becomes 4)."""
+    reference, _ = _ops()
+    e4m3 = (8 * x.float()).to(reference.FP8).float()
+    e4m3[e4m3.abs() < 2.0**-6] = 0  # no subnormals
+    e4m3.view(-1)[::7] = 1000.0
+    return (e4m3 * scale).to(x.dtype)
+
+
+def check_store_kv_cache(device, dtype, num_tokens, num_kv_heads, head_dim, block_size, seed,
+                         fp8=False, representable=False):  # fmt: skip
+    """`fp8`: FP8 caches, with FP8_SCALES; `representable`: inputs of `fp8_representable` and
+    scales 0.25 and 4 (the interpreter's case)."""
     reference, triton_ops = _ops()
     gen = torch.Generator().manual_seed(seed)
     qkv = _fused_qkv(device, dtype, num_tokens, 2 * num_kv_heads, num_kv_heads, head_dim, gen)
     _, k, v = _split_qkv(qkv, 2 * num_kv_heads, num_kv_heads, head_dim)
+    scales = ((0.25, 4.0) if representable else FP8_SCALES) if fp8 else (1.0, 1.0)
+    if representable:
+        k.copy_(fp8_representable(k, scales[0]))
+        v.copy_(fp8_representable(v, scales[1]))
     num_blocks = 2 * math.ceil(num_tokens / block_size) + 3
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[torch.rand(num_tokens, generator=gen) < 0.2] = -1  # padding tokens
     slots = slots.to(device)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    cache_dtype = reference.FP8 if fp8 else dtype
+    k_cache = torch.full(shape, float("nan"), dtype=cache_dtype, device=device)
+    v_cache = torch.full(shape, float("nan"), dtype=cache_dtype, device=device)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    reference.store_kv_cache(k, v, ref_k, ref_v, slots)
-    triton_ops.store_kv_cache(k, v, k_cache, v_cache, slots.to(torch.int32))
-    # Exact: written slots hold the inputs, skipped and untouched slots stay NaN.
-    torch.testing.assert_close(k_cache, ref_k, rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(v_cache, ref_v, rtol=0, atol=0, equal_nan=True)
+    reference.store_kv_cache(k, v, ref_k, ref_v, slots, *scales)
+    triton_ops.store_kv_cache(k, v, k_cache, v_cache, slots.to(torch.int32), *scales)
+    # Exact, bit for bit: written slots hold the inputs (FP8: rounded the same way), skipped
+    # and untouched slots stay NaN.
+    for got, want in ((k_cache, ref_k), (v_cache, ref_v)):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (
+            f"max diff {(got.float() - want.float()).nan_to_num().abs().max()}"
+        )
+    if representable:  # the case tests the scales and the saturation
+        assert (ref_k.float().abs() == 448).any() and (ref_v.float().abs() == 448).any()
 
 
 def check_rotary_store_kv(device, dtype, num_tokens, num_heads, num_kv_heads, head_dim,
-                          block_size, seed):  # fmt: skip
+                          block_size, seed, fp8=False):  # fmt: skip
     """The fused launch equals rotary_embedding then store_kv_cache of the reference: q and k
     rotated in place in the strided qkv, rotated k and v at their slots, skipped slots (-1)
-    and untouched ones left NaN, v unchanged."""
+    and untouched ones left NaN, v unchanged. `fp8`: FP8 caches with FP8_SCALES, within one
+    e4m3 step (the rotated k may differ in its last bit)."""
     reference, triton_ops = _ops()
     gen = torch.Generator().manual_seed(seed)
     max_pos = 4096
@@ -206,17 +244,21 @@ def check_rotary_store_kv(device, dtype, num_tokens, num_heads, num_kv_heads, he
     slots[torch.rand(num_tokens, generator=gen) < 0.2] = -1
     slots = slots.to(device)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    caches = [torch.full(shape, float("nan"), dtype=dtype, device=device) for _ in range(2)]
+    cache_dtype, scales = (reference.FP8, FP8_SCALES) if fp8 else (dtype, (1.0, 1.0))
+    caches = [torch.full(shape, float("nan"), dtype=cache_dtype, device=device) for _ in "kv"]
     ref_qkv, ref_caches = qkv.clone(), [c.clone() for c in caches]
     ref_q, ref_k, ref_v = _split_qkv(ref_qkv, num_heads, num_kv_heads, head_dim)
-    reference.rotary_store_kv(positions, ref_q, ref_k, ref_v, cos_sin, *ref_caches, slots)
+    reference.rotary_store_kv(positions, ref_q, ref_k, ref_v, cos_sin, *ref_caches, slots,
+                              *scales)  # fmt: skip
     q, k, v = _split_qkv(qkv, num_heads, num_kv_heads, head_dim)
-    got = triton_ops.rotary_store_kv(positions, q, k, v, cos_sin, *caches, slots.to(torch.int32))
+    got = triton_ops.rotary_store_kv(positions, q, k, v, cos_sin, *caches, slots.to(torch.int32),
+                                     *scales)  # fmt: skip
     assert got.data_ptr() == q.data_ptr()
     tol = ELEM_TOL[dtype]
     torch.testing.assert_close(qkv, ref_qkv, rtol=tol, atol=tol)
+    rtol = 2.0**-3 if fp8 else tol  # an e4m3 step is 1/8 of the value or less
     for c, ref in zip(caches, ref_caches):
-        torch.testing.assert_close(c, ref, rtol=tol, atol=tol, equal_nan=True)
+        torch.testing.assert_close(c.float(), ref.float(), rtol=rtol, atol=tol, equal_nan=True)
     assert (slots >= 0).any() and (slots < 0).any()
 
 
@@ -310,8 +352,9 @@ def check_all_reduce_norm_ranks(dtype, world, seed, calls=4, rows=3, hidden=40):
     assert sum(int(f.sum()) for f in flags) == 0, "flags left set"
 
 
-INTERPRETER_KERNELS = ("paged_attention", "rms_norm", "silu_and_mul", "rotary", "store_kv_cache",
-                       "rotary_store_kv", "all_reduce_norm")  # fmt: skip
+INTERPRETER_KERNELS = ("paged_attention", "paged_attention_fp8", "rms_norm", "silu_and_mul",
+                       "rotary", "store_kv_cache", "store_kv_cache_fp8", "rotary_store_kv",
+                       "all_reduce_norm")  # fmt: skip
 
 
 def run_interpreter(kernel: str) -> None:
@@ -325,6 +368,10 @@ def run_interpreter(kernel: str) -> None:
                         (1, 16, False, True), (3, 32, False, True),
                         (9, 16, True, True)]  # fmt: skip
                 check_paged_attention("cpu", dtype, lens, *shape, bs, seed=i, configs=cfgs)
+        elif kernel == "paged_attention_fp8":  # float8 -> float32 / float16 reads
+            cfgs = [(3, 32, False), (9, 16, True, True)]
+            check_paged_attention("cpu", dtype, [1, 17, 70, 131], 8, 2, 32, 16, seed=i,
+                                  configs=cfgs, fp8=True)  # fmt: skip
         elif kernel == "rms_norm":
             check_rms_norm("cpu", dtype, 5, 48, seed=i)
         elif kernel == "silu_and_mul":
@@ -333,6 +380,8 @@ def run_interpreter(kernel: str) -> None:
             check_rotary("cpu", dtype, 7, 6, 2, 16, seed=i)
         elif kernel == "store_kv_cache":
             check_store_kv_cache("cpu", dtype, 21, 2, 16, 8, seed=i)
+        elif kernel == "store_kv_cache_fp8":
+            check_store_kv_cache("cpu", dtype, 21, 2, 16, 8, seed=i, fp8=True, representable=True)
         elif kernel == "rotary_store_kv":
             check_rotary_store_kv("cpu", dtype, 19, 6, 2, 16, 8, seed=i)
         elif kernel == "all_reduce_norm":

@@ -20,14 +20,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from triton_kernel_checks import ATTN_TOL  # noqa: E402
+from triton_kernel_checks import ATTN_TOL, FP8_SCALES, as_cache  # noqa: E402
 
 
 def make_case(device, dtype, q_lens, contexts, shape, block_size, gen, pad_rows=3,
-              width=None, num_blocks=None):  # fmt: skip
+              width=None, num_blocks=None, fp8=False):  # fmt: skip
     """(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens) and the dense per-sequence
-    K/V [n, Hkv, D] (float32) that the cache holds. Sequence s has q_lens[s] new rows after
-    contexts[s] cached tokens; `width`/`num_blocks` fix the table and pool sizes (graph replay)."""
+    K/V [n, Hkv, D] (float32) that the cache holds (`fp8`: FP8 caches with FP8_SCALES, which
+    hold that K/V rounded). Sequence s has q_lens[s] new rows after contexts[s] cached tokens;
+    `width`/`num_blocks` fix the table and pool sizes (graph replay)."""
     num_heads, num_kv_heads, head_dim = shape
     lens = [c + n for c, n in zip(contexts, q_lens)]
     need = [math.ceil(n / block_size) for n in lens]
@@ -51,8 +52,10 @@ def make_case(device, dtype, q_lens, contexts, shape, block_size, gen, pad_rows=
     q = torch.full((num_tokens, num_heads, head_dim), 100.0)  # finite: a write of it shows
     q[: sum(q_lens)] = 2 * torch.randn(sum(q_lens), num_heads, head_dim, generator=gen)
     cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
-    case = (q.to(device, dtype), k_cache.to(device, dtype), v_cache.to(device, dtype),
-            tables.to(device, torch.int32)[:, :width], cu.to(device),
+    k_cache = as_cache(k_cache, device, dtype, fp8, FP8_SCALES[0])
+    v_cache = as_cache(v_cache, device, dtype, fp8, FP8_SCALES[1])
+    case = (q.to(device, dtype), k_cache, v_cache, tables.to(device, torch.int32)[:, :width],
+            cu.to(device),
             torch.tensor(lens, dtype=torch.int32, device=device))  # fmt: skip
     return case, dense
 
@@ -62,14 +65,14 @@ def _slots(blocks: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
     return (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
 
 
-def assert_close(out, case, scale, what=""):
-    """Per sequence, relative L2 error of its rows against the float32 reference."""
+def assert_close(out, case, scale, what="", k_scale=1.0, v_scale=1.0):
+    """Per sequence, relative L2 error of its rows against the float32 reference (which reads
+    any cache in float32)."""
     from llm_inference.kernels import reference
 
     q, k_cache, v_cache, block_table, cu, lens = case
-    f = torch.float32
-    ref = reference.unified_attention(q.to(f), k_cache.to(f), v_cache.to(f), block_table, cu,
-                                      lens, scale)  # fmt: skip
+    ref = reference.unified_attention(q.float(), k_cache, v_cache, block_table, cu, lens, scale,
+                                      k_scale=k_scale, v_scale=v_scale)  # fmt: skip
     bounds = cu.tolist()
     assert torch.isfinite(out[: bounds[-1]]).all(), f"{what}: unwritten (NaN) or non-finite rows"
     assert torch.isnan(out[bounds[-1] :]).all(), f"{what}: padding rows were written"
@@ -84,38 +87,41 @@ def assert_close(out, case, scale, what=""):
 
 
 def check_unified(device, dtype, q_lens, contexts, shape, block_size, seed, tiles=(),
-                  decode_splits=()):  # fmt: skip
+                  decode_splits=(), fp8=False):  # fmt: skip
     """The public op with tight and default bounds, then each tile config (BLOCK_M, BLOCK_N)
     through unified_attention.launch and, for decode-only batches, each split count through
-    paged_attention.launch with cu_seqlens, in batch order and in a random `seq_order`."""
+    paged_attention.launch with cu_seqlens, in batch order and in a random `seq_order`.
+    `fp8`: FP8 caches, with FP8_SCALES."""
     from llm_inference.kernels import paged_attention, triton_ops, unified_attention
 
     gen = torch.Generator().manual_seed(seed)
-    case, _ = make_case(device, dtype, q_lens, contexts, shape, block_size, gen)
+    case, _ = make_case(device, dtype, q_lens, contexts, shape, block_size, gen, fp8=fp8)
     scale = shape[2] ** -0.5
+    scales = dict(zip(("k_scale", "v_scale"), FP8_SCALES if fp8 else (1.0, 1.0)))
     lens = [c + n for c, n in zip(contexts, q_lens)]
     for bounds in ((max(q_lens), max(lens)), (None, None)):
         out = torch.full_like(case[0], float("nan"))
-        res = triton_ops.unified_attention(*case, scale, out, *bounds)
+        res = triton_ops.unified_attention(*case, scale, out, *bounds, **scales)
         assert res is out
-        assert_close(out, case, scale, f"bounds {bounds}")
+        assert_close(out, case, scale, f"bounds {bounds}", **scales)
     for block_m, block_n in tiles:
         out = torch.full_like(case[0], float("nan"))
-        unified_attention.launch(*case, scale, out, block_m, block_n)
-        assert_close(out, case, scale, f"tiles {block_m}x{block_n}")
+        unified_attention.launch(*case, scale, out, block_m, block_n, **scales)
+        assert_close(out, case, scale, f"tiles {block_m}x{block_n}", **scales)
     q, k_cache, v_cache, block_table, cu, seq_lens = case
     for splits in decode_splits:
         assert max(q_lens) <= 1
         for order in (None, torch.randperm(len(q_lens), generator=gen).to(device)):
             out = torch.full_like(q, float("nan"))
             paged_attention.launch(q, k_cache, v_cache, block_table, seq_lens, scale, out,
-                                   splits, 16, cu_seqlens=cu, seq_order=order)  # fmt: skip
-            assert_close(out, case, scale, f"decode splits {splits} order {order}")
+                                   splits, 16, cu_seqlens=cu, seq_order=order,
+                                   **scales)  # fmt: skip
+            assert_close(out, case, scale, f"decode splits {splits} order {order}", **scales)
     if decode_splits:  # the public op passes the order on
         order = torch.argsort(seq_lens, descending=True)
         out = torch.full_like(q, float("nan"))
-        triton_ops.unified_attention(*case, scale, out, 1, max(lens), seq_order=order)
-        assert_close(out, case, scale, "decode, longest first")
+        triton_ops.unified_attention(*case, scale, out, 1, max(lens), seq_order=order, **scales)
+        assert_close(out, case, scale, "decode, longest first", **scales)
 
 
 def dense_attention(q, k, v, context, scale):
@@ -169,7 +175,7 @@ SHAPES = {  # name -> ((Hq, Hkv, D), block size)
     "g3_d32_bs16": ((6, 2, 32), 16),
     "g4_d128_bs32": ((4, 1, 128), 32),
 }
-INTERPRETER_CASES = (*(f"mixed_{name}" for name in SHAPES), "decode", "reference_dense")
+INTERPRETER_CASES = (*(f"mixed_{name}" for name in SHAPES), "decode", "fp8", "reference_dense")
 
 
 def run_case(case: str) -> None:
@@ -182,6 +188,12 @@ def run_case(case: str) -> None:
             for shape, bs in (((8, 2, 32), 16), ((6, 2, 64), 32)):
                 check_unified("cpu", dtype, DECODE_Q, DECODE_CTX, shape, bs, seed=i,
                               tiles=((16, 16),), decode_splits=(1, 3))  # fmt: skip
+        elif case == "fp8":  # FP8 caches (float8 -> float32 / float16 reads): mixed, decode
+            shape, bs = SHAPES["g4_d64_bs16"]
+            check_unified("cpu", dtype, MIXED_Q, MIXED_CTX, shape, bs, seed=i, tiles=TILES[:1],
+                          fp8=True)  # fmt: skip
+            check_unified("cpu", dtype, DECODE_Q, DECODE_CTX, shape, bs, seed=i,
+                          decode_splits=(3,), fp8=True)  # fmt: skip
         elif case == "reference_dense" and dtype == torch.float32:
             check_reference_dense(MIXED_Q, MIXED_CTX, (8, 2, 16), 16, seed=i)
             check_reference_dense(MIXED_Q, MIXED_CTX, (6, 3, 32), 8, seed=i, budget=300)

@@ -38,11 +38,11 @@ def random_tables(lens, block_size, num_blocks, g):
     return torch.tensor(tables, dtype=torch.int32)
 
 
-def fill_cache(k_cache, v_cache, tables, ks, vs, block_size):
+def fill_cache(k_cache, v_cache, tables, ks, vs, block_size, scales=(1.0, 1.0)):
     for table, k, v in zip(tables, ks, vs):
         pos = torch.arange(k.shape[0])
         slots = table[pos // block_size].long() * block_size + pos % block_size
-        reference.store_kv_cache(k, v, k_cache, v_cache, slots)
+        reference.store_kv_cache(k, v, k_cache, v_cache, slots, *scales)
 
 
 @pytest.mark.parametrize("block_size,hq,hkv", [(16, 4, 4), (16, 8, 2), (32, 6, 2)])
@@ -77,13 +77,19 @@ def test_store_kv_cache_skips_padding():
     assert int((k_cache != 0).any(-1).sum()) == 2
 
 
-def test_layer_prefill_chunk_and_decode_equal_dense():
-    """A mixed step: one sequence prefills a chunk on top of cached tokens, two decode."""
+@pytest.mark.parametrize("fp8_scales", [None, (1.0, 1.0), (0.3, 1.7)])
+def test_layer_prefill_chunk_and_decode_equal_dense(fp8_scales):
+    """A mixed step: one sequence prefills a chunk on top of cached tokens, two decode. With
+    an FP8 cache (`fp8_scales`: the layer's k_scale and v_scale), dense attention over K and V
+    as the cache holds them (reference.to_cache, then from_cache)."""
     g = torch.Generator().manual_seed(7)
     hq, hkv, d, bs, num_blocks = 4, 2, 16, 16, 32
     attn = Attention(hq, hkv, d, d**-0.5, AttentionBackend(reference))
-    attn.k_cache = torch.zeros(num_blocks, bs, hkv, d)
-    attn.v_cache = torch.zeros(num_blocks, bs, hkv, d)
+    cache_dtype = torch.float32 if fp8_scales is None else reference.FP8
+    attn.k_cache = torch.zeros(num_blocks, bs, hkv, d, dtype=cache_dtype)
+    attn.v_cache = torch.zeros(num_blocks, bs, hkv, d, dtype=cache_dtype)
+    scales = fp8_scales or (1.0, 1.0)
+    attn.k_scale, attn.v_scale = scales
     lens = [37, 20, 9]  # total tokens of each sequence after this step
     new = [13, 1, 1]  # tokens computed in this step
     tables = random_tables(lens, bs, num_blocks, g)
@@ -98,6 +104,7 @@ def test_layer_prefill_chunk_and_decode_equal_dense():
         [k[: n - m] for k, n, m in zip(ks, lens, new)],
         [v[: n - m] for v, n, m in zip(vs, lens, new)],
         bs,
+        scales,
     )
     q = torch.cat([x[n - m :] for x, n, m in zip(qs, lens, new)])
     k = torch.cat([x[n - m :] for x, n, m in zip(ks, lens, new)])
@@ -114,6 +121,11 @@ def test_layer_prefill_chunk_and_decode_equal_dense():
     )
     md = attn.backend.metadata(buffers, 15, 3, 13, 37, tables.shape[1])
     out = attn(q, k, v, md)
+
+    def held(x, scale):  # x as the cache holds it
+        return reference.from_cache(reference.to_cache(x, cache_dtype, scale), scale)
+
+    ks, vs = [held(x, scales[0]) for x in ks], [held(x, scales[1]) for x in vs]
     want = torch.cat(
         [dense_causal(qs[i], ks[i], vs[i], d**-0.5)[-new[i] :] for i in range(3)]
     ).float()

@@ -33,6 +33,7 @@ from llm_inference.config import (
 )
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8 is e4m3
 
 
 def _option(default, help: str, none_means: str = ""):
@@ -75,6 +76,12 @@ class EngineArgs:
         None, "most tokens in one step", "max(8192, --max-num-seqs)"
     )
     block_size: int = _option(16, "tokens per KV cache block (a power of two)")
+    kv_cache_dtype: str = _option(
+        "auto",
+        "auto (the model dtype) or fp8 (float8_e4m3fn, per-layer scales 1.0: half the bytes of "
+        "bfloat16, twice the tokens; CUDA compute capability 8.9+ with the Triton kernels); "
+        "fp8_e4m3 is fp8",
+    )
     tensor_parallel_size: int = _option(1, "devices to shard the model over")
     data_parallel_size: int = _option(
         1, "engine replicas behind one front end, each on its own tensor_parallel_size devices"
@@ -177,8 +184,14 @@ class EngineArgs:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be 'fp8' or None, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                             f"got {self.kv_cache_dtype!r}")  # fmt: skip
         dev = resolve_device(self.device)
         backend = resolve_backend(self.kernel_backend, dev.split(":")[0])
+        fp8_kv = self.kv_cache_dtype != "auto"
+        if fp8_kv and backend == "triton":
+            check_fp8_kv_device(dev)
         model_path = str(resolve_model(self.model))
         model_config = load_model_config(model_path)
         if self.quantization == "fp8" and model_config.quantization is None:
@@ -189,6 +202,7 @@ class EngineArgs:
                 f"max_model_len={self.max_model_len} exceeds the model's {limit} positions"
             )
         check_sliding_window(model_config, self.max_model_len or limit)
+        dtype = resolve_dtype(self.dtype, model_config.torch_dtype, dev.split(":")[0])
         return EngineConfig(
             model_path=model_path,
             model=model_config,
@@ -197,6 +211,7 @@ class EngineArgs:
                 self.kv_cache_memory_bytes,
                 self.gpu_memory_utilization,
                 self.enable_prefix_caching,
+                "float8_e4m3fn" if fp8_kv else dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -211,7 +226,7 @@ class EngineArgs:
                 self.data_parallel_size,
             ),
             device=dev,
-            dtype=resolve_dtype(self.dtype, model_config.torch_dtype, dev.split(":")[0]),
+            dtype=dtype,
             kernel_backend=backend,
             enforce_eager=bool(self.enforce_eager),
             seed=self.seed,
@@ -249,6 +264,20 @@ def resolve_device(device: str | None) -> str:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} GPUs here")
     return str(dev)
+
+
+def check_fp8_kv_device(device: str) -> None:
+    """The Triton kernels read and write float8_e4m3fn on compute capability 8.9+ (Ada,
+    Hopper) only: an FP8 KV cache elsewhere is refused here, not at the first compile."""
+    import torch  # see the module docstring
+
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise ValueError(
+            f"kv_cache_dtype='fp8' needs compute capability 8.9 or more with the Triton "
+            f"kernels; {device} has {capability[0]}.{capability[1]} (kernel_backend='reference' "
+            "runs it, slowly)"
+        )
 
 
 def resolve_dtype(dtype: object, checkpoint_dtype: str, device_type: str) -> str:

@@ -33,6 +33,7 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.dtype = getattr(torch, config.dtype)
+        self.kv_dtype = getattr(torch, config.cache.kv_cache_dtype)  # dtype, or FP8
         # Every kernel choice (skinny GEMM, PDL, attention variants) is the ops object's.
         self.ops = get_ops(config.kernel_backend, device)
         # The reference kernels sync with the host, which a graph capture forbids.
@@ -63,7 +64,7 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         attn = self.model.attention_layers()
         per_layer = 2 * self.block_size * attn[0].num_kv_heads * attn[0].head_dim
-        return per_layer * len(attn) * self.dtype.itemsize
+        return per_layer * len(attn) * self.kv_dtype.itemsize
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit in `kv_cache_memory_bytes`, or on CUDA in what the memory profile
@@ -131,7 +132,7 @@ class ModelRunner:
         )
         layers = self.model.attention_layers()
         shape = (1, self.block_size, layers[0].num_kv_heads, layers[0].head_dim)
-        block = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        block = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         for attn in layers:
             attn.k_cache = attn.v_cache = block
         try:
@@ -163,8 +164,8 @@ class ModelRunner:
         self.num_blocks, self.max_model_len = num_blocks, max_model_len
         for attn in self.model.attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         if self.use_cuda_graphs:
             sched = self.config.scheduler
             self.graphs = CudaGraphs(

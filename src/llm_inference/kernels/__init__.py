@@ -33,13 +33,16 @@ class KernelOps(Protocol):
 
     `fused_sampler`: whether the ops also have the fused sampler of kernels/sampling.py, as
     `sample`, `race_shard` and `warm_up_sampler` (that module's sample, race_shard and
-    warm_up); the Triton ops do, the reference ops do not."""
+    warm_up); the Triton ops do, the reference ops do not.
+
+    The KV caches are in the model's dtype or FP8 with a scale per layer for K and for V
+    (`k_scale`, `v_scale`, which other caches ignore: reference.py)."""
 
     fused_sampler: bool
 
     def store_kv_cache(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
+        slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> None: ...  # fmt: skip
 
     def rotary_embedding(
@@ -55,7 +58,7 @@ class KernelOps(Protocol):
     def rotary_store_kv(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
+        slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> torch.Tensor: ...  # fmt: skip
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
@@ -69,6 +72,7 @@ class KernelOps(Protocol):
         block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
         scale: float, out: torch.Tensor | None = None, max_query_len: int | None = None,
         max_seq_len: int | None = None, seq_order: torch.Tensor | None = None,
+        k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> torch.Tensor: ...  # fmt: skip
 
     def warm_up_shapes(

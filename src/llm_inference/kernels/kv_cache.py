@@ -1,7 +1,9 @@
 """KV-cache store in Triton: write each token's k/v [Hkv, D] at its flat slot; slot -1 skipped.
 
 k, v [T, Hkv, D] (often strided views into the fused qkv tensor); caches [N, BS, Hkv, D].
-Slot s is cache block s // BS, row s % BS. One program per token.
+Slot s is cache block s // BS, row s % BS. One program per token. An FP8 cache (FP8_KV, a
+constexpr: other caches compile as before) stores x * (1 / scale) saturated to +-448, as
+reference.to_cache.
 """
 
 from __future__ import annotations
@@ -10,24 +12,37 @@ import torch
 import triton
 import triton.language as tl
 
+from llm_inference.kernels.reference import FP8, FP8_MAX
+
+_FP8_MAX = tl.constexpr(FP8_MAX)  # kernels read globals only as constexpr
+
 
 @triton.jit
-def _store_one(src, dst, stride_sh, stride_dh, NUM_KV: tl.constexpr,
-               HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+def to_cache(x, inv_scale, cache_ptr, FP8_KV: tl.constexpr):
+    """x as the cache at `cache_ptr` holds it (reference.to_cache)."""
+    if FP8_KV:
+        x = tl.clamp(x.to(tl.float32) * inv_scale, -_FP8_MAX, _FP8_MAX)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _store_one(src, dst, stride_sh, stride_dh, inv_scale, NUM_KV: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+               FP8_KV: tl.constexpr):  # fmt: skip
     offs_h = tl.arange(0, BLOCK_H)[:, None]
     offs_d = tl.arange(0, BLOCK_D)[None, :]
     mask = (offs_h < NUM_KV) & (offs_d < HEAD_DIM)
     x = tl.load(src + offs_h * stride_sh + offs_d, mask=mask)
-    tl.store(dst + offs_h * stride_dh + offs_d, x.to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + offs_h * stride_dh + offs_d, to_cache(x, inv_scale, dst, FP8_KV), mask=mask)
 
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_inv, v_inv,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcn, stride_kcs, stride_kch, stride_vcn, stride_vcs, stride_vch,
     BLOCK_SIZE: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_KV: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -36,10 +51,10 @@ def _store_kv_kernel(
         row = slot % BLOCK_SIZE
         k_dst = kc_ptr + blk * stride_kcn + row * stride_kcs
         v_dst = vc_ptr + blk * stride_vcn + row * stride_vcs
-        _store_one(k_ptr + t * stride_kt, k_dst, stride_kh, stride_kch,
-                   NUM_KV, HEAD_DIM, BLOCK_H, BLOCK_D)  # fmt: skip
-        _store_one(v_ptr + t * stride_vt, v_dst, stride_vh, stride_vch,
-                   NUM_KV, HEAD_DIM, BLOCK_H, BLOCK_D)  # fmt: skip
+        _store_one(k_ptr + t * stride_kt, k_dst, stride_kh, stride_kch, k_inv,
+                   NUM_KV, HEAD_DIM, BLOCK_H, BLOCK_D, FP8_KV)  # fmt: skip
+        _store_one(v_ptr + t * stride_vt, v_dst, stride_vh, stride_vch, v_inv,
+                   NUM_KV, HEAD_DIM, BLOCK_H, BLOCK_D, FP8_KV)  # fmt: skip
 
 
 def store_kv_cache(
@@ -48,6 +63,8 @@ def store_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Triton version of reference.store_kv_cache."""
     check_store_args(k, v, k_cache, v_cache, slot_mapping)
@@ -55,13 +72,13 @@ def store_kv_cache(
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, 1.0 / k_scale, 1.0 / v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         BLOCK_SIZE=k_cache.shape[1], NUM_KV=num_kv, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4,
+        FP8_KV=k_cache.dtype == FP8, num_warps=4,
     )  # fmt: skip
 
 

@@ -35,6 +35,10 @@ short ones, not a long one running alone.
 - With `cu_seqlens` (HAS_CU; unified_attention's decode path, at most one query row per
   sequence) sequence b reads q row cu[b] and writes that out row, or does nothing when
   cu[b + 1] == cu[b]; without it row b, and the compiled kernel is the one above.
+- An FP8 cache (reference.FP8; FP8_KV, a constexpr: other caches compile as before): K/V tiles
+  are converted to q's dtype (exact: e4m3 fits in 16 bits) as they are loaded; k_scale is
+  folded into the softmax scale and v_scale multiplies the normalized output, the same
+  products as scaling every element (`kernel_scales`).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import triton.language as tl
 
 from llm_inference.kernels.device import num_sms
 from llm_inference.kernels.pdl import launch_kwargs, wait_then_release
+from llm_inference.kernels.reference import FP8
 
 _LOG2E = 1.4426950408889634
 WAVES = 4  # split until about this many programs per SM (4 fit at once: registers)
@@ -101,14 +106,14 @@ def _attend(q, k_head, v_head, bt_row, start, end, scale_log2,
         within = tok % BLOCK_SIZE
         rows = blk * stride_n + within * stride_t  # the same offsets in K and V
         k = tl.load(k_head + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_head + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
     return m_i, l_i, acc
 
@@ -116,7 +121,7 @@ def _attend(q, k_head, v_head, bt_row, start, end, scale_log2,
 @triton.jit(do_not_specialize=["num_splits"])
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, count_ptr, cu_ptr, order_ptr,
-    scale_log2,
+    scale_log2, v_scale,
     stride_qb, stride_qh,
     stride_kn, stride_kt, stride_kh,  # also V's: the launcher checks they are equal
     stride_btb,
@@ -125,7 +130,7 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_CU: tl.constexpr, HAS_ORDER: tl.constexpr, PDL: tl.constexpr,
+    HAS_CU: tl.constexpr, HAS_ORDER: tl.constexpr, FP8_KV: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:
         wait_then_release()
@@ -161,6 +166,8 @@ def _paged_decode_kernel(
     )  # fmt: skip
     nonempty = l_i > 0.0
     result = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    if FP8_KV:
+        result = result * v_scale
     if not SPLIT:
         o_ptrs = out_ptr + row.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
         o_ptrs += offs_d[None, :]
@@ -238,9 +245,16 @@ def choose_splits(
     return _cdiv(tiles, _cdiv(tiles, splits))
 
 
+def kernel_scales(k_cache, scale: float, k_scale: float, v_scale: float) -> tuple[float, float]:
+    """The kernels' (scale_log2, v_scale): log2(e) * the softmax scale, times k_scale for an
+    FP8 cache (q . (k * k_scale) = (q . k) * k_scale); v_scale, which only an FP8 cache reads."""
+    return scale * _LOG2E * (k_scale if k_cache.dtype == FP8 else 1.0), v_scale
+
+
 def check_cache(q, k_cache, v_cache) -> None:
     """The checks every paged-attention launcher shares: q [*, Hq, D] against the caches
-    [N, BS, Hkv, D] (shapes, strides, GQA ratio, power-of-two sizes, dtypes)."""
+    [N, BS, Hkv, D] (shapes, strides, GQA ratio, power-of-two sizes, dtypes: the caches q's
+    or FP8)."""
     if q.dim() != 3 or k_cache.dim() != 4:
         shapes = f"{tuple(q.shape)}, {tuple(k_cache.shape)}"
         raise ValueError(f"q must be [T, Hq, D] and caches [N, BS, Hkv, D]; got {shapes}")
@@ -256,8 +270,9 @@ def check_cache(q, k_cache, v_cache) -> None:
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
     if block_size & (block_size - 1):
         raise ValueError(f"block size must be a power of two, got {block_size}")
-    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"dtypes differ: q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype}")
+    if k_cache.dtype not in (q.dtype, FP8) or v_cache.dtype != k_cache.dtype:
+        got = f"{k_cache.dtype}/{v_cache.dtype}"
+        raise ValueError(f"cache dtypes {got} must both be q's ({q.dtype}) or float8_e4m3fn")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"unsupported dtype {q.dtype}")
 
@@ -295,6 +310,8 @@ def paged_attention_decode(
     scale: float,
     out: torch.Tensor | None = None,
     max_seq_len: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     *,
     pdl: bool = False,
 ) -> torch.Tensor:
@@ -312,14 +329,17 @@ def paged_attention_decode(
     splits = choose_splits(
         q.shape[0], k_cache.shape[2], max_seq_len, block_n, num_sms(q.device)
     )  # cached: the host cost of a call matters when decode runs eagerly
-    return launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, splits, block_n, pdl=pdl)
+    return launch(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, out, splits, block_n,
+        k_scale=k_scale, v_scale=v_scale, pdl=pdl,
+    )  # fmt: skip
 
 
 def launch(
     q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, block_n,
     num_warps: int = 4, num_stages: int = 3, fused_merge: bool | None = None,
     cu_seqlens: torch.Tensor | None = None, seq_order: torch.Tensor | None = None,
-    pdl: bool = False,
+    k_scale: float = 1.0, v_scale: float = 1.0, pdl: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """Run with an explicit split and tile configuration (tests and the benchmark sweep it).
 
@@ -328,8 +348,8 @@ def launch(
     row cu_seqlens[b] of q/out, or nothing when cu_seqlens[b + 1] == cu_seqlens[b]; q/out may
     then have any number of rows. Not with the fused merge. `seq_order` ([B] int32 or int64,
     a permutation of 0..B-1) is the order in which the sequences' programs are dispatched;
-    any permutation gives the same result. `pdl`: both kernels launch with programmatic
-    dependent launch (kernels/pdl.py).
+    any permutation gives the same result. `k_scale`, `v_scale`: an FP8 cache's scales.
+    `pdl`: both kernels launch with programmatic dependent launch (kernels/pdl.py).
     """
     num_seqs = block_tables.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -358,7 +378,7 @@ def launch(
         q, k_cache, v_cache, block_tables, seq_lens, out, part, counts,
         seq_lens if cu_seqlens is None else cu_seqlens,
         seq_lens if seq_order is None else seq_order,
-        scale * _LOG2E,
+        *kernel_scales(k_cache, scale, k_scale, v_scale),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -367,8 +387,8 @@ def launch(
         GROUP=group, BLOCK_G=max(16, 1 << (group - 1).bit_length()), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SPLIT=num_splits > 1, FUSED_MERGE=fused_merge, BLOCK_S=block_s if fused_merge else 1,
-        HAS_CU=cu_seqlens is not None, HAS_ORDER=seq_order is not None, PDL=pdl,
-        num_warps=num_warps,
+        HAS_CU=cu_seqlens is not None, HAS_ORDER=seq_order is not None,
+        FP8_KV=k_cache.dtype == FP8, PDL=pdl, num_warps=num_warps,
         num_stages=num_stages, **launch_kwargs(pdl),
     )  # fmt: skip
     if num_splits > 1 and not fused_merge:

@@ -8,6 +8,11 @@ engine uses on CPU. Shapes:
   block_tables: [num_seqs, max_blocks_per_seq] int32 (entries past a sequence's length unused)
   seq_lens:     [num_seqs] int32, tokens in the cache for each sequence (>= 1)
 unified_attention takes q [num_tokens, num_heads, head_dim] for a mixed batch and cu_seqlens_q.
+
+A cache is in the model's dtype, or FP8 (float8_e4m3fn, kv_cache_dtype="fp8") with one scale
+per layer for K and one for V (`k_scale`, `v_scale`; ignored by other caches): the cache holds
+x / scale saturated to e4m3 (`to_cache`) and is read as its value times the scale
+(`from_cache`), as vLLM's FP8 KV cache.
 """
 
 from __future__ import annotations
@@ -16,6 +21,23 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn  # the FP8 KV cache's dtype
+FP8_MAX = torch.finfo(FP8).max  # 448: larger magnitudes saturate to it
+
+
+def to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """x as a cache of `cache_dtype` stores it: FP8 holds x / scale (computed in float32 as
+    x * (1 / scale), as the Triton store) clamped to +-448, then rounded to nearest even;
+    any other cache x itself."""
+    if cache_dtype != FP8:
+        return x.to(cache_dtype)
+    return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def from_cache(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Cache rows as float32: an FP8 cache's values times its scale."""
+    return x.float() * scale if x.dtype == FP8 else x.float()
 
 
 def paged_attention_decode(
@@ -27,6 +49,8 @@ def paged_attention_decode(
     scale: float,
     out: torch.Tensor | None = None,
     max_seq_len: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One query token per sequence attending to all `seq_lens[i]` cached tokens.
 
@@ -41,8 +65,8 @@ def paged_attention_decode(
     blocks = block_tables[:, :max_blocks].long()
     k = k_cache[blocks].flatten(1, 2)[:, :max_len]
     v = v_cache[blocks].flatten(1, 2)[:, :max_len]
-    k = k.float().repeat_interleave(group, dim=2)
-    v = v.float().repeat_interleave(group, dim=2)
+    k = from_cache(k, k_scale).repeat_interleave(group, dim=2)
+    v = from_cache(v, v_scale).repeat_interleave(group, dim=2)
     scores = torch.einsum("bhd,bthd->bht", q.float(), k) * scale
     pos = torch.arange(max_len, device=q.device)
     mask = pos[None, :] >= seq_lens[:, None].to(q.device)
@@ -70,6 +94,8 @@ def unified_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     seq_order: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention for a flat batch of prefill chunks and decodes over the paged cache.
 
@@ -95,8 +121,8 @@ def unified_attention(
         if end == begin:
             continue
         blocks = block_table[s, : (n + block_size - 1) // block_size].long()
-        k = k_cache[blocks].flatten(0, 1)[:n].float()  # [n, Hkv, D]
-        v = v_cache[blocks].flatten(0, 1)[:n].float()
+        k = from_cache(k_cache[blocks].flatten(0, 1)[:n], k_scale)  # [n, Hkv, D]
+        v = from_cache(v_cache[blocks].flatten(0, 1)[:n], v_scale)
         context = n - (end - begin)
         fused = end - begin >= FUSED_MIN_ROWS
         if fused:
@@ -161,14 +187,17 @@ def store_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write k/v [num_tokens, num_kv_heads, head_dim] at flat cache slots; slot -1 is skipped."""
+    """Write k/v [num_tokens, num_kv_heads, head_dim] at flat cache slots (`to_cache`); slot -1
+    is skipped."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     k_flat = k_cache.view(-1, *k_cache.shape[2:])
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
-    k_flat[slots] = k[valid].to(k_cache.dtype)
-    v_flat[slots] = v[valid].to(v_cache.dtype)
+    k_flat[slots] = to_cache(k[valid], k_cache.dtype, k_scale)
+    v_flat[slots] = to_cache(v[valid], v_cache.dtype, v_scale)
 
 
 def rms_norm(
@@ -218,11 +247,13 @@ def rotary_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """`rotary_embedding` of q and k (in place), then `store_kv_cache` of the rotated k and v;
     returns q. (The Triton version does both in one launch.)"""
     rotary_embedding(positions, q, k, cos_sin_cache)
-    store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    store_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q
 
 

@@ -6,8 +6,8 @@ first D/2 columns and sin in the last D/2 (llama3 frequency scaling is applied w
 built, once). One program per token rotates all of its q and k heads.
 
 `rotary_store_kv` also writes the token's rotated k and its v into the paged KV cache (the
-store of kernels/kv_cache.py), in the same program: one launch per layer instead of two, and k
-is not read back from memory to be stored.
+store of kernels/kv_cache.py, FP8 caches included), in the same program: one launch per layer
+instead of two, and k is not read back from memory to be stored.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from llm_inference.kernels.kv_cache import _store_one, check_store_args
+from llm_inference.kernels.kv_cache import _store_one, check_store_args, to_cache
 from llm_inference.kernels.pdl import launch_kwargs, wait_then_release
+from llm_inference.kernels.reference import FP8
 
 
 @triton.jit
@@ -64,12 +65,12 @@ def _rotary_kernel(
 
 @triton.jit
 def _rotary_store_kernel(
-    pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr,
+    pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, k_inv, v_inv,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     stride_kcn, stride_kcs, stride_kch, stride_vcn, stride_vcs, stride_vch,
     NUM_Q: tl.constexpr, NUM_K: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FP8_KV: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:
         wait_then_release()
@@ -88,11 +89,11 @@ def _rotary_store_kernel(
         mask = (offs_h[:, None] < NUM_K) & (offs[None, :] < HALF)
         kc = kc_ptr + blk * stride_kcn + row * stride_kcs + offs_h[:, None] * stride_kch
         kc = kc + offs[None, :]
-        tl.store(kc, y1.to(kc_ptr.dtype.element_ty), mask=mask)
-        tl.store(kc + HALF, y2.to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(kc, to_cache(y1, k_inv, kc_ptr, FP8_KV), mask=mask)
+        tl.store(kc + HALF, to_cache(y2, k_inv, kc_ptr, FP8_KV), mask=mask)
         v_dst = vc_ptr + blk * stride_vcn + row * stride_vcs
-        _store_one(v_ptr + t * stride_vt, v_dst, stride_vh, stride_vch,
-                   NUM_K, HEAD_DIM, BLOCK_K, BLOCK_D)  # fmt: skip
+        _store_one(v_ptr + t * stride_vt, v_dst, stride_vh, stride_vch, v_inv,
+                   NUM_K, HEAD_DIM, BLOCK_K, BLOCK_D, FP8_KV)  # fmt: skip
 
 
 def _check_rotary_args(positions, q, k, cos_sin_cache) -> None:
@@ -144,6 +145,8 @@ def rotary_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     *,
     pdl: bool = False,
 ) -> torch.Tensor:
@@ -158,6 +161,7 @@ def rotary_store_kv(
     half = head_dim // 2
     _rotary_store_kernel[(num_tokens,)](
         positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        1.0 / k_scale, 1.0 / v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -165,7 +169,8 @@ def rotary_store_kv(
         NUM_Q=q.shape[1], NUM_K=k.shape[1],
         BLOCK_Q=triton.next_power_of_2(q.shape[1]), BLOCK_K=triton.next_power_of_2(k.shape[1]),
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_SIZE=k_cache.shape[1],
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PDL=pdl,
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8_KV=k_cache.dtype == FP8, PDL=pdl,
         num_warps=4, **launch_kwargs(pdl),
     )  # fmt: skip
     return q

@@ -96,19 +96,22 @@ class TritonOps:
         return rms_norm(x, weight, eps, residual, out=out, pdl=self.pdl)
 
     def rotary_store_kv(
-        self, positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping
-    ) -> torch.Tensor:
+        self, positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        k_scale: float = 1.0, v_scale: float = 1.0,
+    ) -> torch.Tensor:  # fmt: skip
         return rotary_store_kv(
-            positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, pdl=self.pdl
-        )
+            positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+            pdl=self.pdl,
+        )  # fmt: skip
 
     def unified_attention(
         self, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale: float, out=None,
         max_query_len: int | None = None, max_seq_len: int | None = None, seq_order=None,
+        k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> torch.Tensor:  # fmt: skip
         return unified_attention(
             q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out, max_query_len,
-            max_seq_len, seq_order, pdl=self.pdl,
+            max_seq_len, seq_order, k_scale, v_scale, pdl=self.pdl,
         )  # fmt: skip
 
     def warm_up_shapes(

@@ -26,6 +26,8 @@ binary search over cu and exits when its tile is past the sequence's rows. The g
 T, S and max_query_len (Python ints), never on tensor contents: no host sync, and a launch can
 be captured in a CUDA graph and replayed with other cu_seqlens_q / seq_lens / block tables.
 Rows past cu[S] (padding) and sequences with L_s = 0 are never read or written.
+An FP8 cache (FP8_KV, a constexpr) is read as in paged_attention: tiles converted to q's dtype,
+k_scale folded into the softmax scale, v_scale applied to the normalized output.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ import triton.language as tl
 
 from llm_inference.kernels import paged_attention as pa
 from llm_inference.kernels.device import num_sms
+from llm_inference.kernels.reference import FP8
 
-_LOG2E = 1.4426950408889634
 # From this many sequences, decode steps given a `seq_order` dispatch their programs in it
 # (longest context first): with mixed lengths the launch then ends on short programs, not on a
 # long one alone. Below it the extra dependent load per program costs more than it balances,
@@ -80,7 +82,7 @@ def _attend_range(q, m_i, l_i, acc, k_head, v_head, bt_row, q_pos, start, end, s
             k = tl.load(k_head + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         else:
             k = tl.load(k_head + rows[:, None] + offs_d[None, :])
-        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2
         if MASKED:
             s = tl.where(key[None, :] <= q_pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -91,7 +93,7 @@ def _attend_range(q, m_i, l_i, acc, k_head, v_head, bt_row, q_pos, start, end, s
             v = tl.load(v_head + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         else:
             v = tl.load(v_head + rows[:, None] + offs_d[None, :])
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
     return m_i, l_i, acc
 
@@ -101,13 +103,14 @@ def _attend_range(q, m_i, l_i, acc, k_head, v_head, bt_row, q_pos, start, end, s
 @triton.jit(do_not_specialize=["num_seqs"])
 def _unified_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr,
-    scale_log2, num_seqs,
+    scale_log2, v_scale, num_seqs,
     stride_qt, stride_qh,
     stride_kn, stride_kt, stride_kh,  # also V's: the launcher checks they are equal
     stride_btb,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):  # fmt: skip
     # Reversed: a sequence's last tiles, with the most keys, start first (shorter tail).
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -148,6 +151,8 @@ def _unified_kernel(
         stride_kn, stride_kt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True,
     )  # fmt: skip
     result = acc / tl.where(row_ok, l_i, 1.0)[:, None]
+    if FP8_KV:
+        result = result * v_scale
     o_ptrs = out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -200,6 +205,8 @@ def unified_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     seq_order: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     *,
     pdl: bool = False,
 ) -> torch.Tensor:
@@ -209,8 +216,9 @@ def unified_attention(
     kernel. `max_seq_len` bounds seq_lens (default: the block-table capacity) and only sets the
     decode split count. Any bounds that hold are correct; tight ones are faster. `seq_order`
     (a permutation of the sequences, longest context first) orders the decode kernel's
-    programs from ORDER_MIN_SEQS sequences on; it changes no result. `pdl`: the decode kernels
-    launch with programmatic dependent launch (kernels/pdl.py).
+    programs from ORDER_MIN_SEQS sequences on; it changes no result. `k_scale`, `v_scale`: an
+    FP8 cache's scales. `pdl`: the decode kernels launch with programmatic dependent launch
+    (kernels/pdl.py).
     """
     _check(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out)
     if out is None:
@@ -231,9 +239,13 @@ def unified_attention(
     if kind == "decode":
         return pa.launch(
             q, k_cache, v_cache, block_table, seq_lens, scale, out, *config,
-            fused_merge=False, cu_seqlens=cu_seqlens_q, seq_order=seq_order, pdl=pdl,
+            fused_merge=False, cu_seqlens=cu_seqlens_q, seq_order=seq_order,
+            k_scale=k_scale, v_scale=v_scale, pdl=pdl,
         )  # fmt: skip
-    return launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out, *config)
+    return launch(
+        q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out, *config,
+        k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
 
 
 def ordered(num_seqs: int, max_query_len: int) -> bool:
@@ -269,9 +281,11 @@ def compile_key(launch_plan: tuple, ordered: bool) -> tuple:
 def launch(
     q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out,
     block_m: int, block_n: int, num_warps: int = 4, num_stages: int = 3,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:  # fmt: skip
     """The tiled kernel with an explicit tile configuration (tests and the benchmark sweep it);
-    any query lengths. BLOCK_M >= G and both tiles powers of two >= 16."""
+    any query lengths. BLOCK_M >= G and both tiles powers of two >= 16. `k_scale`, `v_scale`:
+    an FP8 cache's scales."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = block_table.shape[0], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -290,13 +304,13 @@ def launch(
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _unified_kernel[grid](
         q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out,
-        scale * _LOG2E, num_seqs,
+        *pa.kernel_scales(k_cache, scale, k_scale, v_scale), num_seqs,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, FP8_KV=k_cache.dtype == FP8,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

@@ -133,16 +133,17 @@ class AttentionBackend:
             if cos_sin_cache is not None:
                 self.ops.rotary_embedding(positions, q, k, cos_sin_cache)
             return self._dense(layer, q, k, v, md)
+        caches, scales = (layer.k_cache, layer.v_cache), (layer.k_scale, layer.v_scale)
         if cos_sin_cache is not None:
             self.ops.rotary_store_kv(
-                positions, q, k, v, cos_sin_cache, layer.k_cache, layer.v_cache, md.slot_mapping
+                positions, q, k, v, cos_sin_cache, *caches, md.slot_mapping, *scales
             )
         else:
-            self.ops.store_kv_cache(k, v, layer.k_cache, layer.v_cache, md.slot_mapping)
+            self.ops.store_kv_cache(k, v, *caches, md.slot_mapping, *scales)
         return self.ops.unified_attention(
-            q, layer.k_cache, layer.v_cache, md.block_table, md.query_start_loc, md.seq_lens,
-            layer.scale, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
-            seq_order=md.seq_order,
+            q, *caches, md.block_table, md.query_start_loc, md.seq_lens, layer.scale,
+            max_query_len=md.max_query_len, max_seq_len=md.max_seq_len, seq_order=md.seq_order,
+            k_scale=layer.k_scale, v_scale=layer.v_scale,
         )  # fmt: skip
 
     def _dense(self, layer: Attention, q, k, v, md: AttentionMetadata) -> torch.Tensor:
@@ -183,6 +184,9 @@ class Attention(nn.Module):
         self.backend = backend
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D], set by runner
         self.v_cache: torch.Tensor | None = None
+        # An FP8 cache's scales (the model dtype's caches ignore them): 1.0, as vLLM's default
+        # for checkpoints without KV scales (reading a checkpoint's scales is not implemented).
+        self.k_scale = self.v_scale = 1.0
 
     def forward(
         self,
