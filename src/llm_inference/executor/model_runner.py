@@ -193,9 +193,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_up_sampler(self) -> None:
-        """Compile the fused sampler's kernels for the staged sampling inputs, and the LM head
-        at one row and at all, before the first request, as the graph capture does the model's
-        (kernels/sampling.py, "Compiles")."""
+        """Compile the fused sampler's kernels for the staged sampling inputs, on the model's
+        logits and on float32 ones (rows with logprobs, penalties or a logit bias sample a
+        float32 copy: sample/sampler.py), and the LM head at one row and at all, before the
+        first request, as the graph capture does the model's (kernels/sampling.py,
+        "Compiles")."""
         rows, staged = self.config.scheduler.max_num_seqs, self.buffers.dev.sampling
         lm_head = self.model.lm_head
         hidden = torch.zeros(rows, lm_head.weight.shape[1], dtype=self.dtype, device=self.device)
@@ -203,10 +205,11 @@ class ModelRunner:
         head = lm_head.compute_local_logits if tp else self.model.compute_logits
         head(hidden[:1])  # the LM head of a small batch: the skinny GEMM, where it applies
         logits = head(hidden)
-        self.sampler.warm_up(
-            logits, staged.keys, staged.temperature, staged.greedy,
-            lm_head.vocab_start if tp else None,
-        )  # fmt: skip
+        for x in (logits, logits.float()) if logits.dtype != torch.float32 else (logits,):
+            self.sampler.warm_up(
+                x, staged.keys, staged.temperature, staged.greedy,
+                lm_head.vocab_start if tp else None,
+            )  # fmt: skip
 
     def mixed_graph_sizes(self) -> list[int]:
         """Token buckets of the mixed-step graphs (none without CUDA graphs)."""
