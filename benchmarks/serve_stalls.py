@@ -7,11 +7,12 @@ For each gap over `--threshold-ms`, its wall-clock interval; a gap is "shared" w
 half of the streams running at its midpoint are inside a long gap of their own at that instant.
 Prints the count of long gaps, the share of them that are shared, and the longest ones with how
 many streams were stalled with them; `--png` plots every gap against the time it ended.
-`--gc-log` reads the server's GC pause log (the file named by LLM_INFERENCE_GC_LOG while it
-ran): the collections of each process during the run, and how many long gaps overlap a pause.
+`--pause-log` reads the server's pause log (the file named by LLM_INFERENCE_PAUSE_LOG while it
+ran): each process's GC collections and Triton compiles during the run, and how many long gaps
+overlap a pause.
 
     python3 benchmarks/serve_stalls.py RESULT.json [--threshold-ms 50] [--png gaps.png]
-        [--gc-log gc.log]
+        [--pause-log pauses.log]
 """
 
 from __future__ import annotations
@@ -53,34 +54,34 @@ def stalls(requests: list[dict], threshold_s: float) -> list[dict]:
     return out
 
 
-def gc_pauses(path: str, since: float, until: float) -> list[tuple[float, float, str, int]]:
-    """(start, end, "pid name", generation) of the logged collections that ended in
-    [since, until]."""
+def pauses_in(path: str, since: float, until: float) -> list[tuple[float, float, str, str]]:
+    """(start, end, "pid name", what) of the logged pauses that ended in [since, until]."""
     out = []
-    if not os.path.exists(path):  # no collection was long enough to be logged
+    if not os.path.exists(path):  # no pause was long enough to be logged
         return out
     for line in open(path):
-        end, pid, generation, ms, _, name = line.split()
+        end, pid, what, ms, name = line.split()
         end = float(end)
         if since <= end <= until:
-            out.append((end - float(ms) / 1e3, end, f"{pid} {name}", int(generation)))
+            out.append((end - float(ms) / 1e3, end, f"{pid} {name}", what))
     return out
 
 
-def gc_report(found: list[dict], pauses: list[tuple[float, float, str, int]]) -> list[str]:
-    """Per process and generation: collections, total and longest ms; then the long gaps that
-    overlap any pause."""
-    lines = [
-        "| process | generation | collections | total ms | longest ms |",
-        "|---:|---:|---:|---:|---:|",
-    ]
-    by_key: dict[tuple[str, int], list[float]] = {}
-    for a, b, pid, generation in pauses:
-        by_key.setdefault((pid, generation), []).append((b - a) * 1e3)
-    for (pid, generation), ms in sorted(by_key.items()):
-        lines.append(f"| {pid} | {generation} | {len(ms)} | {sum(ms):.1f} | {max(ms):.1f} |")
-    hit = sum(any(a < s["end"] and s["start"] < b for a, b, _, _ in pauses) for s in found)
-    lines.append(f"\n{hit} of {len(found)} long gaps overlap a GC pause.")
+def pause_report(found: list[dict], pauses: list[tuple[float, float, str, str]]) -> list[str]:
+    """Per process and kind of pause: how many, total and longest ms; then the long gaps that
+    overlap any pause, and those that overlap a compile."""
+    lines = ["| process | pause | count | total ms | longest ms |", "|---|---|---:|---:|---:|"]
+    by_key: dict[tuple[str, str], list[float]] = {}
+    for a, b, process, what in pauses:
+        by_key.setdefault((process, what), []).append((b - a) * 1e3)
+    for (process, what), ms in sorted(by_key.items()):
+        lines.append(f"| {process} | {what} | {len(ms)} | {sum(ms):.1f} | {max(ms):.1f} |")
+
+    def overlap(s: dict, kinds: str) -> bool:
+        return any(a < s["end"] and s["start"] < b for a, b, _, w in pauses if w.startswith(kinds))
+
+    hit, compiles = sum(overlap(s, "") for s in found), sum(overlap(s, "compile") for s in found)
+    lines.append(f"\n{hit} of {len(found)} long gaps overlap a pause, {compiles} a compile.")
     return lines
 
 
@@ -90,7 +91,8 @@ def main() -> None:
     p.add_argument("--threshold-ms", type=float, default=50.0)
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--png", default=None)
-    p.add_argument("--gc-log", default=None, help="the LLM_INFERENCE_GC_LOG file of the run")
+    p.add_argument("--pause-log", default=None,
+                   help="the LLM_INFERENCE_PAUSE_LOG file of the run")  # fmt: skip
     args = p.parse_args()
     requests = json.load(open(args.result))["requests"]
     found = stalls(requests, args.threshold_ms / 1e3)
@@ -101,11 +103,11 @@ def main() -> None:
     print("| gap ms | stream | streams running | stalled with it |\n|---:|---:|---:|---:|")
     for s in found[: args.top]:
         print(f"| {s['ms']:.1f} | {s['stream']} | {s['running']} | {s['stalled']} |")
-    if args.gc_log:
+    if args.pause_log:
         every = gaps(requests)
         since = min(r["start"] for r in requests)
-        pauses = gc_pauses(args.gc_log, since, max(g[1] for g in every))
-        print("\n".join(gc_report(found, pauses)))
+        pauses = pauses_in(args.pause_log, since, max(g[1] for g in every))
+        print("\n".join(pause_report(found, pauses)))
     if args.png:
         import matplotlib
 

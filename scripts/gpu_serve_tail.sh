@@ -5,7 +5,7 @@
 # engine's; a number: envs.LLM_INFERENCE_GC_YOUNG), then vLLM's, each with PROMPTS streamed
 # requests at once (INPUT_LEN in, OUTPUT_LEN out; benchmarks/serve_compare.py, both servers with
 # its shared settings), every chunk's time saved; then benchmarks/serve_stalls.py on each run,
-# with our processes' GC pause log (envs.LLM_INFERENCE_GC_LOG). Folders serve_* in $OUT.
+# with our processes' pause log (GC collections, Triton compiles: envs.LLM_INFERENCE_PAUSE_LOG). Folders serve_* in $OUT.
 #   GC_YOUNG="700 default" OUT=$OUT bash scripts/gpu_serve_tail.sh
 # OURS=0: vLLM's alone. SERVE_ARGS: more serve_compare options (a CPU flow check: VLLM=0 PROMPTS=6 INPUT_LEN=16
 # OUTPUT_LEN=8 SERVE_ARGS="--device cpu --dtype float32 --model TINY_CKPT --max-model-len 256").
@@ -15,12 +15,12 @@ common="--rates inf --inf-prompts ${PROMPTS:-800} --input-len ${INPUT_LEN:-512}
   --output-len ${OUTPUT_LEN:-256} --save-detailed ${SERVE_ARGS:-}"
 for young in $([ "${OURS:-1}" = 1 ] && echo "${GC_YOUNG:-default}"); do
   d=$OUT/serve_ours_gc_$young; mkdir -p "$d"
-  env="LLM_INFERENCE_GC_LOG=$d/gc.log"
+  env="LLM_INFERENCE_PAUSE_LOG=$d/pauses.log"
   [ "$young" = default ] || env="$env LLM_INFERENCE_GC_YOUNG=$young"
   echo "== ours, young-generation threshold $young"
   timeout 240 python3 benchmarks/serve_compare.py --out "$d" --engines ours $common \
     --ours-env "$env" --time-budget 220 2>&1 | grep "^| inf\|error"
-  python3 benchmarks/serve_stalls.py "$d/detailed_ours_inf.json" --gc-log "$d/gc.log" \
+  python3 benchmarks/serve_stalls.py "$d/detailed_ours_inf.json" --pause-log "$d/pauses.log" \
     --png "$d/gaps.png" 2>&1 | tee "$d/stalls.md" | head -24
 done
 if [ "${VLLM:-1}" = 1 ]; then

@@ -59,12 +59,12 @@ def test_unknown_names_are_attribute_errors():
 
 
 def test_gc_young_threshold_and_log_path(monkeypatch):
-    assert envs.LLM_INFERENCE_GC_YOUNG is None and envs.LLM_INFERENCE_GC_LOG is None
+    assert envs.LLM_INFERENCE_GC_YOUNG is None and envs.LLM_INFERENCE_PAUSE_LOG is None
     monkeypatch.setenv("LLM_INFERENCE_GC_YOUNG", "700")
     assert envs.LLM_INFERENCE_GC_YOUNG == 700
     for bad in ("", "0", "-5", "1e4", "many"):
         monkeypatch.setenv("LLM_INFERENCE_GC_YOUNG", bad)
         with pytest.raises(ValueError, match="LLM_INFERENCE_GC_YOUNG"):
             envs.LLM_INFERENCE_GC_YOUNG  # noqa: B018
-    monkeypatch.setenv("LLM_INFERENCE_GC_LOG", "/tmp/gc.log")
-    assert envs.LLM_INFERENCE_GC_LOG == "/tmp/gc.log"
+    monkeypatch.setenv("LLM_INFERENCE_PAUSE_LOG", "/tmp/gc.log")
+    assert envs.LLM_INFERENCE_PAUSE_LOG == "/tmp/gc.log"

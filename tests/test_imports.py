@@ -117,6 +117,8 @@ def test_leaves_import_only_the_standard_library(leaf):
     bad = []
     for f in part_files(leaf):
         allowed = () if leaf == "envs" else ("llm_inference.envs",)
+        if leaf == "gc_heap":  # Triton's hooks, only where Triton is already imported
+            allowed += ("triton",)
         bad += [f"{leaf}.py imports {m}" for m in imported_modules(f) if _outside(f, m, allowed)]
     assert not bad, "\n".join(bad)
 

@@ -28,11 +28,12 @@ LLM_INFERENCE_GC_YOUNG
     Unset (default): the processes that freeze their startup heap (gc_heap.py) collect the
     young generation every GC_YOUNG_THRESHOLD new objects; a number: that threshold instead
     (700: Python's own).
-LLM_INFERENCE_GC_LOG
+LLM_INFERENCE_PAUSE_LOG
     Unset (default): nothing. A file path: every process that freezes its startup heap (the
     server, the engine core, the tensor-parallel workers, `LLM`; gc_heap.py) appends a line per
-    cyclic GC collection of at least 1 ms: its wall-clock end (time.time()), pid, generation,
-    milliseconds, objects collected and process name, for benchmarks/serve_stalls.py `--gc-log`.
+    pause of at least 1 ms: each cyclic GC collection and each Triton compile, with its
+    wall-clock end (time.time()), pid, what (gc0/gc1/gc2 or compile:KERNEL), milliseconds and
+    process name, for benchmarks/serve_stalls.py `--pause-log`.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     ),
     "LLM_INFERENCE_MIXED_CUDA_GRAPH_SIZES": _graph_sizes,
     "LLM_INFERENCE_GC_YOUNG": lambda: _positive_int("LLM_INFERENCE_GC_YOUNG"),
-    "LLM_INFERENCE_GC_LOG": lambda: os.environ.get("LLM_INFERENCE_GC_LOG") or None,
+    "LLM_INFERENCE_PAUSE_LOG": lambda: os.environ.get("LLM_INFERENCE_PAUSE_LOG") or None,
 }
 
 

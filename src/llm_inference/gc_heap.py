@@ -4,14 +4,18 @@ A full (generation 2) collection walks every tracked object (torch, transformers
 a pause of the step loop, benchmarks/DECISIONS.md). `freeze_startup_heap()` moves everything
 alive into the permanent generation, so later collections scan only what the run creates; vLLM
 does the same after warm-up (`freeze_gc_heap`). Used by the core process, the server, each
-tensor-parallel worker and `LLM` (for its lifetime: `LLM.close()` thaws). With
-envs.LLM_INFERENCE_GC_LOG set, those processes also log their collections' pauses."""
+tensor-parallel worker and `LLM` (for its lifetime: `LLM.close()` thaws).
+
+With envs.LLM_INFERENCE_PAUSE_LOG set, those processes also log what pauses them: each GC
+collection and each Triton compile (a kernel variant first met mid-run), for
+benchmarks/serve_stalls.py to match with streams' gaps."""
 
 from __future__ import annotations
 
 import gc
 import multiprocessing
 import os
+import sys
 import time
 
 from llm_inference import envs
@@ -20,8 +24,8 @@ from llm_inference import envs
 GC_YOUNG_THRESHOLD = 50_000
 _python_thresholds = gc.get_threshold()
 
-# Collections shorter than this are not logged: young generations take microseconds.
-GC_LOG_MIN_MS = 1.0
+# Pauses shorter than this are not logged: young generations take microseconds.
+PAUSE_LOG_MIN_MS = 1.0
 
 
 def freeze_startup_heap() -> None:
@@ -32,9 +36,15 @@ def freeze_startup_heap() -> None:
     gc.freeze()
     young = envs.LLM_INFERENCE_GC_YOUNG or GC_YOUNG_THRESHOLD
     gc.set_threshold(young, *_python_thresholds[1:])
-    path = envs.LLM_INFERENCE_GC_LOG
+    path = envs.LLM_INFERENCE_PAUSE_LOG
     if path and not any(isinstance(cb, _PauseLog) for cb in gc.callbacks):
-        gc.callbacks.append(_PauseLog(path))
+        log = _PauseLog(path)
+        gc.callbacks.append(log)
+        if "triton" in sys.modules:  # this process launches kernels (the front end does not)
+            from triton import knobs
+
+            knobs.runtime.jit_cache_hook = log.compile_starts
+            knobs.runtime.jit_post_compile_hook = log.compile_ends
 
 
 def thaw_heap() -> None:
@@ -42,24 +52,39 @@ def thaw_heap() -> None:
     extensions (Triton's nanobind bindings) then print pages of leak warnings at exit."""
     gc.unfreeze()
     gc.set_threshold(*_python_thresholds)
-    gc.callbacks[:] = [cb for cb in gc.callbacks if not isinstance(cb, _PauseLog)]
+    logs = [cb for cb in gc.callbacks if isinstance(cb, _PauseLog)]
+    gc.callbacks[:] = [cb for cb in gc.callbacks if cb not in logs]
+    if logs and "triton" in sys.modules:
+        from triton import knobs
+
+        if knobs.runtime.jit_post_compile_hook == logs[0].compile_ends:
+            knobs.runtime.jit_cache_hook = knobs.runtime.jit_post_compile_hook = None
 
 
 class _PauseLog:
-    """A gc callback appending "end_time pid generation ms collected process_name" for each
-    collection of at least GC_LOG_MIN_MS to a file shared by the processes (short appends)."""
+    """Appends "end_time pid what ms process_name" for each pause of at least PAUSE_LOG_MIN_MS
+    to a file shared by the processes (short appends): `what` is gc0, gc1 or gc2 (a gc
+    callback), or compile:KERNEL (Triton's hooks around a compile)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.name = multiprocessing.current_process().name.replace(" ", "_")
-        self.started = 0.0
+        self.started = self.compile_started = 0.0
 
     def __call__(self, phase: str, info: dict) -> None:
         if phase == "start":
             self.started = time.perf_counter()
-            return
-        ms = (time.perf_counter() - self.started) * 1e3
-        if ms >= GC_LOG_MIN_MS:
-            gen, collected = info["generation"], info["collected"]
+        else:
+            self._write(f"gc{info['generation']}", self.started)
+
+    def compile_starts(self, **kw) -> None:  # returns None: Triton goes on to compile
+        self.compile_started = time.perf_counter()
+
+    def compile_ends(self, **kw) -> None:
+        self._write(f"compile:{kw['fn'].name}", self.compile_started)
+
+    def _write(self, what: str, started: float) -> None:
+        ms = (time.perf_counter() - started) * 1e3
+        if ms >= PAUSE_LOG_MIN_MS:
             with open(self.path, "a") as f:
-                f.write(f"{time.time():.6f} {os.getpid()} {gen} {ms:.2f} {collected} {self.name}\n")
+                f.write(f"{time.time():.6f} {os.getpid()} {what} {ms:.2f} {self.name}\n")
