@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -54,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="first decode ms per step at --batches, as vllm_bench.py")  # fmt: skip
     p.add_argument("--batches", type=batch_sizes, default=list(bench.BATCHES),
                    help="--latency's batch sizes (default: 1,8,64,256)")  # fmt: skip
+    p.add_argument("--profile", action="store_true",
+                   help="then the workload again under the torch profiler: GPU kernel seconds by "
+                        "kernel, as `bench throughput --profile` reports ours (vLLM's engine "
+                        "core runs in this process then)")  # fmt: skip
     p.add_argument("--json", default=None, help="also write the results to this file")
     return p
 
@@ -86,6 +91,23 @@ def build_requests(args, folder) -> tuple[Workload, list[list[int]], list[dict]]
     return workload, prompts, kwargs
 
 
+def profile_run(timed, n: int, device: str = "cuda") -> dict:
+    """`timed(n)` under our profiler (executor/profiler.py, the one `bench throughput --profile`
+    runs on ours): its wall seconds and the GPU kernel seconds in all and by kernel, under
+    bench's JSON keys (`_per_step` over 1,000 "steps": milliseconds become seconds)."""
+    import torch
+
+    from llm_inference.executor.profiler import RankProfiler
+
+    profiler = RankProfiler(0, torch.device(device))
+    profiler.start()
+    try:
+        wall = timed(n)
+    finally:
+        rank = profiler.stop()
+    return {"wall_s": wall, "ranks": [bench._per_step(rank, bench._NO_PROFILE, 1000)]}
+
+
 def main() -> None:
     parser = build_parser()
     args = parser.parse_args()
@@ -97,6 +119,9 @@ def main() -> None:
     except ValueError as e:
         parser.error(str(e))
     import torch
+
+    if args.profile:  # the profiler sees this process's kernels only
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import vllm
 
     extra = {"max_num_batched_tokens": args.max_num_batched_tokens}
@@ -134,6 +159,10 @@ def main() -> None:
         "detokenize": False, "vllm": vllm.__version__,
     }  # fmt: skip
     print(f"vLLM {vllm.__version__}, " + bench.format_result(res))
+    if args.profile:
+        res["profile"] = profile_run(timed, len(inputs))
+        top = res["profile"]["ranks"][0]["top_kernels_ms_per_step"]
+        print("GPU kernel seconds:", {name[:60]: round(s, 3) for name, s in list(top.items())[:8]})
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
 

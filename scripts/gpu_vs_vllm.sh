@@ -15,7 +15,9 @@
 # chat-like (600 lognormal requests, temperature 0.8, top-p 0.95), prefill-heavy (256 prompts of
 # 2,000 tokens, 8 new) and long (16 prompts of 12,000 tokens, 256 new), at max_model_len 16,384,
 # 256 sequences, prefix caching off, unseeded vLLM requests (benchmarks/vllm_throughput.py);
-# JSON as {ours,vllm}_SHAPE_mix_{chat,prefill,long}.json.
+# JSON as {ours,vllm}_SHAPE_mix_{chat,prefill,long}.json. PROFILE=1 adds each engine's GPU
+# kernel seconds by kernel (a second, profiled run; vLLM's engine core then runs in-process, so
+# take that run's speed figures from a call without PROFILE). MIX_LIST picks the mixes.
 # JSON lands in $OUT under the names benchmarks/side_by_side.py reads
 # (vllm_SHAPE[_tp2].json, ours_SHAPE[_tp2]_{latency,throughput}.json, vllm_prefill_SHAPE.txt,
 # hf_SHAPE.json); `python3 benchmarks/side_by_side.py $OUT table.md plot.png` makes the table.
@@ -31,11 +33,11 @@ if [ "${MIXES:-0}" = 1 ]; then
     [prefill]="--dataset fixed --num-prompts 256 --input-len 2000 --output-len 8"
     [long]="--dataset fixed --num-prompts 16 --input-len 12000 --output-len 256"
   )
-  for mix in chat prefill long; do
+  for mix in ${MIX_LIST:-chat prefill long}; do
     (export PYTHONPATH=src:/tmp/site PATH=/tmp/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0
-     timeout 300 python3 benchmarks/vllm_throughput.py $common ${MIX[$mix]} \
+     timeout 300 python3 benchmarks/vllm_throughput.py $common ${MIX[$mix]} ${PROFILE:+--profile} \
        --json "$OUT/vllm_${SHAPE}_mix_$mix.json" 2>&1 | grep -v "it/s\|WARN\|INFO" | tail -1)
-    timeout 200 $B throughput $common ${MIX[$mix]} \
+    timeout 200 $B throughput $common ${MIX[$mix]} ${PROFILE:+--profile 1} \
       --json "$OUT/ours_${SHAPE}_mix_$mix.json" 2>&1 | grep -v "it/s" | tail -2
   done
   exit

@@ -184,6 +184,27 @@ def test_vllm_script_latency_flags():
             parse(["--latency", "--batches", bad])
 
 
+def test_vllm_script_profile_reports_as_bench_does():
+    """`--profile`: the timed call again under our profiler (here on the CPU, its operators),
+    under bench throughput's profile keys, the wall time being the call's."""
+    import torch
+
+    script = _vllm_script()
+    assert script.build_parser().parse_args(["--profile"]).profile
+    x = torch.randn(64, 64)
+
+    def timed(n: int) -> float:
+        for _ in range(n):
+            x @ x
+        return 1.25
+
+    res = script.profile_run(timed, 3, device="cpu")
+    assert res["wall_s"] == 1.25
+    (rank,) = res["ranks"]
+    assert any("mm" in name for name in rank["top_kernels_ms_per_step"])
+    assert rank["gpu_ms_per_step"] >= max(rank["top_kernels_ms_per_step"].values()) > 0
+
+
 def test_vllm_script_latency_times_bench_latencys_prompts(monkeypatch):
     """`--latency` gives vLLM the prompts `bench latency` gives ours (here in Mistral's vocabulary
     of 32,768) and times them as vllm_bench.py: per batch two warm-ups of 8 greedy tokens, then 3
