@@ -124,6 +124,19 @@ def explode_on_step(core) -> None:
     core.step = boom
 
 
+def slow_steps(core) -> None:
+    """An AsyncLLM `core_setup`: every step of the core takes 80 ms longer."""
+    import time
+
+    step = core.step
+
+    def slow():
+        time.sleep(0.08)
+        return step()
+
+    core.step = slow
+
+
 def report_gc_freeze(core) -> None:
     """An AsyncLLM `core_setup`: the core's stats() also report how many objects the cyclic GC
     holds frozen where the core runs (gc.get_freeze_count())."""

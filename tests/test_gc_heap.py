@@ -6,18 +6,18 @@ import types
 
 import pytest
 
-from llm_inference import gc_heap
+from llm_inference import gc_heap, pause_log
 
 
 def test_pause_log_records_collections_until_thawed(tmp_path, monkeypatch):
     log = tmp_path / "gc.log"
     monkeypatch.setenv("LLM_INFERENCE_PAUSE_LOG", str(log))
-    monkeypatch.setattr(gc_heap, "PAUSE_LOG_MIN_MS", 0.0)
+    monkeypatch.setattr(pause_log, "PAUSE_LOG_MIN_MS", 0.0)
     gc.disable()  # no automatic collection takes the cycle first
     try:
         gc_heap.freeze_startup_heap()
         gc_heap.freeze_startup_heap()  # a second freeze adds no second logger
-        assert sum(isinstance(cb, gc_heap._PauseLog) for cb in gc.callbacks) == 1
+        assert sum(isinstance(cb, gc_heap._Pauses) for cb in gc.callbacks) == 1
         cycle = []
         cycle.append(cycle)
         del cycle
@@ -37,7 +37,7 @@ def test_no_log_without_the_variable(monkeypatch):
     monkeypatch.delenv("LLM_INFERENCE_PAUSE_LOG", raising=False)
     try:
         gc_heap.freeze_startup_heap()
-        assert not any(isinstance(cb, gc_heap._PauseLog) for cb in gc.callbacks)
+        assert not any(isinstance(cb, gc_heap._Pauses) for cb in gc.callbacks)
     finally:
         gc_heap.thaw_heap()
 
@@ -64,7 +64,7 @@ def test_pause_log_hooks_triton_compiles(tmp_path, monkeypatch):
     knobs = pytest.importorskip("triton").knobs
     log = tmp_path / "pauses.log"
     monkeypatch.setenv("LLM_INFERENCE_PAUSE_LOG", str(log))
-    monkeypatch.setattr(gc_heap, "PAUSE_LOG_MIN_MS", 0.0)
+    monkeypatch.setattr(pause_log, "PAUSE_LOG_MIN_MS", 0.0)
     try:
         gc_heap.freeze_startup_heap()
         assert knobs.runtime.jit_cache_hook(fn=None) is None  # None: Triton compiles

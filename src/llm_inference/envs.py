@@ -29,11 +29,9 @@ LLM_INFERENCE_GC_YOUNG
     young generation every GC_YOUNG_THRESHOLD new objects; a number: that threshold instead
     (700: Python's own).
 LLM_INFERENCE_PAUSE_LOG
-    Unset (default): nothing. A file path: every process that freezes its startup heap (the
-    server, the engine core, the tensor-parallel workers, `LLM`; gc_heap.py) appends a line per
-    pause of at least 1 ms: each cyclic GC collection and each Triton compile, with its
-    wall-clock end (time.time()), pid, what (gc0/gc1/gc2 or compile:KERNEL), milliseconds and
-    process name, for benchmarks/serve_stalls.py `--pause-log`.
+    Unset (default): nothing. A file path: the long-lived processes log what pauses them (GC
+    collections, Triton compiles, an engine core silent or an event loop late), one line per
+    pause of at least 1 ms (pause_log.py), for benchmarks/serve_stalls.py `--pause-log`.
 """
 
 from __future__ import annotations

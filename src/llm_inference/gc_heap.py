@@ -4,28 +4,20 @@ A full (generation 2) collection walks every tracked object (torch, transformers
 a pause of the step loop, benchmarks/DECISIONS.md). `freeze_startup_heap()` moves everything
 alive into the permanent generation, so later collections scan only what the run creates; vLLM
 does the same after warm-up (`freeze_gc_heap`). Used by the core process, the server, each
-tensor-parallel worker and `LLM` (for its lifetime: `LLM.close()` thaws).
-
-With envs.LLM_INFERENCE_PAUSE_LOG set, those processes also log what pauses them: each GC
-collection and each Triton compile (a kernel variant first met mid-run), for
-benchmarks/serve_stalls.py to match with streams' gaps."""
+tensor-parallel worker and `LLM` (for its lifetime: `LLM.close()` thaws). With a pause log
+(pause_log.py) they also log each GC collection and Triton compile."""
 
 from __future__ import annotations
 
 import gc
-import multiprocessing
-import os
 import sys
 import time
 
-from llm_inference import envs
+from llm_inference import envs, pause_log
 
 # New tracked objects between young-generation collections while serving (Python's: 700).
 GC_YOUNG_THRESHOLD = 50_000
 _python_thresholds = gc.get_threshold()
-
-# Pauses shorter than this are not logged: young generations take microseconds.
-PAUSE_LOG_MIN_MS = 1.0
 
 
 def freeze_startup_heap() -> None:
@@ -36,9 +28,9 @@ def freeze_startup_heap() -> None:
     gc.freeze()
     young = envs.LLM_INFERENCE_GC_YOUNG or GC_YOUNG_THRESHOLD
     gc.set_threshold(young, *_python_thresholds[1:])
-    path = envs.LLM_INFERENCE_PAUSE_LOG
-    if path and not any(isinstance(cb, _PauseLog) for cb in gc.callbacks):
-        log = _PauseLog(path)
+    log = pause_log.get()
+    if log is not None and not any(isinstance(cb, _Pauses) for cb in gc.callbacks):
+        log = _Pauses(log)
         gc.callbacks.append(log)
         if "triton" in sys.modules:  # this process launches kernels (the front end does not)
             from triton import knobs
@@ -52,7 +44,7 @@ def thaw_heap() -> None:
     extensions (Triton's nanobind bindings) then print pages of leak warnings at exit."""
     gc.unfreeze()
     gc.set_threshold(*_python_thresholds)
-    logs = [cb for cb in gc.callbacks if isinstance(cb, _PauseLog)]
+    logs = [cb for cb in gc.callbacks if isinstance(cb, _Pauses)]
     gc.callbacks[:] = [cb for cb in gc.callbacks if cb not in logs]
     if logs and "triton" in sys.modules:
         from triton import knobs
@@ -61,30 +53,22 @@ def thaw_heap() -> None:
             knobs.runtime.jit_cache_hook = knobs.runtime.jit_post_compile_hook = None
 
 
-class _PauseLog:
-    """Appends "end_time pid what ms process_name" for each pause of at least PAUSE_LOG_MIN_MS
-    to a file shared by the processes (short appends): `what` is gc0, gc1 or gc2 (a gc
-    callback), or compile:KERNEL (Triton's hooks around a compile)."""
+class _Pauses:
+    """The gc callback and Triton's compile hooks, timing what they bracket into the log."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.name = multiprocessing.current_process().name.replace(" ", "_")
+    def __init__(self, log: pause_log.PauseLog) -> None:
+        self.log = log
         self.started = self.compile_started = 0.0
 
     def __call__(self, phase: str, info: dict) -> None:
         if phase == "start":
             self.started = time.perf_counter()
         else:
-            self._write(f"gc{info['generation']}", self.started)
+            self.log.write(f"gc{info['generation']}", (time.perf_counter() - self.started) * 1e3)
 
     def compile_starts(self, **kw) -> None:  # returns None: Triton goes on to compile
         self.compile_started = time.perf_counter()
 
     def compile_ends(self, **kw) -> None:
-        self._write(f"compile:{kw['fn'].name}", self.compile_started)
-
-    def _write(self, what: str, started: float) -> None:
-        ms = (time.perf_counter() - started) * 1e3
-        if ms >= PAUSE_LOG_MIN_MS:
-            with open(self.path, "a") as f:
-                f.write(f"{time.time():.6f} {os.getpid()} {what} {ms:.2f} {self.name}\n")
+        ms = (time.perf_counter() - self.compile_started) * 1e3
+        self.log.write(f"compile:{kw['fn'].name}", ms)

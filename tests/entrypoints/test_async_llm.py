@@ -17,6 +17,7 @@ from helpers import (
     explode_on_step,
     is_running,
     report_gc_freeze,
+    slow_steps,
     wait_gone,
 )
 
@@ -184,6 +185,19 @@ def test_core_process_freezes_its_startup_heap(tiny_ckpt):
     full collections there do not stall the steps."""
     with AsyncLLM(str(tiny_ckpt), core_setup=report_gc_freeze, **ENGINE_ARGS) as llm:
         assert llm.stats()["gc_frozen"] > 10_000
+
+
+def test_pause_log_names_a_silent_core(tiny_ckpt, tmp_path, monkeypatch):
+    """With a pause log, the front end logs each wait of 50 ms or more for a step while requests
+    run (here every step takes 80 ms more), and the core process its own pauses' lines."""
+    log = tmp_path / "pauses.log"
+    monkeypatch.setenv("LLM_INFERENCE_PAUSE_LOG", str(log))
+    with AsyncLLM(str(tiny_ckpt), core_setup=slow_steps, **ENGINE_ARGS) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        asyncio.run(_final(llm, PROMPTS[0], params))
+    silent = [line.split() for line in log.read_text().splitlines() if " core_silent " in line]
+    assert len(silent) >= 3  # a step of prompt, then one per token
+    assert all(float(ms) >= 50 and name == "MainProcess" for _, _, _, ms, name in silent)
 
 
 def _joined(deltas, n=1):

@@ -41,6 +41,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for
 
+from llm_inference import pause_log
 from llm_inference.config import EngineConfig
 from llm_inference.engine.arg_utils import EngineArgs
 from llm_inference.engine.core_process import CoreClient
@@ -62,6 +63,8 @@ SHUTDOWN_TIMEOUT_S = 10.0
 # Requests running and no step back for this long: health() reports the engine stuck. A step
 # takes milliseconds to seconds (a full token budget of prompt on a CPU); a minute is a hang.
 STALL_TIMEOUT_S = 60.0
+# With a pause log (pause_log.py), a core silent this long while requests run is logged.
+CORE_SILENT_S = 0.05
 
 
 class EngineDeadError(RuntimeError):
@@ -318,6 +321,7 @@ class AsyncLLM:
         """The front end of a core process: commands and step results as they come."""
         core = self.core_process
         readers = core.readers()
+        log = pause_log.get()
         while True:
             ready = wait_for([*readers, self._wake_r])
             if self._wake_r in ready:
@@ -330,7 +334,10 @@ class AsyncLLM:
                     return
             if len(ready) > (self._wake_r in ready):
                 steps = core.recv(timeout=0)
-                self._progress_at = time.monotonic()
+                now = time.monotonic()
+                if log is not None and streams and now - self._progress_at >= CORE_SILENT_S:
+                    log.write("core_silent", (now - self._progress_at) * 1e3)
+                self._progress_at = now
                 for records, scheduled, start, _ in steps:
                     outputs = self.engine.process_core_outputs(records)
                     self._note_scheduled(start, scheduled)

@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
+from llm_inference import pause_log
 from llm_inference.engine.async_llm import AsyncLLM
 from llm_inference.entrypoints.openai import metrics
 from llm_inference.entrypoints.openai.protocol import (
@@ -38,6 +39,8 @@ from llm_inference.gc_heap import freeze_startup_heap, thaw_heap
 from llm_inference.models.default_model import DEFAULT_MODEL_NAME
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
+# With a pause log (pause_log.py), an event loop this much later than its tick is logged.
+LOOP_LAG_S = 0.05
 _OPEN_PATHS = ("/health", "/metrics")
 JSON = b"application/json"
 
@@ -283,8 +286,11 @@ def run_server(
     app = build_app(llm, name, api_key=api_key, shutdown_llm=True,
                     tool_call_parser=tool_call_parser)  # fmt: skip
     freeze_startup_heap()
+    log = pause_log.get()
 
     class Server(uvicorn.Server):
+        last_tick = time.monotonic()
+
         def handle_exit(self, sig, frame) -> None:
             # Every request is aborted and the shutdown is bounded (timeout_graceful_shutdown,
             # AsyncLLM.shutdown's own timeout), so a second Ctrl-C only repeats the first: it
@@ -294,6 +300,11 @@ def run_server(
                 super().handle_exit(sig, frame)
 
         async def on_tick(self, counter: int) -> bool:
+            # uvicorn ticks every 0.1 s: a tick much later than that is an event loop held up.
+            now = time.monotonic()
+            if log is not None and now - self.last_tick >= LOOP_LAG_S + 0.1:
+                log.write("loop_lag", (now - self.last_tick - 0.1) * 1e3)
+            self.last_tick = now
             # A dead engine (its core process killed, a step failed) serves nothing: stop, so
             # that the exit status tells a supervisor to restart the server.
             if llm.error is not None and not self.should_exit:
