@@ -5,7 +5,7 @@
 # engine's; a number: envs.LLM_INFERENCE_GC_YOUNG), then vLLM's, each with PROMPTS streamed
 # requests at once (INPUT_LEN in, OUTPUT_LEN out; benchmarks/serve_compare.py, both servers with
 # its shared settings), every chunk's time saved; then benchmarks/serve_stalls.py on each run,
-# with our processes' pause log (GC collections, Triton compiles: envs.LLM_INFERENCE_PAUSE_LOG). Folders serve_* in $OUT.
+# with our processes' pause log (pause_log.py). Folders serve_* in $OUT.
 #   GC_YOUNG="700 default" OUT=$OUT bash scripts/gpu_serve_tail.sh
 # OURS=0: vLLM's alone. SERVE_ARGS: more serve_compare options (a CPU flow check: VLLM=0 PROMPTS=6 INPUT_LEN=16
 # OUTPUT_LEN=8 SERVE_ARGS="--device cpu --dtype float32 --model TINY_CKPT --max-model-len 256").
