@@ -9,6 +9,7 @@ import os
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 CORPUS = [
@@ -246,3 +247,22 @@ def triton_compiles():
         yield names
     finally:
         triton.knobs.runtime.jit_post_compile_hook = old
+
+
+def load_script(path):
+    """A script (benchmarks/*.py) as a module, without running its main."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# bfloat16 KV caches, and FP8 ones (Triton's float8_e4m3fn: compute capability 8.9+)
+FP8_CACHES = pytest.mark.parametrize("fp8", [
+    False,
+    pytest.param(True, marks=pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+        reason="FP8 KV caches need compute capability 8.9+")),
+], ids=["bf16_cache", "fp8_cache"])  # fmt: skip

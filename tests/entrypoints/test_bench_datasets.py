@@ -4,7 +4,6 @@ building the very requests `bench throughput` sends."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import random
@@ -15,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import load_script
 
 from llm_inference.entrypoints import bench
 from llm_inference.entrypoints.bench_datasets import Workload
@@ -138,10 +138,7 @@ def test_sharegpt_parsing_and_filtering(tmp_path, tokenizer):
 
 def _vllm_script():
     """benchmarks/vllm_throughput.py as a module (it imports vLLM only in main)."""
-    spec = importlib.util.spec_from_file_location("vllm_throughput", VLLM_SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return load_script(VLLM_SCRIPT)
 
 
 def test_vllm_script_builds_the_requests_bench_throughput_sends(tiny_ckpt, tmp_path, tokenizer):

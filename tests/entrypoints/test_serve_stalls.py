@@ -3,20 +3,18 @@ stream stalled at once, as a slow step would) or alone (one stream held back).""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+from helpers import load_script
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serve_stalls.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("serve_stalls", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def _streams() -> list[dict]:

@@ -4,19 +4,17 @@ other families)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
+
+from helpers import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "side_by_side.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("side_by_side", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def _write(folder: Path, name: str, data: dict) -> None:

@@ -5,12 +5,12 @@ which answers drawn at random from xgrammar's masks follow the benchmark's schem
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import load_script
 
 jsonschema = pytest.importorskip("jsonschema")
 xgr = pytest.importorskip("xgrammar")
@@ -27,10 +27,7 @@ SMALL_SCHEMA = {
 
 @pytest.fixture(scope="module")
 def so():
-    spec = importlib.util.spec_from_file_location("structured_outputs_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def test_run_ours_on_the_tiny_checkpoint(so, tiny_ckpt, monkeypatch):

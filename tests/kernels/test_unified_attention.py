@@ -23,16 +23,10 @@ pytest.importorskip("triton")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import unified_attention_checks as checks  # noqa: E402
+from helpers import FP8_CACHES  # noqa: E402
 from interpreter import run_checks  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-# bfloat16 caches, and FP8 caches (Triton's float8_e4m3fn: compute capability 8.9+)
-FP8_CACHES = pytest.mark.parametrize("fp8", [
-    False,
-    pytest.param(True, marks=pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-        reason="FP8 KV caches need compute capability 8.9+")),
-], ids=["bf16_cache", "fp8_cache"])  # fmt: skip
 
 
 @pytest.fixture(scope="module")
