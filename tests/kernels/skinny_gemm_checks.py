@@ -1,12 +1,16 @@
 """Checks of the skinny GEMM (kernels/skinny_gemm.py), shared by the CPU and GPU tests.
 
 Each `check_*` draws fresh inputs, writes into a NaN-poisoned output that is a column slice of
-a wider buffer (so a store past N, or a missed one, fails), and compares with float64 math.
-The CPU tests run this file in a child process under TRITON_INTERPRET=1 (`python
+a wider buffer (so a store past N, or a missed one, fails), and compares with float64 math;
+with `fp8`, W is FP8 with a float32 scale per row (rows of magnitudes over two decades, so a
+scale on the wrong row shows) and the float64 math uses the value it stands for.
+The CPU tests run this file in child processes under TRITON_INTERPRET=1 (`python
 skinny_gemm_checks.py [CHECK ...]`, one `RESULT <check> ok|FAIL` line each): the kernels at
 small sizes that are not multiples of the blocks, split-K on and off, and the engine's wiring:
 where the Triton ops' linear takes the kernels, the model at one rank and the parallel layers
-at two gloo ranks, on the Triton ops in float16.
+at two gloo ranks, on the Triton ops in float16; the same for FP8 weights (FP8_CHECKS: every
+M of 1 to 16, the FP8 linear method and an FP8 model). The interpreter's bfloat16 dot products
+are wrong, so float16 and float32 activations run there, bfloat16 on the GPU.
 """
 
 from __future__ import annotations
@@ -19,18 +23,28 @@ import torch
 import torch.nn.functional as F
 
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.6e-2}
+FP8_CHECKS = ("fp8_exact", "fp8_gemm", "fp8_silu", "fp8_linear", "fp8_model")
 INTERPRETER_CHECKS = (
     "gemm", "gemm_split", "silu", "silu_split", "prefetch", "ops_linear", "model",
-    "tensor_parallel",
+    "tensor_parallel", *FP8_CHECKS,
 )  # fmt: skip
+FP8 = torch.float8_e4m3fn
 
 
-def _inputs(device, dtype, m, n, k, seed):
-    """x [m, k] (a view with a row stride > k) and W [n, k] scaled so outputs are ~N(0, 1)."""
+def _inputs(device, dtype, m, n, k, seed, fp8=False):
+    """x [m, k] (a view with a row stride > k), W [n, k] scaled so outputs are ~N(0, 1) (with
+    `fp8`: up to 10x either way, per row), W's float32 scales [n] (None unless `fp8`) and the
+    float64 value W stands for."""
     g = torch.Generator(device).manual_seed(seed)
     x = torch.randn(m, k + 3, generator=g, device=device).to(dtype)[:, :k]
-    w = (torch.randn(n, k, generator=g, device=device) / k**0.5).to(dtype)
-    return x, w
+    w = torch.randn(n, k, generator=g, device=device) / k**0.5
+    if not fp8:
+        w = w.to(dtype)
+        return x, w, None, w.double()
+    w *= 10 ** (2 * torch.rand(n, 1, generator=g, device=device) - 1)
+    scale = w.abs().amax(dim=1) / torch.finfo(FP8).max
+    q = (w / scale[:, None]).to(FP8)
+    return x, q, scale, q.double() * scale.double()[:, None]
 
 
 def _poisoned(m, n, device, dtype):
@@ -47,32 +61,32 @@ def _assert_close(got, want, buf, n, dtype, what):
     assert err <= tol, f"{what}: max abs error {err:.3e} > {tol:.3e}"
 
 
-def check_gemm(device, dtype, m, n, k, config=None, seed=0, want_split=None):
+def check_gemm(device, dtype, m, n, k, config=None, seed=0, want_split=None, fp8=False):
     from llm_inference.kernels import skinny_gemm as sg
     from llm_inference.kernels.device import num_sms
 
-    x, w = _inputs(device, dtype, m, n, k, seed)
+    x, w, scale, w64 = _inputs(device, dtype, m, n, k, seed, fp8)
     buf, out = _poisoned(m, n, device, dtype)
-    got = sg.skinny_gemm(x, w, out=out, config=config)
+    got = sg.skinny_gemm(x, w, weight_scale=scale, out=out, config=config)
     assert got.data_ptr() == out.data_ptr()
-    what = f"skinny_gemm {dtype} M={m} N={n} K={k} {config}"
+    what = f"skinny_gemm {dtype} {'FP8 ' * fp8}M={m} N={n} K={k} {config}"
     if want_split is not None:
         assert sg.split_plan(k, config or sg.default_config(n, k, num_sms(x.device)))[0] == (
             want_split
         ), what
-    _assert_close(got, x.double() @ w.double().T, buf, n, dtype, what)
+    _assert_close(got, x.double() @ w64.T, buf, n, dtype, what)
 
 
-def check_silu(device, dtype, m, inter, k, config=None, seed=0, want_split=None):
+def check_silu(device, dtype, m, inter, k, config=None, seed=0, want_split=None, fp8=False):
     from llm_inference.kernels import skinny_gemm as sg
     from llm_inference.kernels.device import num_sms
 
-    x, w = _inputs(device, dtype, m, 2 * inter, k, seed)
+    x, w, scale, w64 = _inputs(device, dtype, m, 2 * inter, k, seed, fp8)
     buf, out = _poisoned(m, inter, device, dtype)
-    got = sg.skinny_gemm_silu(x, w, out=out, config=config)
-    y = x.double() @ w.double().T
+    got = sg.skinny_gemm_silu(x, w, weight_scale=scale, out=out, config=config)
+    y = x.double() @ w64.T
     want = F.silu(y[:, :inter]) * y[:, inter:]
-    what = f"skinny_gemm_silu {dtype} M={m} I={inter} K={k} {config}"
+    what = f"skinny_gemm_silu {dtype} {'FP8 ' * fp8}M={m} I={inter} K={k} {config}"
     if want_split is not None:
         cfg = config or sg.default_config(inter, k, num_sms(x.device))
         assert sg.split_plan(k, cfg)[0] == want_split, what
@@ -275,6 +289,121 @@ def check_tensor_parallel() -> None:
             assert err < 1e-2 * max(1.0, want.abs().max().item()), f"rank {rank} {name}: {err}"
 
 
+# ---- FP8 weights -----------------------------------------------------------------------------
+
+
+def check_fp8_exact(device, dtype) -> None:
+    """Every finite e4m3 value comes out exactly (its conversion to x's dtype is exact, in the
+    interpreter too): W [254, 16] holding each in a row, scale 1, x the first unit row."""
+    from llm_inference.kernels import skinny_gemm as sg
+
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).to(device)
+    values = every[every.float().isfinite()]
+    x = torch.zeros(1, 16, dtype=dtype, device=device)
+    x[0, 0] = 1
+    w = values[:, None].expand(-1, 16).contiguous()
+    got = sg.skinny_gemm(x, w, weight_scale=torch.ones(len(values), device=device))
+    assert torch.equal(got[0].float(), values.float()), f"{dtype}: {got[0]} != {values}"
+
+
+def _fp8_layers(ops):
+    """An FP8 (online-quantized) ColumnParallelLinear 24 -> 40 and gate_up 24 -> [20, 20] on
+    `ops`, float16, loaded with random weights."""
+    from llm_inference.config import Fp8Format
+    from llm_inference.layers.fp8 import Fp8Config
+    from llm_inference.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear
+
+    _half_precision()
+    quant, g = Fp8Config(Fp8Format("online")), torch.Generator().manual_seed(5)
+    linear = ColumnParallelLinear(24, 40, ops, quant)
+    gate_up = MergedColumnParallelLinear(24, [20, 20], ops, quant)
+    linear.weight_loader(linear.weight, torch.randn(40, 24, generator=g) / 5)
+    for part in (0, 1):
+        gate_up.weight_loader(gate_up.weight, torch.randn(20, 24, generator=g) / 5, part)
+    for layer in (linear, gate_up):
+        layer.quant_method.process_weights_after_loading(layer)
+    return linear, gate_up
+
+
+def check_fp8_linear() -> None:
+    """The FP8 linear method on the Triton ops (float16 activations): up to 16 rows take the
+    skinny GEMM with the weight's scales (gate_up fused with SiLU-and-mul), W8A16: the
+    dequantized weight's product, within float16 rounding; 17 rows, or the switch off, the
+    method's W8A8 path (activations quantized; fp8_linear's reference) and no kernel."""
+    from llm_inference.kernels import reference
+    from llm_inference.layers.fp8 import fp8_linear
+
+    calls = counting()
+    ops, off = triton_ops(), triton_ops(skinny=False)
+    on_layers, off_layers = _fp8_layers(ops), _fp8_layers(off)
+    g = torch.Generator().manual_seed(6)
+    for rows, skinny in ((1, True), (16, True), (17, False)):
+        x = torch.randn(rows, 24, generator=g).half()
+        assert ops.skinny_applies(x, on_layers[0].weight) == skinny
+        assert not ops.skinny_applies(x.float(), on_layers[0].weight)  # float32 activations
+        for (linear, gate_up), want in ((on_layers, skinny), (off_layers, False)):
+            calls.update(gemm=0, silu=0)
+            got, got_silu = linear(x), gate_up.forward_silu_and_mul(x)
+            assert calls == {"gemm": int(want), "silu": int(want)}, (rows, want, calls)
+            w8a8 = fp8_linear(x, linear.weight, linear.weight_scale, None, scaled_mm=False)
+            if not want:
+                assert torch.equal(got, w8a8), rows
+                continue
+            for layer, y, act in ((linear, got, False), (gate_up, got_silu, True)):
+                w = layer.weight.double() * layer.weight_scale.double()[:, None]
+                want_y = x.double() @ w.T
+                if act:
+                    want_y = reference.silu_and_mul(want_y)
+                err = (y.double() - want_y).abs().max().item()
+                assert err < TOL[torch.float16] * max(1.0, want_y.abs().max().item()), (rows, err)
+            assert not torch.equal(got, w8a8), "the activations were not quantized"
+
+
+def check_fp8_model() -> None:
+    """A tiny FP8 model (float16, online-quantized) on the Triton ops: at 7 tokens every
+    decoder linear layer ran the kernels with its FP8 weight (qkv, o and down the GEMM, gate_up
+    the fused variant; the LM head too, in float16), and the logits are those of the same
+    model with the dequantized weights in float16 (W8A16 is that product); at 20 tokens no
+    kernel ran."""
+    from llm_inference.config import Fp8Format
+    from llm_inference.layers.fp8 import Fp8Config
+    from llm_inference.models.llama import LlamaForCausalLM
+    from llm_inference.models.model_config import parse_hf_config
+
+    calls = counting()
+    config = parse_hf_config({
+        "model_type": "llama", "hidden_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 80,
+        "vocab_size": 300, "max_position_embeddings": 128, "rms_norm_eps": 1e-5,
+    })  # fmt: skip
+    _half_precision()
+    ops = triton_ops()
+    fp8 = LlamaForCausalLM(config, ops, Fp8Config(Fp8Format("online")))
+    _randomize(fp8, 0)
+    for module in fp8.modules():
+        if hasattr(module, "quant_method"):
+            module.quant_method.process_weights_after_loading(module)
+    dense = LlamaForCausalLM(config, ops)
+    state = fp8.state_dict()
+    for name, p in dense.state_dict().items():
+        w = state[name]
+        if w.dtype == FP8:
+            w = w.float() * state[name.removesuffix("weight") + "weight_scale"][:, None]
+        p.copy_(w)
+    g = torch.Generator().manual_seed(1)
+    for tokens, want_calls in ((7, {"gemm": 2 * 3 + 1, "silu": 2}), (20, {"gemm": 0, "silu": 0})):
+        ids = torch.randint(0, 300, (tokens,), generator=g)
+        pos = torch.arange(tokens)
+        with torch.no_grad():
+            calls.update(gemm=0, silu=0)
+            got = fp8.compute_logits(fp8(ids, pos, [tokens])).float()
+            assert calls == want_calls, (tokens, calls)
+            if tokens <= 16:
+                want = dense.compute_logits(dense(ids, pos, [tokens])).float()
+                err = (got - want).abs().max().item()
+                assert err < 1e-2 * max(1.0, want.abs().max().item()), f"{tokens} tokens: {err}"
+
+
 # ---- the interpreter cases -----------------------------------------------------------------
 
 
@@ -310,6 +439,29 @@ def run_interpreter(check: str) -> None:
                 raise ValueError(check)
 
 
+def run_fp8(check: str) -> None:
+    """FP8 weights, the GEMM or the fused variant: every M of 1 to 16 in float16 over one K
+    range and over three (odd N, masked K); at M 1, 5 and 16, float32 too, the rule's split
+    and the prefetch (PDL) step."""
+    from llm_inference.kernels.skinny_gemm import GemmConfig
+
+    if check == "fp8_exact":
+        for dtype in (torch.float32, torch.float16):
+            check_fp8_exact("cpu", dtype)
+        return
+    fn = {"fp8_gemm": check_gemm, "fp8_silu": check_silu}[check]
+    one, three = GemmConfig(32, 32), GemmConfig(16, 32, 3)
+    for m in range(1, 17):
+        fn("cpu", torch.float16, m, 45, 300, one, seed=m, want_split=1, fp8=True)
+        fn("cpu", torch.float16, m, 35, 200, three, seed=m, want_split=3, fp8=True)
+    for m in (1, 5, 16):
+        fn("cpu", torch.float32, m, 45, 300, one, seed=m, want_split=1, fp8=True)
+        fn("cpu", torch.float32, m, 35, 200, three, seed=m, want_split=3, fp8=True)
+        fn("cpu", torch.float16, m, 40, 1100, None, seed=m, want_split=2, fp8=True)
+        pre = GemmConfig(16, 32, 3, prefetch=True)
+        fn("cpu", torch.float16, m, 35, 200, pre, seed=m, want_split=3, fp8=True)
+
+
 def main(checks: list[str]) -> None:
     """Run each check; print one `RESULT <check> ok|FAIL` line each."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: interpreter.py
@@ -322,6 +474,12 @@ def main(checks: list[str]) -> None:
             check_model()
         elif check == "tensor_parallel":
             check_tensor_parallel()
+        elif check == "fp8_linear":
+            check_fp8_linear()
+        elif check == "fp8_model":
+            check_fp8_model()
+        elif check in FP8_CHECKS:
+            run_fp8(check)
         else:
             run_interpreter(check)
 

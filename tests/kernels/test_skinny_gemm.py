@@ -1,16 +1,19 @@
 """The skinny GEMM (kernels/skinny_gemm.py) and its wiring into the layers.
 
-CPU: skinny_gemm_checks.py in a child process under TRITON_INTERPRET=1 (float32 and float16,
-M = 1, 3, 8, 16, N and K not multiples of the blocks, split-K off and on, the fused SiLU
-variant; where the Triton ops' linear takes the kernels; the model at one rank and the
-parallel layers at two gloo ranks on the Triton ops in float16); the config rule; the
+CPU: skinny_gemm_checks.py in two child processes under TRITON_INTERPRET=1 (float32 and
+float16, M = 1, 3, 8, 16, N and K not multiples of the blocks, split-K off and on, the fused
+SiLU variant; where the Triton ops' linear takes the kernels; the model at one rank and the
+parallel layers at two gloo ranks on the Triton ops in float16; FP8 weights: every M of 1 to
+16, every e4m3 value exact, the FP8 linear method and an FP8 model); the config rule; the
 launchers' input checks.
 GPU (skipped without CUDA): bfloat16 at the Llama 3.2 1B and 3B shapes (and their TP=2 halves)
-against float64 math, with the default configs; replay inside a CUDA graph.
+against float64 math, with the default configs; replay inside a CUDA graph; FP8 weights (compute
+capability 8.9+) at the Llama 3.1 8B shapes with bfloat16 activations.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -27,6 +30,10 @@ from interpreter import run_checks  # noqa: E402
 from llm_inference.kernels import skinny_gemm as sg  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+fp8 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="Triton's FP8 (e4m3) needs CUDA compute capability 8.9+",
+)
 
 # (N, K) of each linear layer; gate_up is [2I, K] (the fused kernel's output is I wide).
 SHAPES = {
@@ -35,6 +42,9 @@ SHAPES = {
     "3B": {"qkv": (5120, 3072), "o": (3072, 3072), "gate_up": (16384, 3072),
            "down": (3072, 8192), "lm_head": (128256, 3072)},
 }  # fmt: skip
+# Llama 3.1 8B's FP8 layers (its LM head stays bfloat16)
+SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+             "down": (4096, 14336)}  # fmt: skip
 H200_SMS = 132
 
 
@@ -51,7 +61,8 @@ GPU_CASES += [(f"{model} {name} tp2", *_tp2(name, n, k)) for model, layers in SH
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> tuple[dict[str, str], str]:
-    return run_checks(HERE / "skinny_gemm_checks.py")
+    others = [c for c in checks.INTERPRETER_CHECKS if c not in checks.FP8_CHECKS]
+    return run_checks(HERE / "skinny_gemm_checks.py", (others, checks.FP8_CHECKS))
 
 
 @pytest.mark.parametrize("check", checks.INTERPRETER_CHECKS)
@@ -111,6 +122,15 @@ def test_launchers_reject_bad_inputs():
         sg.skinny_gemm_silu(x, torch.randn(47, 32))
     with pytest.raises(ValueError, match="block_k"):
         sg.GemmConfig(block_k=48)
+    q, scale = w.to(sg.FP8), torch.ones(48)
+    with pytest.raises(ValueError, match="with weight_scale"):
+        sg.skinny_gemm(x, q)  # FP8 without its scales
+    with pytest.raises(ValueError, match="with weight_scale"):
+        sg.skinny_gemm(x, w, weight_scale=scale)  # scales of a weight in x's dtype
+    with pytest.raises(ValueError, match=r"weight_scale must be float32 \[48\]"):
+        sg.skinny_gemm(x, q, weight_scale=torch.ones(47))
+    with pytest.raises(ValueError, match="weight_scale must be float32"):
+        sg.skinny_gemm_silu(x, q, weight_scale=scale.half())
 
 
 @cuda
@@ -125,6 +145,9 @@ def test_the_cuda_ops_take_the_kernel_only_on_cuda_half_and_few_rows(monkeypatch
     assert ops.skinny_applies(torch.randn(16, 4, dtype=torch.bfloat16, device="cuda"), wc)
     assert not ops.skinny_applies(torch.randn(17, 4, dtype=torch.bfloat16, device="cuda"), wc)
     assert not ops.skinny_applies(torch.randn(2, 4, device="cuda"), wc.float())  # float32
+    fp8_ok = torch.cuda.get_device_capability() >= (8, 9)
+    x16 = torch.randn(16, 4, dtype=torch.bfloat16, device="cuda")
+    assert ops.skinny_applies(x16, wc.to(sg.FP8)) == ops.skinny_fp8 == fp8_ok
 
 
 @cuda
@@ -151,15 +174,49 @@ def test_skinny_gemm_gpu_fp16_and_forced_splits():
     checks.check_silu("cuda", torch.bfloat16, 1, 8192, 2048, pre, seed=6, want_split=4)
 
 
+@fp8
+@pytest.mark.parametrize("layer", list(SHAPES_8B))
+def test_skinny_gemm_gpu_fp8(layer):
+    """FP8 weights, bfloat16 activations, the default configs (float16 at one size)."""
+    n, k = SHAPES_8B[layer]
+    for m in (1, 3, 8, 16):
+        if layer == "gate_up":
+            checks.check_silu("cuda", torch.bfloat16, m, n // 2, k, seed=m, fp8=True)
+        else:
+            checks.check_gemm("cuda", torch.bfloat16, m, n, k, seed=m, fp8=True)
+    checks.check_gemm("cuda", torch.float16, 5, n, k, seed=7, fp8=True)
+
+
+@fp8
+def test_skinny_gemm_gpu_fp8_exact_and_forced_splits():
+    for dtype in (torch.bfloat16, torch.float16):
+        checks.check_fp8_exact("cuda", dtype)
+    cfg = sg.GemmConfig(block_n=32, block_k=64, split_k=8)
+    checks.check_gemm("cuda", torch.bfloat16, 5, 1000, 3000, cfg, seed=2, want_split=8, fp8=True)
+    checks.check_silu("cuda", torch.bfloat16, 16, 1000, 3000, cfg, 3, want_split=8, fp8=True)
+    pre = sg.GemmConfig(block_n=64, block_k=128, split_k=4, prefetch=True)  # PDL's prefetch
+    checks.check_gemm("cuda", torch.bfloat16, 3, 4096, 14336, pre, 5, want_split=4, fp8=True)
+    checks.check_silu("cuda", torch.bfloat16, 1, 14336, 4096, pre, 6, want_split=4, fp8=True)
+    wide = sg.GemmConfig(block_n=64, block_k=256)  # the larger FP8 tile the benchmark sweeps
+    checks.check_gemm("cuda", torch.bfloat16, 8, 4096, 4096, wide, seed=8, fp8=True)
+
+
 @cuda
+@pytest.mark.parametrize("fp8_weight", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_skinny_gemm_replays_in_cuda_graph(fused):
+def test_skinny_gemm_replays_in_cuda_graph(fused, fp8_weight):
     """Workspace allocated and reduce launched inside the capture; new inputs, same graph."""
+    if fp8_weight and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("Triton's FP8 (e4m3) needs CUDA compute capability 8.9+")
     n, k = (4096, 2048) if fused else (2048, 8192)  # a split-K shape on any large GPU
     g = torch.Generator("cuda").manual_seed(0)
     w = (torch.randn(n, k, generator=g, device="cuda") / k**0.5).bfloat16()
     x = torch.randn(8, k, generator=g, device="cuda").bfloat16()
     fn = sg.skinny_gemm_silu if fused else sg.skinny_gemm
+    if fp8_weight:
+        scale = w.float().abs().amax(dim=1) / 448
+        w = (w.float() / scale[:, None]).to(sg.FP8)
+        fn = functools.partial(fn, weight_scale=scale)
     fn(x, w)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -67,6 +67,12 @@ class KernelOps(Protocol):
 
     def gate_up_silu(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
 
+    def skinny_applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether `linear` and `gate_up_silu` take a skinny GEMM for x and weight (decode-sized
+        steps; the reference ops never do). Where they do, they also take an FP8 weight with
+        its float32 scale per row, `weight_scale=` (layers/fp8.py's decode steps)."""
+        ...
+
     def unified_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,

@@ -287,6 +287,10 @@ class ReferenceOps:
     gate_up_silu = staticmethod(gate_up_silu)
     unified_attention = staticmethod(unified_attention)
 
+    def skinny_applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """False: no skinny GEMM here."""
+        return False
+
     def warm_up_shapes(
         self, num_kv_heads: int, group: int, head_dim: int, block_size: int,
         max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,

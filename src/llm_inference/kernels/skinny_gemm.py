@@ -1,6 +1,7 @@
 """Skinny GEMM for decode steps: out[M, N] = x[M, K] @ W[N, K]^T for 1 <= M <= 16, W in
 nn.Linear's layout, float32 accumulation; and the gate_up projection fused with SiLU-and-mul:
-out[M, I] = silu(x @ Wg^T) * (x @ Wu^T), where W = [Wg; Wu] is [2I, K].
+out[M, I] = silu(x @ Wg^T) * (x @ Wu^T), where W = [Wg; Wu] is [2I, K]. W is in x's dtype, or
+FP8 (float8_e4m3fn) with a float32 scale per row (layers/fp8.py's layout; W8A16).
 
 At decode the weights are nearly all the bytes a step reads, so the kernel's job is to stream
 W once at the memory bandwidth:
@@ -18,9 +19,19 @@ W once at the memory bandwidth:
   and up side by side when fused) and a second small kernel adds them in split order, then
   casts (and applies SiLU-and-mul): not atomics, whose order, and so rounding, changes from run
   to run.
+- FP8 weights. Each W tile is loaded as FP8 (half the bytes) and converted to x's dtype in
+  registers, exactly (every e4m3 value is a float16 and a bfloat16), for the same `tl.dot`;
+  x is never quantized. (Triton converts e4m3 from compute capability 8.9: TritonOps
+  decides.) The row scales are constant along K, so they multiply the float32
+  sums once, at the end: before split-K's partial sums are stored (a sum of scaled partials
+  is the scaled sum), which leaves the reduce kernel as it is and gives the unsplit fused
+  variant its scaled gate and up for the activation. A weight in x's dtype is the same kernel
+  with `scale_ptr` None: its conversion and scaling compile to nothing.
 - Configs come from a fixed rule (`default_config`), not `triton.autotune`, so that every rank
   and run rounds alike: BLOCK_N 64, BLOCK_K 128 (clamped to small shapes), and split-K doubled
   while the programs fill less than FILL of the SMs and each range keeps MIN_K_PER_SPLIT.
+  FP8 weights take the same rule; their tiles hold half the bytes, so a larger BLOCK_K may
+  suit them: to measure (benchmarks/skinny_gemm.py --fp8 --sweep).
 
 M, the batch, is not specialized (`do_not_specialize`): one compiled kernel per config serves
 every decode bucket of 1..16 rows. Rows beyond M are masked, W's rows beyond N are clamped
@@ -41,6 +52,7 @@ from llm_inference.kernels.pdl import launch_kwargs, wait_then_release
 
 MAX_ROWS = 16  # the most rows (decode batch) a launch takes; also the dot's padded M
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8 = torch.float8_e4m3fn  # weights with a float32 scale per row (layers/fp8.py's layout)
 FILL = 0.8  # split K while the programs fill less than this fraction of the SMs
 MIN_K_PER_SPLIT = 512  # ... and each K range keeps at least this many columns
 MAX_SPLIT = 16
@@ -85,7 +97,8 @@ def default_config(n: int, k: int, sms: int) -> GemmConfig:
 
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os, k_per_split,
+    x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os,
+    k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FUSED: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr,
@@ -94,7 +107,9 @@ def _skinny_gemm_kernel(
     (I when FUSED: up rows start N rows below gate rows). PARTIAL: store float32 sums to the
     workspace slice s (up sums at column N + n), else the result in out's dtype. PREFETCH:
     the first weight tile is loaded before the previous kernel is waited for (PDL) and before
-    the input, the first K step peeled off the loop."""
+    the input, the first K step peeled off the loop. `scale_ptr` None: W is in x's dtype (its
+    `.to` is no instruction); else W is FP8, each tile converted to x's dtype, and the sums
+    are multiplied by their row's scale."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -119,9 +134,9 @@ def _skinny_gemm_kernel(
         if PDL:
             wait_then_release()
         xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
-        acc = tl.dot(w, xt, acc, input_precision=PRECISION)
+        acc = tl.dot(w.to(xt.dtype), xt, acc, input_precision=PRECISION)
         if FUSED:
-            acc_up = tl.dot(w_up, xt, acc_up, input_precision=PRECISION)
+            acc_up = tl.dot(w_up.to(xt.dtype), xt, acc_up, input_precision=PRECISION)
         w_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -140,12 +155,16 @@ def _skinny_gemm_kernel(
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
             if FUSED:
                 w_up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0)
-        acc = tl.dot(w, xt, acc, input_precision=PRECISION)
+        acc = tl.dot(w.to(xt.dtype), xt, acc, input_precision=PRECISION)
         if FUSED:
-            acc_up = tl.dot(w_up, xt, acc_up, input_precision=PRECISION)
+            acc_up = tl.dot(w_up.to(xt.dtype), xt, acc_up, input_precision=PRECISION)
         w_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if scale_ptr is not None:  # per output column: on each K range's sum, as on their total
+        acc *= tl.load(scale_ptr + rows)[:, None]
+        if FUSED:
+            acc_up *= tl.load(scale_ptr + rows + N)[:, None]
     out_ptrs = out_ptr + pid_s * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
     mask = (offs_n < N)[:, None] & m_mask[None, :]
     if PARTIAL:
@@ -182,15 +201,28 @@ def _reduce_kernel(
     tl.store(out_ptr + m * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int]:
+def _check(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
+) -> tuple[int, int, int]:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
             f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
         )
     if not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x must have 1 to {MAX_ROWS} rows, got {x.shape[0]}")
-    if x.dtype not in DTYPES or weight.dtype != x.dtype:
-        raise ValueError(f"x and weight must share a dtype of {DTYPES}: {x.dtype}, {weight.dtype}")
+    if x.dtype not in DTYPES or weight.dtype != (x.dtype if scale is None else FP8):
+        raise ValueError(
+            f"x must have a dtype of {DTYPES} and weight the same, or {FP8} with weight_scale: "
+            f"{x.dtype}, {weight.dtype}"
+        )
+    if scale is not None and (
+        scale.shape != weight.shape[:1] or scale.dtype != torch.float32 or scale.stride(0) != 1
+        or scale.device != weight.device
+    ):  # fmt: skip
+        raise ValueError(
+            f"weight_scale must be float32 [{weight.shape[0]}] contiguous on the weight's device, "
+            f"got {scale.dtype} {tuple(scale.shape)}"
+        )
     if x.device != weight.device:
         raise ValueError(f"x is on {x.device}, weight on {weight.device}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -217,7 +249,7 @@ def split_plan(k: int, config: GemmConfig) -> tuple[int, int]:
 
 
 def _launch(
-    x, weight, out, n: int, fused: bool, config: GemmConfig | None, pdl: bool
+    x, weight, scale, out, n: int, fused: bool, config: GemmConfig | None, pdl: bool
 ) -> torch.Tensor:
     m, k = x.shape
     cfg = config or default_config(n, k, num_sms(x.device))
@@ -228,7 +260,7 @@ def _launch(
     dest = torch.empty((split, m, width), dtype=torch.float32, device=x.device) if partial else out
     stride_om, stride_os = (width, m * width) if partial else (out.stride(0), 0)
     _skinny_gemm_kernel[(blocks, split)](
-        x, weight, dest, m, n, k, x.stride(0), weight.stride(0), stride_om, stride_os,
+        x, weight, scale, dest, m, n, k, x.stride(0), weight.stride(0), stride_om, stride_os,
         k_per_split, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FUSED=fused,
         PARTIAL=partial, EVEN_K=split * k_per_split == k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl,
@@ -247,29 +279,33 @@ def skinny_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
     *,
+    weight_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: GemmConfig | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T -> [M, N] in x's dtype, 1 <= M <= MAX_ROWS, accumulated in
-    float32. `config` None: `default_config` for the shape and device. `pdl`: launch with
+    float32. `weight_scale` [N] float32: weight is FP8 and stands for weight * weight_scale[:,
+    None]. `config` None: `default_config` for the shape and device. `pdl`: launch with
     programmatic dependent launch (kernels/pdl.py)."""
-    m, _, n = _check(x, weight)
-    return _launch(x, weight, _output(out, (m, n), x), n, False, config, pdl)
+    m, _, n = _check(x, weight, weight_scale)
+    return _launch(x, weight, weight_scale, _output(out, (m, n), x), n, False, config, pdl)
 
 
 def skinny_gemm_silu(
     x: torch.Tensor,
     weight: torch.Tensor,
     *,
+    weight_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: GemmConfig | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """silu(x @ gate^T) * (x @ up^T) -> [M, I], where weight = [gate; up] is [2I, K] (the
-    gate_up projection's layout; reference.silu_and_mul of skinny_gemm, in one kernel)."""
-    m, _, two_i = _check(x, weight)
+    gate_up projection's layout; reference.silu_and_mul of skinny_gemm, in one kernel);
+    `weight_scale` [2I] as in skinny_gemm, each half scaled by its own rows' scales."""
+    m, _, two_i = _check(x, weight, weight_scale)
     if two_i % 2:
         raise ValueError(f"weight must be [2*I, K] (gate then up), got {tuple(weight.shape)}")
     inter = two_i // 2
-    return _launch(x, weight, _output(out, (m, inter), x), inter, True, config, pdl)
+    return _launch(x, weight, weight_scale, _output(out, (m, inter), x), inter, True, config, pdl)

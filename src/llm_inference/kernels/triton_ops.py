@@ -7,11 +7,13 @@ without a host sync) and keyword `out=` buffers for rms_norm and silu_and_mul. u
 (mixed prefill chunks and decodes in one launch) takes the same bounds as its reference.
 
 Decided once, for the device: `pdl` (programmatic dependent launch for every launcher that
-takes it; kernels/pdl.py, envs.LLM_INFERENCE_PDL) and `skinny_gemm` (whether `linear` and
-`gate_up_silu` may take the skinny GEMM; envs.LLM_INFERENCE_SKINNY_GEMM).
+takes it; kernels/pdl.py, envs.LLM_INFERENCE_PDL), `skinny_gemm` (whether `linear` and
+`gate_up_silu` may take the skinny GEMM; envs.LLM_INFERENCE_SKINNY_GEMM) and `skinny_fp8`
+(whether it may read FP8 weights: Triton converts e4m3 from compute capability 8.9).
 Decided per call, from the shapes: the skinny GEMM where it applies (`skinny_applies`: decode
 batches; inside a CUDA graph, once per graph), else F.linear (cuBLAS); the attention kernel's
-variant (unified_attention.plan).
+variant (unified_attention.plan). FP8 weights (layers/fp8.py) come with `weight_scale=` and
+only where the skinny GEMM applies: the FP8 linear method asks first.
 
 The ops also carry the fused sampler (kernels/sampling.py: `sample`, `race_shard`,
 `warm_up_sampler`; `fused_sampler` True).
@@ -60,34 +62,42 @@ class TritonOps:
         self.device = torch.device(device)
         self.pdl = pdl.resolve(envs.LLM_INFERENCE_PDL, self.device)
         self.skinny_gemm = envs.LLM_INFERENCE_SKINNY_GEMM
+        cuda = self.device.type == "cuda"
+        self.skinny_fp8 = not cuda or torch.cuda.get_device_capability(self.device) >= (8, 9)
 
     # ---- linear layers --------------------------------------------------------------------
 
     def skinny_applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether the skinny GEMM computes x @ weight^T: on (`skinny_gemm`), 2-D x of 1 to
-        skinny_gemm.MAX_ROWS rows on this device type, float16 or bfloat16 like the weight,
-        both contiguous in their last dim."""
+        skinny_gemm.MAX_ROWS rows on this device type, float16 or bfloat16, the weight of the
+        same dtype or FP8 (`skinny_fp8`), both contiguous in their last dim."""
         return (
             self.skinny_gemm
             and x.device.type == self.device.type
             and x.dim() == 2
             and 1 <= x.shape[0] <= sg.MAX_ROWS
             and x.dtype in SKINNY_DTYPES
-            and weight.dtype == x.dtype
+            and (weight.dtype == x.dtype or (weight.dtype == sg.FP8 and self.skinny_fp8))
             and x.stride(-1) == 1
             and weight.stride(-1) == 1
         )
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`weight_scale`: weight is FP8 with that float32 scale per row (only where
+        `skinny_applies`)."""
         if self.skinny_applies(x, weight):
-            return sg.skinny_gemm(x, weight, pdl=self.pdl)
+            return sg.skinny_gemm(x, weight, weight_scale=weight_scale, pdl=self.pdl)
         return F.linear(x, weight)
 
-    def gate_up_silu(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def gate_up_silu(
+        self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Where the skinny GEMM applies, gate_up and SiLU-and-mul in one kernel (no [T, 2I]
-        intermediate); else F.linear, then silu_and_mul."""
+        intermediate); else F.linear, then silu_and_mul. `weight_scale` as in `linear`."""
         if self.skinny_applies(x, weight):
-            return sg.skinny_gemm_silu(x, weight, pdl=self.pdl)
+            return sg.skinny_gemm_silu(x, weight, weight_scale=weight_scale, pdl=self.pdl)
         return silu_and_mul(F.linear(x, weight))
 
     # ---- the kernels that launch with PDL ------------------------------------------------

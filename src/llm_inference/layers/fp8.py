@@ -1,6 +1,7 @@
 """FP8 linear layers (vLLM's Fp8LinearMethod and compressed-tensors' FP8 W8A8, reduced):
-float8_e4m3fn weights with one float32 scale per output row, activations quantized per token
-at run time (or with the checkpoint's static scale). Decode reads half the bytes of bf16.
+float8_e4m3fn weights with one float32 scale per output row; decode steps read them as they
+are (W8A16), larger steps also quantize the activations per token (or with the checkpoint's
+static scale). Decode reads half the bytes of bf16.
 
 Every checkpoint form (config.Fp8Format) ends in that one layout after loading
 (`process_weights_after_loading`):
@@ -11,12 +12,21 @@ Every checkpoint form (config.Fp8Format) ends in that one layout after loading
 - block scales (`weight_block_size`) are dequantized and the weight requantized per row: one
   layout to run, for a second rounding (at most half an e4m3 step, 2^-4 relative).
 
-`apply` computes x @ W^T from the quantized x and W: on CUDA with compute capability 8.9 or
-more through `torch._scaled_mm` with row-wise scales (per-token x per-channel); elsewhere the
-reference dequantizes both and multiplies in the activation dtype, the same product up to
-rounding. Under tensor parallelism a scale follows its weight rows: sharded with a
-column-parallel layer's outputs, whole on every rank of a row-parallel one (its output is
-whole); a shard of a block-scaled weight must hold whole blocks (as in vLLM).
+`apply` computes x @ W^T one of two ways:
+- where the kernel ops take a skinny GEMM (`ops.skinny_applies`: steps of at most 16 rows on
+  the Triton ops, compute capability 8.9+), the Triton skinny GEMM reads the FP8 weight and
+  its row scales with x in its own dtype (W8A16, as vLLM's FP8 Marlin): such a step's time is
+  the weight bytes, and quantizing x would only add a kernel and its error. The MLP's gate_up
+  is fused with SiLU-and-mul there, as unquantized layers' is; a static input scale goes
+  unused;
+- else x is quantized and multiplied with W: on CUDA with compute capability 8.9 or more
+  through `torch._scaled_mm` with row-wise scales (per-token x per-channel); elsewhere the
+  reference dequantizes both and multiplies in the activation dtype, the same product up to
+  rounding.
+
+Under tensor parallelism a scale follows its weight rows: sharded with a column-parallel
+layer's outputs, whole on every rank of a row-parallel one (its output is whole); a shard of
+a block-scaled weight must hold whole blocks (as in vLLM).
 """
 
 from __future__ import annotations
@@ -182,8 +192,16 @@ class Fp8LinearMethod(LinearMethodBase):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        y = fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, self.scaled_mm)
+        if self.ops.skinny_applies(x, layer.weight):  # a decode step: W8A16
+            y = self.ops.linear(x, layer.weight, weight_scale=layer.weight_scale)
+        else:
+            y = fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, self.scaled_mm)
         return y if bias is None else y.add_(bias)
+
+    def apply_gate_up_silu(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.ops.skinny_applies(x, layer.weight):  # fused as the unquantized layers' are
+            return self.ops.gate_up_silu(x, layer.weight, weight_scale=layer.weight_scale)
+        return super().apply_gate_up_silu(layer, x)
 
 
 def _register(layer: nn.Module, name: str, data: torch.Tensor, loader: Callable) -> None:
