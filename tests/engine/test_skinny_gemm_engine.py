@@ -7,15 +7,25 @@ each graph, or on each eager step).
 The kernels round differently from cuBLAS (the fused gate_up keeps gate and up in float32
 before the activation; split-K adds in another order), so where the two best tokens are within
 rounding of each other the argmax may legitimately flip: as in test_triton_engine.py, tokens
-must be identical up to the first difference, which must be a near-tie of the run without."""
+must be identical up to the first difference, which must be a near-tie of the run without.
+
+An FP8 engine (compute capability 8.9+) takes the kernels on its FP8 weights in decode steps
+and torch._scaled_mm without them, and its requests compile nothing."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from helpers import assert_greedy_close, make_sharp_checkpoint
+from helpers import assert_greedy_close, make_sharp_checkpoint, triton_compiles
 
 from llm_inference import LLM, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+
+from fp8_testfiles import steady  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -29,13 +39,15 @@ def _prompts():
 
 @pytest.fixture
 def counted(monkeypatch) -> dict[str, int]:
+    """The kernels' calls: {"gemm": n, "silu": n, "fp8": those of them on FP8 weights}."""
     from llm_inference.kernels import skinny_gemm as sg
 
-    calls = {"gemm": 0, "silu": 0}
+    calls = {"gemm": 0, "silu": 0, "fp8": 0}
 
     def counting(name, fn):
         def wrapper(*args, **kwargs):
             calls[name] += 1
+            calls["fp8"] += kwargs.get("weight_scale") is not None
             return fn(*args, **kwargs)
 
         return wrapper
@@ -51,7 +63,7 @@ def test_skinny_gemm_greedy_equals_cublas(tmp_path, counted, eager, monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=5)
     runs = {}
     for skinny in (True, False):
-        counted.update(gemm=0, silu=0)
+        counted.update(gemm=0, silu=0, fp8=0)
         monkeypatch.setenv("LLM_INFERENCE_SKINNY_GEMM", "1" if skinny else "0")
         with LLM(
             str(folder),
@@ -65,6 +77,38 @@ def test_skinny_gemm_greedy_equals_cublas(tmp_path, counted, eager, monkeypatch)
         layers = 3
         if skinny:  # qkv, o, down per layer plus the LM head; gate_up fused
             assert counted["silu"] >= layers and counted["gemm"] >= 3 * layers + 1, counted
+            assert counted["fp8"] == 0, counted
         else:
-            assert counted == {"gemm": 0, "silu": 0}
+            assert counted == {"gemm": 0, "silu": 0, "fp8": 0}
     assert_greedy_close(runs[True], runs[False], NEAR_TIE, "skinny GEMM")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="FP8 needs CUDA compute capability 8.9+",
+)
+@pytest.mark.parametrize("eager", [False, True], ids=["cuda_graphs", "eager"])
+def test_fp8_decode_steps_take_the_skinny_gemm(tmp_path, counted, eager, monkeypatch):
+    """quantization="fp8" in bfloat16: decode steps run the kernels on the FP8 weights (qkv, o
+    and down the GEMM, gate_up the fused variant, in each of the 2 layers), no request compiles
+    a kernel, and greedy tokens follow the engine without them (torch._scaled_mm at every step)
+    up to near ties as wide as test_fp8_checkpoints.py's CUDA test's: the two differ by the
+    activations' FP8 rounding (W8A16 against W8A8), ~1 nat on this checkpoint's large logits."""
+    folder = steady(tmp_path / "peaked", make_sharp_checkpoint, factor=100, num_hidden_layers=2)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 320, (n,), generator=g).tolist() for n in (1, 7, 33, 120, 250)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=5)
+    runs = {}
+    for skinny in (True, False):
+        counted.update(gemm=0, silu=0, fp8=0)
+        monkeypatch.setenv("LLM_INFERENCE_SKINNY_GEMM", "1" if skinny else "0")
+        with LLM(str(folder), device="cuda", dtype="bfloat16", kv_cache_memory_bytes=64 << 20,
+                 enforce_eager=eager, quantization="fp8", max_num_seqs=8) as llm:  # fmt: skip
+            with triton_compiles() as compiled:
+                runs[skinny] = llm.generate(prompts, params, use_tqdm=False)
+        assert compiled == [], compiled.details
+        if skinny:
+            assert counted["fp8"] >= 4 * 2 and counted["silu"] >= 2, counted
+        else:
+            assert counted == {"gemm": 0, "silu": 0, "fp8": 0}
+    assert_greedy_close(runs[True], runs[False], near_tie=1.5, who="FP8 skinny GEMM")
