@@ -4,10 +4,10 @@ FP8 floor) and the tables."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 pytest.importorskip("triton")
 
@@ -17,10 +17,7 @@ BW = 4e12  # bytes per second
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("skinny_gemm_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def test_fp8_defaults_and_shapes(bench):
