@@ -21,12 +21,12 @@ W once at the memory bandwidth:
   to run.
 - FP8 weights. Each W tile is loaded as FP8 (half the bytes) and converted to x's dtype in
   registers, exactly (every e4m3 value is a float16 and a bfloat16), for the same `tl.dot`;
-  x is never quantized. (Triton converts e4m3 from compute capability 8.9: TritonOps
-  decides.) The row scales are constant along K, so they multiply the float32
-  sums once, at the end: before split-K's partial sums are stored (a sum of scaled partials
-  is the scaled sum), which leaves the reduce kernel as it is and gives the unsplit fused
-  variant its scaled gate and up for the activation. A weight in x's dtype is the same kernel
-  with `scale_ptr` None: its conversion and scaling compile to nothing.
+  x is never quantized (Triton converts e4m3 from compute capability 8.9: TritonOps decides).
+  The row scales are constant along K, so they multiply the float32 sums once, at the end:
+  before split-K's partial sums are stored (a sum of scaled partials is the scaled sum),
+  which leaves the reduce kernel as it is and gives the unsplit fused variant its scaled gate
+  and up for the activation. A weight in x's dtype is the same kernel with `scale_ptr` None:
+  its conversion and scaling compile to nothing (the same PTX as before FP8).
 - Configs come from a fixed rule (`default_config`), not `triton.autotune`, so that every rank
   and run rounds alike: BLOCK_N 64, BLOCK_K 128 (clamped to small shapes), and split-K doubled
   while the programs fill less than FILL of the SMs and each range keeps MIN_K_PER_SPLIT.
