@@ -217,8 +217,8 @@ def test_a_constrained_step_is_launched_before_the_step_before_is_read(llm, monk
 
 def test_a_constrained_request_joining_overlapped_steps(llm):
     """Async scheduling: a constrained request added while an overlapped step is in flight (its
-    tokens not yet read) gets masks from every token before them: its answer is valid, and the
-    running requests' tokens are those they draw alone."""
+    tokens not yet read) gets masks from every token before them: its answer is valid, the
+    running requests' tokens are those they draw alone, and the steps stay overlapped."""
     engine = llm.engine
     alone = answers(llm.generate(PROMPTS[:2], [plain(0), plain(1)], use_tqdm=False))
     engine.add_request("p0", llm.tokenizer(PROMPTS[0]).input_ids, plain(0))
