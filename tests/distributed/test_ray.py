@@ -1,8 +1,9 @@
 """The Ray executor (executor/ray_executor.py) on a local Ray, gloo on the CPU, tiny random
 model: with no Ray running the engine starts one and stops it at close; TP=2 through Ray
-equals TP=1 (greedy, seeded); DP=2 x TP=2 through Ray equals too; a killed Ray worker is a
-clear error within 10 s; close leaves no actor running and gives the placement group's CPUs
-back. One Ray for the other tests of the module (its start is slow)."""
+equals TP=1 (greedy, seeded, structured outputs: their steps in two calls); DP=2 x TP=2 through
+Ray equals too; a step whose forward raises is that error, not its sampling's; a killed Ray
+worker is a clear error within 10 s; close leaves no actor running and gives the placement
+group's CPUs back. One Ray for the other tests of the module (its start is slow)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import pytest
 from helpers import child_processes, wait_gone
 
 from llm_inference import LLM, SamplingParams
+from llm_inference import StructuredOutputsParams as S
+from llm_inference.core.outputs import CachedRequestData, SchedulerOutput
 from llm_inference.executor.multiproc import WorkerError
 
 ray = pytest.importorskip("ray")
@@ -27,6 +30,10 @@ RAY = dict(ENGINE, distributed_executor_backend="ray")
 PROMPTS = [[1, 5, 9, 20], [3, 4], list(range(10, 50)), [7] * 13, [42]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 SEEDED = [SamplingParams(temperature=0.8, seed=i, max_tokens=8, ignore_eos=True) for i in range(5)]
+CONSTRAINED = [
+    SamplingParams(temperature=0.8, seed=i, max_tokens=12, structured_outputs=so)
+    for i, so in enumerate([S(regex=r"[a-z]{2,6}\d"), S(choice=["one", "two"])])
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +45,9 @@ def local_ray():
 
 def _run(llm: LLM) -> dict:
     gen = lambda params: [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]  # noqa: E731
-    return {"greedy": gen(GREEDY), "seeded": gen(SEEDED)}
+    out = {"greedy": gen(GREEDY), "seeded": gen(SEEDED)}
+    out["constrained"] = [o.outputs[0].text for o in llm.generate(PROMPTS[:2], CONSTRAINED)]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +83,14 @@ def test_tp2_through_ray_equals_tp1_and_leaves_nothing(local_ray, tiny_ckpt, tp1
         pids = llm.engine.executor.worker_pids
         assert len(pids) == 2 and os.getpid() not in pids
         assert _run(llm) == tp1
+        # a step sent in two calls whose forward raises (no such request on the ranks): the
+        # forward's error, though each actor runs the sampling call after it anyway
+        ghost = SchedulerOutput(-1, [], CachedRequestData(["ghost"], [[]], [[]], [0]),
+                                {"ghost": 1}, 1)  # fmt: skip
+        executor = llm.engine.executor
+        executor.execute_model(ghost, sync=False, sample=False)
+        with pytest.raises(WorkerError, match=r"rank 0 raised in(?s:.*)KeyError: 'ghost'"):
+            executor.sample_tokens(None).result()
     assert wait_gone(pids, 10) == []
     assert _all_cpus_free()
     assert ray.is_initialized()  # the caller's Ray is kept

@@ -2,7 +2,8 @@
 TP=2 equals TP=1, with async scheduling (the default: step n+1 sent to the workers before step
 n's tokens are read) and without (greedy under preemption and chunked prefill, seeded sampling,
 a mixed batch with logprobs, prompt logprobs, penalties, logit biases and bad words, structured
-outputs: each rank masks its vocabulary slice with the step's grammar bitmask); steps, an
+outputs: each rank masks its vocabulary slice with the step's grammar bitmask, sent with the
+step's sampling call after its forward under async scheduling); steps, an
 empty step and a collective_rpc sent before the earlier replies are read; worker processes
 never outlive the LLM (context manager, exceptions, a killed worker, Ctrl-C, an LLM never
 closed, a parent that dies); clear errors for sizes that do not fit. Engine instances are few:
@@ -77,8 +78,9 @@ MIXED = [
 
 
 def structured(llm: LLM) -> list:
-    """Constrained answers (JSON greedy and seeded, with logprobs, a regex, a choice) beside a
-    plain seeded request, under preemption."""
+    """Constrained answers (JSON greedy and seeded, a regex, a choice with logprobs: its steps
+    one at a time, the others' overlapped once it ends) beside a plain seeded request, under
+    preemption."""
     from llm_inference import StructuredOutputsParams as S
 
     schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 99},
@@ -87,9 +89,11 @@ def structured(llm: LLM) -> list:
     params = [
         SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=so),
         seeded(2).replace(ignore_eos=False, structured_outputs=so),
-        seeded(3).replace(ignore_eos=False, logprobs=2, structured_outputs=so),
+        seeded(3).replace(ignore_eos=False, structured_outputs=so),
         seeded(4).replace(ignore_eos=False, structured_outputs=S(regex=r"[a-z]{2,4}\d")),
-        seeded(5).replace(ignore_eos=False, structured_outputs=S(choice=["one", "two"])),
+        seeded(5).replace(
+            ignore_eos=False, logprobs=2, structured_outputs=S(choice=["one", "two"])
+        ),
         seeded(6),
     ]
     prompts = [PROMPTS[i] for i in (0, 1, 3, 5, 0, 1)]
@@ -168,10 +172,13 @@ def _run_configs(tiny_ckpt) -> dict:
     real_submit = multiproc.MultiprocWorkers.submit
     for name, (tp, kw) in CONFIGS.items():
         owed = []  # per step sent: calls whose replies were still unread
+        apart = []  # the same, per step sampled apart (its forward first: structured outputs)
 
         def submit(self, method, *args):
             if method == "execute_model":
                 owed.append(len(self._calls))  # noqa: B023
+                if not args[2]:
+                    apart.append(len(self._calls))  # noqa: B023
             return real_submit(self, method, *args)
 
         with pytest.MonkeyPatch.context() as mp:
@@ -181,8 +188,9 @@ def _run_configs(tiny_ckpt) -> dict:
                 res["pids"] = llm.engine.executor.worker_pids
                 res["alive"] = [is_running(p) for p in res["pids"]]
                 res["max_owed"] = max(owed, default=None)
-                if name in (1, 2):
+                if name in (1, "1-sync", 2):
                     res["structured"] = structured(llm)
+                    res["apart"] = apart
                 if name == 2:
                     res["interleaved"] = steps_interleaved(llm)
                     res["profile"] = profiled(llm)
@@ -257,8 +265,11 @@ def test_mixed_batch_matches_tp1(runs):
 def test_structured_outputs_match_tp1(runs):
     """Every rank masks its slice with the same bitmask: greedy rows take the distributed
     argmax of the masked slices, sampled ones the gathered masked logits; the answers are TP=1's
-    token for token, and each follows its grammar."""
-    assert runs[2]["structured"] == runs[1]["structured"]
+    token for token, with and without async scheduling, and each follows its grammar. With it,
+    the ranks run constrained steps in two calls, the forward sent before the step before's
+    replies are read, the sampling once the bitmask is filled."""
+    assert runs[2]["structured"] == runs[1]["structured"] == runs["1-sync"]["structured"]
+    assert sum(owed > 0 for owed in runs[2]["apart"]) > 10
     answers = [text for _, text, reason in runs[2]["structured"][:5] if reason == "stop"]
     assert len(answers) == 5, runs[2]["structured"]
     for text in answers[:3]:

@@ -1,9 +1,11 @@
 """Structured outputs end to end on the tiny random model (CPU): at temperature 1 its answers
 are random, yet each kind's answer passes its validator (jsonschema, re.fullmatch, membership);
 a constrained request leaves the others' tokens alone; its answer survives preemption and
-recompute and async scheduling unchanged; a grammar that is still compiling holds up no other
-request and can be aborted; a spec xgrammar cannot take is a ValueError naming it; an answer
-that does not fit in max_tokens ends with "length"."""
+recompute and async scheduling unchanged; under async scheduling a constrained step's forward
+is launched before the step before's tokens are read, and its sampling after; an abort mid-answer
+leaves the others' answers alone; a grammar that is still compiling holds up no other request and
+can be aborted; a spec xgrammar cannot take is a ValueError naming it; an answer that does not
+fit in max_tokens ends with "length"."""
 
 from __future__ import annotations
 
@@ -132,23 +134,91 @@ def test_unconstrained_requests_keep_their_tokens(llm, mixed):
     assert outs == [o for p, o in zip(params, mixed) if p.structured_outputs is None]
 
 
-def test_same_answers_under_preemption_and_recompute(tiny_ckpt, llm):
+def test_answers_with_async_scheduling_equal_those_without(tiny_ckpt, llm, mixed):
+    """Overlapped constrained steps (the forward of step n+1, then its sampling once step n's
+    tokens are in the matchers) draw token for token what steps one at a time draw: every kind,
+    n=2, beside unconstrained requests, with rows on the host path (a logit bias, min_tokens;
+    float32 logits) and, while it lives, a constrained request with logprobs (which runs every
+    step one at a time)."""
+    prompts, params = mixed_batch()
+    more = [constrained("choice", 5, logprobs=2), constrained("regex", 6, logit_bias={97: 3.0}),
+            plain(7).replace(min_tokens=20, max_tokens=24, ignore_eos=False)]  # fmt: skip
+    outs = llm.generate(PROMPTS[:3], more, use_tqdm=False)
+    with LLM(str(tiny_ckpt), device="cpu", async_scheduling=False) as sync:
+        assert answers(sync.generate(prompts, params, use_tqdm=False)) == mixed
+        want = sync.generate(PROMPTS[:3], more, use_tqdm=False)
+    assert answers(outs) == answers(want)
+    logprobs = outs[0].outputs[0].logprobs
+    assert logprobs == want[0].outputs[0].logprobs and len(logprobs[0].top) == 2
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_same_answers_under_preemption_and_recompute(tiny_ckpt, llm, async_scheduling):
     """An engine whose cache holds a few requests preempts them mid-answer and recomputes
     them: their grammars go on from every token they kept, and the answers are token for token
-    those of an engine that never preempts (and runs its steps overlapped, not one at a time,
-    until the first constrained request arrives)."""
+    those of an engine that never preempts."""
     prompts, params = mixed_batch(("json", "choice"), range(2))
     want = answers(llm.generate(prompts, params, use_tqdm=False))
     small = dict(block_size=4, kv_cache_memory_bytes=24 * 2048, max_model_len=96)
-    with LLM(str(tiny_ckpt), device="cpu", async_scheduling=False, **small) as other:
+    with LLM(str(tiny_ckpt), device="cpu", async_scheduling=async_scheduling, **small) as other:
         assert answers(other.generate(prompts, params, use_tqdm=False)) == want
         assert other.stats()["num_preemptions"] > 0
 
 
+def test_a_constrained_step_is_launched_before_the_step_before_is_read(llm, monkeypatch):
+    """Async scheduling: a step with constrained rows goes out as its forward, launched before
+    step n's tokens are read (the host's update and bitmask overlap the device's forward), then
+    its sampling, with the bitmask filled from them. A request that step n's token finished
+    still has its row sampled there, with every token allowed."""
+    core = llm.engine.core
+    events, finished = [], []  # finished: the bitmask rows of requests finished since
+
+    def record(obj, name, event):
+        real = getattr(obj, name, None)
+
+        def call(*args, **kw):
+            events.append(event(*args, **kw))
+            return real(*args, **kw)
+
+        monkeypatch.setattr(obj, name, call, raising=False)
+
+    record(
+        core.executor,
+        "execute_model",
+        lambda so, sync=True, sample=True: ("step" if sample else "forward", so.step_id),
+    )
+    record(core.executor, "sample_tokens", lambda bitmask: ("sample", None))
+    record(core.scheduler, "update_from_output", lambda so, out: ("update", so.step_id))
+    fill = core.structured.fill_bitmask
+
+    def fill_bitmask(ids, requests):
+        bitmask = fill(ids, requests)
+        finished.extend(bitmask[k] for k, rid in enumerate(ids) if rid not in requests)
+        return bitmask
+
+    monkeypatch.setattr(core.structured, "fill_bitmask", fill_bitmask)
+    prompts, params = mixed_batch(("json", "regex"), range(2))
+    for out, p in zip(llm.generate(prompts, params, use_tqdm=False), params):
+        if p.structured_outputs is not None:
+            assert out.outputs[0].finish_reason == "stop"
+    overlapped = 0
+    for i, (kind, step_id) in enumerate(events):
+        if kind != "forward":
+            continue
+        after = events[i + 1 : i + 3]
+        if after[0][0] == "update":  # the step before, read after this one's forward
+            assert after[0][1] < step_id and after[1] == ("sample", None)
+            overlapped += 1
+        else:
+            assert after[0] == ("sample", None)
+    assert overlapped >= 20
+    assert finished and all((row == -1).all() for row in finished)
+
+
 def test_a_constrained_request_joining_overlapped_steps(llm):
     """Async scheduling: a constrained request added while an overlapped step is in flight (its
-    tokens not yet read) gets masks from every token before them: its answer is valid, and the
-    running requests' tokens are those they draw alone."""
+    tokens not yet read) gets masks from every token before them: its answer is valid, the
+    running requests' tokens are those they draw alone, and the steps stay overlapped."""
     engine = llm.engine
     alone = answers(llm.generate(PROMPTS[:2], [plain(0), plain(1)], use_tqdm=False))
     engine.add_request("p0", llm.tokenizer(PROMPTS[0]).input_ids, plain(0))
@@ -159,11 +229,40 @@ def test_a_constrained_request_joining_overlapped_steps(llm):
         for o in engine.step():
             outs[o.request_id] = o
     engine.add_request("c", llm.tokenizer(PROMPTS[2]).input_ids, constrained("json", 7))
+    constrained_in_flight = 0  # steps that returned with a constrained step in flight
     while engine.has_unfinished_requests():
         for o in engine.step():
             outs[o.request_id] = o
+        pending = engine.core._pending
+        constrained_in_flight += bool(pending and pending[0].structured_output_request_ids)
     valid_person(outs["c"].outputs[0].text)
     assert answers([outs["p0"], outs["p1"]]) == alone
+    assert constrained_in_flight > 5
+
+
+def test_abort_mid_answer_leaves_the_others_alone(llm):
+    """Abort a constrained request while an overlapped step samples it: the others' answers are
+    those they give without it, and nothing of it is left."""
+    engine = llm.engine
+    params = [constrained("json", 1), constrained("regex", 2), plain(3)]
+    alone = answers(llm.generate(PROMPTS[1:3], params[1:], use_tqdm=False))
+    for rid, prompt, p in zip("abc", PROMPTS, params):
+        engine.add_request(rid, llm.tokenizer(prompt).input_ids, p)
+    outs: dict[str, list] = {}
+    request = engine.scheduler.requests["a"]
+    while len(request.output_token_ids) < 4:
+        for o in engine.step():
+            outs[o.request_id] = o
+    pending = engine.core._pending  # an overlapped step that samples "a"
+    assert pending is not None and "a" in pending[0].structured_output_request_ids
+    engine.abort_request("a")
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+    assert answers([outs["b"], outs["c"]]) == alone
+    stats = llm.stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    assert engine.scheduler._in_flight == {}
 
 
 def test_answer_cut_by_max_tokens_ends_with_length(llm):

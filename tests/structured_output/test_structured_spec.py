@@ -153,6 +153,11 @@ def test_bitmask_rows_follow_each_answer(compiler):
     other_stop.grammar = grammar(stop=(7, 9))
     mask = manager.fill_bitmask(["c"], {"c": other_stop})
     assert {v for v in range(V) if mask[0, v // 32] >> (v % 32) & 1} == {7, 9}
+    # a request finished since it was scheduled (async scheduling): every token, no matcher
+    mask = manager.fill_bitmask(["gone", "c"], {"c": other_stop})
+    assert (mask[0] == -1).all() and (
+        mask[1] == manager.fill_bitmask(["c"], {"c": other_stop})
+    ).all()
 
 
 def test_json_schema_answers_validate(compiler):

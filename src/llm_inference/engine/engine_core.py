@@ -12,13 +12,18 @@ found room for (`_fit_max_model_len`), and sends it to every worker with the blo
 
 Async scheduling (`EngineConfig.async_scheduling`, ARCHITECTURE.md "One step"): `step()`
 launches step n+1 before it waits for step n's tokens, except while a request on
-`SamplingPath.SYNC` or with structured outputs is live: then steps run one at a time.
+`SamplingPath.SYNC` is live: then steps run one at a time.
 
 Structured outputs (structured_output/): a request's grammar compiles on the manager's
-threads while the scheduler passes it over; after each scheduling the core fills the step's
-token bitmask (`SchedulerOutput.grammar_bitmask`) from the matchers, every token before it
-known since those requests step one at a time. A grammar that fails to compile finishes its
-request with finish reason "abort".
+threads while the scheduler passes it over. A step with constrained rows needs a token bitmask
+(`SchedulerOutput.grammar_bitmask`) that the matchers fill once they have every token before
+it, so under async scheduling such a step goes out in two calls, as vLLM's: the forward of
+step n+1 first, then (step n's tokens read, the matchers advanced, the bitmask filled) its
+sampling. The host's work thus still overlaps the device's forward. A request that step n's
+token finished may have a row in step n+1: every token is allowed there, and the token is
+discarded, as any finished request's in flight. Without async scheduling, or in a step without
+constrained rows, a step is one call. A grammar that fails to compile finishes its request
+with finish reason "abort".
 """
 
 from __future__ import annotations
@@ -107,7 +112,7 @@ class EngineCore:
             params = request.sampling_params
             if params.structured_outputs is not None:
                 self.structured.add(request)
-            if params.sampling_path is SamplingPath.SYNC or request.grammar is not None:
+            if params.sampling_path is SamplingPath.SYNC:
                 self._sync_ids.add(request.request_id)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
@@ -127,16 +132,24 @@ class EngineCore:
         Overlapped (async scheduling, no synchronous request live): step n+1 is scheduled and
         launched first, then step n's tokens are awaited and applied, so the records are those
         of the step launched before. Otherwise the step runs to its end before returning."""
-        if not self.config.async_scheduling or self._sync_ids:
-            outputs = self._update()  # the step an overlapped step left in flight
+        overlap = self.config.async_scheduling and not self._sync_ids
+        outputs = [] if overlap else self._update()  # what steps left in flight when overlapped
+        if self.structured.compiling:
             outputs += self._finish_failed_grammars()
-            so = self.scheduler.schedule()
-            if so.is_empty and self.structured.compiling:  # nothing runs until one compiles
-                self.structured.wait(GRAMMAR_WAIT_S)
+        so = self.scheduler.schedule()
+        if so.is_empty and self._pending is None and self.structured.compiling:
+            self.structured.wait(GRAMMAR_WAIT_S)  # nothing runs until a grammar compiles
+        if not overlap:
             self._pending = self._execute(so, sync=True)
             return outputs + self._update()
-        launched = self._execute(self.scheduler.schedule(), sync=False)
-        outputs = self._update()
+        if so.structured_output_request_ids:  # the mask needs step n's tokens: sample later
+            self.executor.execute_model(so, sync=False, sample=False)
+            outputs += self._update()
+            so.grammar_bitmask = self._fill_bitmask(so)
+            self._pending = so, self.executor.sample_tokens(so.grammar_bitmask)
+            return outputs
+        launched = self._execute(so, sync=False)
+        outputs += self._update()
         self._pending = launched
         return outputs
 
@@ -148,10 +161,14 @@ class EngineCore:
                 self.executor.execute_model(so)
             return None
         if so.structured_output_request_ids:
-            so.grammar_bitmask = self.structured.fill_bitmask(
-                so.structured_output_request_ids, self.scheduler.requests
-            )
+            so.grammar_bitmask = self._fill_bitmask(so)
         return so, self.executor.execute_model(so, sync=sync)
+
+    def _fill_bitmask(self, so: SchedulerOutput):
+        """The step's grammar bitmask, from every token its requests have so far."""
+        return self.structured.fill_bitmask(
+            so.structured_output_request_ids, self.scheduler.requests
+        )
 
     def _finish_failed_grammars(self) -> list[EngineCoreOutput]:
         """Finish the requests whose grammar failed to compile: a finishing record each."""

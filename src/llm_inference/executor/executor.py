@@ -21,6 +21,7 @@ class Executor:
         self.world_size = config.parallel.tensor_parallel_size
         self.workers: list[Worker] = []
         self.processes = None  # MultiprocWorkers or RayWorkers: the ranks elsewhere
+        self._forward = None  # the call of a step sent with sample=False, until sampled
         if config.parallel.distributed_executor_backend == "ray":
             from llm_inference.executor.ray_executor import RayWorkers
 
@@ -42,16 +43,30 @@ class Executor:
             return self.processes.collective_rpc(method, *args)
         return [getattr(w, method)(*args) for w in self.workers]
 
-    def execute_model(self, scheduler_output: SchedulerOutput, sync: bool = True):
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, sync: bool = True, sample: bool = True
+    ):
         """Launch a step on every rank; a handle whose `.result()` waits for rank 0's
         ModelRunnerOutput. With worker processes, `sync=False` returns once the step is sent
         (its replies are read by `result()`, after those of the calls sent before it), so the
-        next step can be scheduled and sent while the workers run this one."""
+        next step can be scheduled and sent while the workers run this one. `sample=False`
+        launches the forward alone and returns None: `sample_tokens` samples it."""
         if self.processes is not None:
-            handle = _RankZero(self.processes.submit("execute_model", scheduler_output, sync))
-            return PendingOutput.done(handle.result()) if sync else handle
-        out = self.collective_rpc("execute_model", scheduler_output, sync)[0]
+            call = self.processes.submit("execute_model", scheduler_output, sync, sample)
+            if not sample:
+                self._forward = call
+                return None
+            return PendingOutput.done(call.result()[0]) if sync else _RankZero(call)
+        out = self.collective_rpc("execute_model", scheduler_output, sync, sample)[0]
         return PendingOutput.done(out) if isinstance(out, ModelRunnerOutput) else out
+
+    def sample_tokens(self, grammar_bitmask):
+        """Sample the step `execute_model(sample=False)` launched, on every rank, with the
+        step's grammar bitmask: a handle as `execute_model(sync=False)` returns."""
+        if self.processes is not None:
+            forward, self._forward = self._forward, None
+            return _RankZero(self.processes.submit("sample_tokens", grammar_bitmask), forward)
+        return self.collective_rpc("sample_tokens", grammar_bitmask)[0]
 
     def shutdown(self) -> None:
         if self.processes is not None:
@@ -62,10 +77,14 @@ class Executor:
 
 
 class _RankZero:
-    """A step sent to the worker processes; `result()`: rank 0's ModelRunnerOutput."""
+    """A step sent to the worker processes; `result()`: rank 0's ModelRunnerOutput. A step
+    sampled apart also holds its forward's call, whose error, if any, is the one to raise
+    (a Ray rank runs `sample_tokens` even after its forward raised)."""
 
-    def __init__(self, call) -> None:
-        self._call = call
+    def __init__(self, call, forward=None) -> None:
+        self._call, self._forward = call, forward
 
     def result(self) -> ModelRunnerOutput:
+        if self._forward is not None:
+            self._forward.result()
         return self._call.result()[0]

@@ -58,6 +58,8 @@ class ModelRunner:
         self.prev_tokens = torch.zeros(0, dtype=torch.long, device=device)
         # Pinned host buffers the sampled tokens are copied into, reused in turn.
         self.token_slots = TokenSlots(sched.max_num_seqs) if device.type == "cuda" else None
+        # A step launched with execute_model(sample=False): what sample_tokens samples.
+        self._unsampled: tuple | None = None
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -328,10 +330,16 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput, sync: bool = True) -> PendingOutput | None:
+    def execute_model(
+        self, so: SchedulerOutput, sync: bool = True, sample: bool = True
+    ) -> PendingOutput | None:
         """Run one step. The sampled tokens stay on the device for the next step (async
         scheduling) and come to the host by one non-blocking copy: `result()` of the
-        returned PendingOutput waits for them. Ranks other than 0 return None."""
+        returned PendingOutput waits for them. Ranks other than 0 return None.
+
+        `sample=False` (a step with constrained sample rows, under async scheduling) launches
+        the forward and the logits only and returns None: `sample_tokens` samples them once
+        the engine core has filled the grammar bitmask, which needs the step before's tokens."""
         self.input_batch.apply(so)
         req_ids = so.request_ids
         if so.is_empty:
@@ -344,34 +352,55 @@ class ModelRunner:
                 req_ids, [[] for _ in req_ids], [None] * len(req_ids), prompt_lps
             )
             return PendingOutput.done(empty)
-        grammar = self._grammar_mask(so, step)
         num_samples = len(step.sample_rows)
         if num_samples == step.num_tokens:  # every token samples (decodes): rows 0..n-1
             hidden_rows = hidden[:num_samples]
         else:
             hidden_rows = hidden.index_select(0, self.buffers.dev.logits_indices[:num_samples])
+        if get_tp_size() > 1:  # each rank its vocabulary slice (sample/tensor_parallel.py)
+            logits = self.model.lm_head.compute_local_logits(hidden_rows)
+        else:
+            logits = self.model.compute_logits(hidden_rows)
+        if not sample:
+            self._unsampled = (so, step, logits, prompt_lps)
+            return None
+        return self._sample(so, step, logits, prompt_lps, so.grammar_bitmask, sync)
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_bitmask) -> PendingOutput | None:
+        """Sample the step `execute_model(sample=False)` launched, its constrained rows masked
+        by `grammar_bitmask` (rows in the order of its `structured_output_request_ids`), as
+        `execute_model(sync=False)` would have. Every rank calls it (collective at TP > 1)."""
+        so, step, logits, prompt_lps = self._unsampled
+        self._unsampled = None
+        return self._sample(so, step, logits, prompt_lps, grammar_bitmask, sync=False)
+
+    def _sample(
+        self, so: SchedulerOutput, step: StepInputs, logits: torch.Tensor, prompt_lps,
+        grammar_bitmask, sync: bool,
+    ) -> PendingOutput | None:  # fmt: skip
+        """Sample a step's logits (at TP > 1 this rank's vocabulary slice) and keep the
+        tokens (`_keep_sampled`)."""
+        grammar = self._grammar_mask(so, step, grammar_bitmask)
         if get_tp_size() > 1:  # tensor parallel: sample across the vocabulary shards
             lm_head = self.model.lm_head
             out = sample_tensor_parallel(
-                self.sampler, lm_head.compute_local_logits(hidden_rows), lm_head.vocab_start,
-                lm_head.vocab_size,
+                self.sampler, logits, lm_head.vocab_start, lm_head.vocab_size,
                 None if step.sampling is None else self.sampling_metadata(step),
                 self.input_batch.sampling.argmax_only(step.sample_batch_rows),
                 lambda ks: self.sampling_metadata(step, ks), grammar,
             )  # fmt: skip
-            return self._keep_sampled(req_ids, step, out, prompt_lps)
-        logits = self.model.compute_logits(hidden_rows)
-        if get_tp_rank() != 0:
-            return None  # sampling happens on rank 0 only
-        smd = self.sampling_metadata(step)
-        smd.grammar = grammar
-        return self._keep_sampled(req_ids, step, self.sampler(logits, smd, sync=sync), prompt_lps)
+        else:
+            smd = self.sampling_metadata(step)
+            smd.grammar = grammar
+            out = self.sampler(logits, smd, sync=sync)
+        return self._keep_sampled(step.request_ids, step, out, prompt_lps)
 
-    def _grammar_mask(self, so: SchedulerOutput, step: StepInputs) -> GrammarMask | None:
+    def _grammar_mask(self, so: SchedulerOutput, step: StepInputs, bitmask) -> GrammarMask | None:
         """The step's grammar bitmask (structured outputs) on the device, for the sample rows
         of the requests the engine core filled it for (in batch order, as the sample rows)."""
-        if so.grammar_bitmask is None:
+        if bitmask is None:
             return None
         ids = set(so.structured_output_request_ids)
         rows = [k for k, b in enumerate(step.sample_rows) if step.request_ids[b] in ids]
-        return GrammarMask.build(so.grammar_bitmask, rows, len(step.sample_rows), self.device)
+        return GrammarMask.build(bitmask, rows, len(step.sample_rows), self.device)

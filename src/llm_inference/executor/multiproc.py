@@ -9,7 +9,8 @@ to every rank, in rank order, and each rank replies `(seq, ok, result or traceba
 out_of_step)`. The args are plain dataclasses (a SchedulerOutput per step); no tensor is
 pickled per step. Only bytes from these private pipes, written by our own workers, are ever
 unpickled. Every rank replies to every call, so the parent sees an error on any rank;
-`execute_model` takes rank 0's ModelRunnerOutput (the others return None).
+`execute_model` takes rank 0's ModelRunnerOutput (the others return None), or, for a step sent
+in two calls (its forward, then `sample_tokens`: worker_process.py), `sample_tokens` does.
 
 Calls are pipelined: `submit()` sends a call and returns a `PendingCall` at once; its
 `result()` reads the replies later (`collective_rpc` is submit + result). Each rank replies in
@@ -24,11 +25,11 @@ a worker that dies (its reply pipe reaches EOF, or it is no longer alive) makes 
 traceback, which the parent raises as `WorkerError` (from the `result()` of that call) after
 giving the other ranks a short grace to finish that call (if they do not, they are stuck in a
 collective and the workers are unusable: later calls raise). A step that raises inside
-`execute_model` also makes them unusable: a later step may already be queued on the ranks. An
-error while reporting a step's tokens (rank 0's reply thread: NaN logits) comes after every
-collective of the step, so the workers stay usable. A call interrupted while waiting (Ctrl-C)
-leaves the ranks consistent: its replies are read by the next call. Interrupted while sending,
-the ranks may disagree, so the workers are marked unusable.
+`execute_model` or `sample_tokens` also makes them unusable: a later step may already be queued
+on the ranks. An error while reporting a step's tokens (rank 0's reply thread: NaN logits)
+comes after every collective of the step, so the workers stay usable. A call interrupted while
+waiting (Ctrl-C) leaves the ranks consistent: its replies are read by the next call.
+Interrupted while sending, the ranks may disagree, so the workers are marked unusable.
 
 Shutdown (`shutdown()`, also run by a weakref finalizer when the executor is collected or at
 interpreter exit): a `shutdown` call to the workers (skipped when unusable or when replies are

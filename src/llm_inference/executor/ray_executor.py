@@ -17,6 +17,8 @@ Calls: `submit` sends `method(*args)` to every actor and returns at once; Ray ru
 calls in the order one caller sent them, so steps pipeline as over the worker pipes. A step's
 reply is sent once its tokens are on the host (a Ray reply cannot be a future): the engine
 schedules step n+1 while the ranks run step n, but a rank starts step n+1 after step n's copy.
+A step sent in two calls (structured outputs: `execute_model(sample=False)`, then
+`sample_tokens`) runs as one there: its forward waits for the step before's copy.
 
 Failure: replies are awaited in slices of POLL_S; an actor that dies fails its calls
 (RayActorError) and one that raises sends its traceback: either is a `WorkerError` naming the

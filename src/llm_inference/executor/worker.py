@@ -53,11 +53,17 @@ class Worker:
         custom = get_custom_all_reduce()
         return custom is not None and custom.fused_norm
 
-    def execute_model(self, scheduler_output: SchedulerOutput, sync: bool = True):
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, sync: bool = True, sample: bool = True
+    ):
         """Launch the step. Rank 0: a PendingOutput (a worker process sends its result()
         once the tokens are on the host, while it goes on with the next call); other
-        ranks: None."""
-        return self.model_runner.execute_model(scheduler_output, sync)
+        ranks: None. `sample=False`: the forward alone, None (`sample_tokens` follows)."""
+        return self.model_runner.execute_model(scheduler_output, sync, sample)
+
+    def sample_tokens(self, grammar_bitmask):
+        """Sample the step launched with `sample=False`: as `execute_model` returns."""
+        return self.model_runner.sample_tokens(grammar_bitmask)
 
     def gc_frozen_objects(self) -> int:
         """Objects in this process's permanent GC generation (gc_heap.py)."""

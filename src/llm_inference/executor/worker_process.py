@@ -10,9 +10,11 @@ replies `(seq, ok, result or traceback text, out_of_step)` in that order, every 
 once. A reader thread drains the call pipe at once (a send from the parent never waits on a busy
 worker) and a reply thread sends the replies: for a step, rank 0's reply thread waits for the
 tokens to reach the host (`PendingOutput`) while the main thread already launches the next step.
-After a step raised here, later steps are answered with an error instead of being run (ranks
-that disagree on which step they run would pair up the wrong collectives); `out_of_step` tells
-the parent so.
+A step is one `execute_model` call, or two (`STEP_METHODS`): its forward
+(`execute_model(sample=False)`), then `sample_tokens` with the grammar bitmask the parent filled
+meanwhile (structured outputs under async scheduling). After a step raised here, later steps
+are answered with an error instead of being run (ranks that disagree on which step they run
+would pair up the wrong collectives); `out_of_step` tells the parent so.
 
 The worker ignores SIGINT (the parent handles Ctrl-C and stops it), exits on EOF of its call
 pipe or after a `shutdown` call, and a watchdog thread exits it when the parent process is gone.
@@ -40,6 +42,8 @@ from llm_inference.executor.worker import Worker, worker_device
 from llm_inference.gc_heap import freeze_startup_heap, thaw_heap
 
 JOIN_TIMEOUT_S = 5.0  # how long the last replies get to go out at exit
+# A step's calls: every rank runs them in the same order, collectives inside.
+STEP_METHODS = ("execute_model", "sample_tokens")
 
 
 def watch_parent(parent_pid: int) -> None:
@@ -141,7 +145,7 @@ def worker_main(
     try:
         while (call := calls.get()) is not None:
             seq, method, args = call
-            step = method == "execute_model"
+            step = method in STEP_METHODS
             if step and failed:
                 text = f"rank {rank} did not run this step: an earlier step raised on it"
                 replies.put((seq, False, text, True))

@@ -1,7 +1,8 @@
 """Structured outputs on the device: a step's token bitmask, as the sampler applies it.
 
 The engine core fills the bitmask (structured_output/manager.py) for the step's constrained
-requests that sample, in batch order, and sends it with the SchedulerOutput to every rank:
+requests that sample, in batch order, and sends it to every rank with the SchedulerOutput (or
+with the step's `sample_tokens` call, under async scheduling: executor/model_runner.py):
 int32 words, bit v % 32 of word v // 32 allowing token v (xgrammar's layout). `GrammarMask`
 is that bitmask on the device with the sample rows it constrains. Tokens outside the grammar
 take -inf before anything else reads the logits (logprobs included, as vLLM masks the logits

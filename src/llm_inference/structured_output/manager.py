@@ -5,12 +5,15 @@ step's token bitmask (ARCHITECTURE.md, "Structured outputs").
 pool (xgrammar's compiler releases the GIL while it works, and caches what it compiled by
 spec: n completions of a request, or requests with one schema, compile once). The scheduler
 admits the request only once `grammar.ready`, so a compile never holds up other requests'
-steps. After each scheduling, `fill_bitmask` writes the step's bitmask for the requests the
-scheduler listed (those with a grammar that sample in it): each one's matcher first accepts
-the output tokens it has not seen, then fills its row. Such requests run their steps one at a
-time (the engine core), so every token before the mask is known. The matcher follows the
-request's output tokens alone; preemption keeps them (the request recomputes them), so no
-matcher ever goes back.
+steps. For each step, `fill_bitmask` writes the bitmask for the requests the scheduler
+listed (those with a grammar that sample in it): each one's matcher first accepts the output
+tokens it has not seen, then fills its row. The engine core calls it once every token before
+the step is known (under async scheduling, after the step's forward is launched and the step
+before's tokens are read: engine/engine_core.py). A listed request that has finished since
+(the step before's token ended it) gets a row allowing every token: its sample is discarded,
+and its matcher, perhaps terminated, sees nothing more. The matcher follows the request's
+output tokens alone; preemption keeps them (the request recomputes them), so no matcher ever
+goes back.
 
 A grammar that fails to compile (the front end's `check_spec` lets through only specs that
 parse, so this is xgrammar failing) is reported by `take_failed`: the core finishes such a
@@ -134,11 +137,15 @@ class StructuredOutputManager:
 
     def fill_bitmask(self, request_ids: list[str], requests: dict) -> np.ndarray:
         """The token bitmask of a step: row i for request `request_ids[i]` (`requests`: the
-        scheduler's, by id), int32 [len(request_ids), ceil(vocab_size / 32)]."""
+        scheduler's unfinished ones, by id; a request not there gets every token),
+        int32 [len(request_ids), ceil(vocab_size / 32)]."""
         bitmask = np.empty((len(request_ids), -(-self.vocab_size // 32)), dtype=np.int32)
         for row, rid in enumerate(request_ids):
-            request = requests[rid]
-            request.grammar.fill(bitmask, row, request.output_token_ids)
+            request = requests.get(rid)
+            if request is None:  # finished since it was scheduled: its sample is discarded
+                bitmask[row] = -1
+            else:
+                request.grammar.fill(bitmask, row, request.output_token_ids)
         return bitmask
 
     def shutdown(self) -> None:
