@@ -9,8 +9,8 @@ fields), compact (no whitespace between JSON tokens: vLLM's xgrammar backend tak
 from its engine config), and end on EOS once the JSON closes, or at `--max-tokens`. Each
 unconstrained request is asked (ignore_eos) for exactly as many tokens as its constrained twin
 wrote in the warm-up: both kinds then generate the same tokens per request, the batch shrinks
-alike, and the difference in wall time is the grammar's cost (bitmasks; in this engine also
-constrained steps that run one at a time). Unconstrained answers of a fixed 256 tokens would
+alike, and the difference in wall time is the grammar's cost (bitmasks, and the sampling that
+waits for them). Unconstrained answers of a fixed 256 tokens would
 compare different work: constrained answers are shorter and uneven, their tail runs at smaller
 batches, and ms per token would charge the longest answer's time to the mean one.
 

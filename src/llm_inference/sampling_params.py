@@ -57,8 +57,9 @@ class SamplingPath(enum.IntEnum):
         themselves, or sends logprobs to the host: the request's steps run one at a time.
 
     Structured outputs are not a path: the grammar's token mask reaches the sampler on any of
-    them (sample/grammar.py), and the engine core runs such a request's steps one at a time
-    (the mask of a step depends on the token sampled before it).
+    them (sample/grammar.py). The mask of a step depends on the token sampled before it, so the
+    engine core launches such a step's forward, then fills its mask once the step before has
+    its tokens, then samples (engine/engine_core.py).
     """
 
     STAGED = 0
