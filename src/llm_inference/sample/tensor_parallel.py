@@ -10,8 +10,9 @@ other row is gathered to rank 0, which runs the normal `Sampler` (a seeded reque
 same tokens at any tensor-parallel size) and broadcasts the tokens. A broken row gets a status
 (STATUS_BAD, STATUS_EMPTY) that rank 0 reports on the host as `Sampler(sync=False)` does.
 Structured outputs: every rank first masks its slice with the step's grammar bitmask (each
-has it: with the SchedulerOutput, or with `sample_tokens` when the step's forward went first), so each of those ways sees only the grammar's
-tokens, as one sampler over the whole row would (sample/grammar.py).
+has it: with the SchedulerOutput, or with `sample_tokens` when the step's forward went
+first), so each of those ways sees only the grammar's tokens, as one sampler over the whole
+row would (sample/grammar.py).
 
 Every rank ends with the same tokens tensor on its device, so each can feed the samples still
 in flight to the next step (async scheduling) without the host. Nothing here waits for the
