@@ -126,11 +126,14 @@ class Fp8Format:
     "tensor" (one per weight: `weight_scale`), "channel" (one per output row: `weight_scale`
     [out, 1]) or "block" (one per `weight_block_size` block: `weight_scale_inv`).
     `static_input_scale`: the checkpoint has each layer's activation scale (`input_scale`);
-    otherwise activations are scaled per token at run time."""
+    otherwise activations are scaled per token at run time. `kv_cache_scales`: the config
+    declares an FP8 KV cache with stored scales (`kv_cache_scheme`), so every attention layer's
+    K and V scales must be in the checkpoint (models/model_config.py's `kv_scale_shapes`)."""
 
     weight_scale: str
     weight_block_size: tuple[int, int] | None = None
     static_input_scale: bool = False
+    kv_cache_scales: bool = False
 
     def __post_init__(self) -> None:
         if self.weight_scale not in FP8_WEIGHT_SCALES:
@@ -145,8 +148,8 @@ class Fp8Format:
                 f"weight_block_size must be two positive integers for block scales (only): "
                 f"{block!r} with {self.weight_scale!r} scales"
             )
-        if self.static_input_scale and self.weight_scale == "online":
-            raise CheckpointError("online FP8 quantization has no static input scales")
+        if self.weight_scale == "online" and (self.static_input_scale or self.kv_cache_scales):
+            raise CheckpointError("online FP8 quantization has no static input or KV scales")
 
 
 @dataclass(frozen=True)
@@ -248,7 +251,7 @@ class CacheConfig:
     # Share the K/V of full blocks of equal token prefixes across requests (core/prefix_cache.py).
     enable_prefix_caching: bool = True
     # The K/V caches' torch dtype: EngineConfig.dtype, or "float8_e4m3fn" (kv_cache_dtype="fp8":
-    # one scale per layer for K and one for V, kernels/reference.py).
+    # one scale per layer for K and one for V, the checkpoint's or 1.0; kernels/reference.py).
     kv_cache_dtype: str = "float32"
 
 

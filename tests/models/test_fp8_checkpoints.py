@@ -119,6 +119,7 @@ BASE = {
 }  # fmt: skip
 CT = LAYOUTS["ct-channel"][0]
 CT_GROUP = CT["config_groups"]["group_0"]
+KV = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 
 
 def _ct(**group) -> dict:
@@ -136,7 +137,17 @@ def _ct(**group) -> dict:
         ({"quant_method": "fp8", "modules_to_not_convert": ["model.layers.0.mlp.down_proj"]},
          "unquantized modules"),
         ({**CT, "format": "pack-quantized"}, "format 'pack-quantized'"),
-        ({**CT, "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
+        ({"quant_method": "fp8", "kv_cache_scheme": "dynamic"},
+         "kv_cache_scheme 'dynamic' is not 'static'"),
+        ({**CT, "kv_cache_scheme": "fp8"}, "kv_cache_scheme must be an object or null"),
+        ({**CT, "kv_cache_scheme": {**KV, "num_bits": 4}}, "kv_cache_scheme must be 8-bit floats"),
+        ({**CT, "kv_cache_scheme": {**KV, "type": "int"}}, "kv_cache_scheme must be 8-bit floats"),
+        ({**CT, "kv_cache_scheme": {"num_bits": 8, "type": "float"}},
+         "kv_cache_scheme.strategy must be 'tensor' .*, not None"),
+        ({**CT, "kv_cache_scheme": {**KV, "strategy": "attn_head"}},
+         "kv_cache_scheme.strategy must be 'tensor' .*, not 'attn_head'"),
+        ({**CT, "kv_cache_scheme": {**KV, "dynamic": True}}, "symmetric, with static scales"),
+        ({**CT, "kv_cache_scheme": {**KV, "symmetric": False}}, "symmetric, with static scales"),
         (_ct(weights={**CT_GROUP["weights"], "type": "int"}), "weights must be 8-bit floats"),
         (_ct(weights={**CT_GROUP["weights"], "strategy": "group", "group_size": 128}),
          "strategy in"),

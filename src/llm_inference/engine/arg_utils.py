@@ -78,8 +78,9 @@ class EngineArgs:
     block_size: int = _option(16, "tokens per KV cache block (a power of two)")
     kv_cache_dtype: str = _option(
         "auto",
-        "auto (the model dtype) or fp8 (float8_e4m3fn, per-layer scales 1.0: half the bytes of "
-        "bfloat16, twice the tokens; CUDA compute capability 8.9+ with the Triton kernels); "
+        "auto (the model dtype) or fp8 (float8_e4m3fn with per-layer scales, the checkpoint's "
+        "or 1.0: half the bytes of bfloat16, twice the tokens; CUDA compute capability 8.9+ "
+        "with the Triton kernels); "
         "fp8_e4m3 is fp8",
     )
     tensor_parallel_size: int = _option(1, "devices to shard the model over")

@@ -184,8 +184,8 @@ class Attention(nn.Module):
         self.backend = backend
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D], set by runner
         self.v_cache: torch.Tensor | None = None
-        # An FP8 cache's scales (the model dtype's caches ignore them): 1.0, as vLLM's default
-        # for checkpoints without KV scales (reading a checkpoint's scales is not implemented).
+        # An FP8 cache's scales (the model dtype's caches ignore them): the checkpoint's
+        # (models/loader.py), else 1.0, as vLLM's default for checkpoints without KV scales.
         self.k_scale = self.v_scale = 1.0
 
     def forward(

@@ -7,11 +7,13 @@ each safetensors tensor reaches the loaders as a `LazySlice`: a rank's loader na
 own part, and only that part is read from the file (GGUF tensors are dequantized whole, then
 narrowed). Before any tensor is read, the names and shapes in the checkpoint headers are
 checked against what the config implies (models/model_config.py's `check_shapes`), and every
-problem is reported in one error.
+problem is reported in one error. A checkpoint's FP8 KV cache scales (`self_attn.k_scale`, ...)
+become its attention layers' `k_scale` and `v_scale`, which only an FP8 cache reads.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from llm_inference.models.gguf_reader import is_gguf
 from llm_inference.models.model_config import (
     check_shapes,
     ignored_tensor,
+    kv_scale_of,
     load_hf_config,
     read_json_object,
 )
@@ -154,6 +157,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | L
     for hf_name, tensor in weights:
         if ignored_tensor(hf_name, model.config):
             continue
+        kv_scale = kv_scale_of(hf_name)
+        if kv_scale is not None:  # a float on the layer, whole on every rank
+            layer, kind = kv_scale
+            setattr(model.attention_layers()[layer], kind, _kv_scale(hf_name, tensor))
+            continue
         name = hf_name.removeprefix("model.")
         shard_id = None
         for ckpt_part, (fused, sid) in model.packed_modules_mapping.items():
@@ -168,6 +176,18 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | L
         if isinstance(tensor, torch.Tensor):
             tensor = tensor.to(param.dtype)
         loader(param, tensor) if shard_id is None else loader(param, tensor, shard_id)
+
+
+def _kv_scale(name: str, tensor: torch.Tensor | LazySlice) -> float:
+    """An FP8 KV cache scale's value (a scalar, or [1]: the header check saw the shape);
+    CheckpointError naming the tensor unless it is positive and finite."""
+    value = (tensor.materialize() if isinstance(tensor, LazySlice) else tensor).float()
+    scale = value.reshape(-1)[0].item()
+    if not (math.isfinite(scale) and scale > 0):
+        raise CheckpointError(
+            f"{name}: an FP8 KV cache scale must be a positive finite number, not {scale}"
+        )
+    return scale
 
 
 def load_model(

@@ -13,6 +13,8 @@
 - `check_sliding_window(config, max_model_len)`: a window shorter than the context is refused.
 - `parse_quantization`: `quantization_config` -> the FP8 format (config.Fp8Format) of an FP8
   checkpoint, whose scale tensors `expected_shapes` then lists too; other formats are refused.
+- `kv_scale_of(name)`: an FP8 KV cache scale's layer and kind from its tensor name (any
+  safetensors checkpoint may hold them: none, or K's and V's of every layer, `kv_scale_shapes`).
 
 Only the standard library and config.py: reading a config costs no torch import.
 """
@@ -23,6 +25,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -244,8 +247,9 @@ def _parse(d: dict[str, Any]) -> ModelConfig:
 
 SUPPORTED_QUANTIZATION = (
     "quant_method 'fp8' (e4m3 weights with per-tensor or weight_block_size scales, dynamic or "
-    "static activation scales) and 'compressed-tensors' FP8 (float 8-bit weights with channel "
-    "or tensor scales, float 8-bit activations dynamic per token or static per tensor)"
+    "static activation scales; kv_cache_scheme 'static') and 'compressed-tensors' FP8 (float "
+    "8-bit weights with channel or tensor scales, float 8-bit activations dynamic per token or "
+    "static per tensor; a kv_cache_scheme of float 8-bit static per-tensor scales)"
 )
 # Modules an FP8 checkpoint may leave unquantized: those that are never quantized here.
 _UNQUANTIZED = {"lm_head"}
@@ -279,21 +283,24 @@ def _hf_fp8(q: dict[str, Any]) -> Fp8Format:
     if q.get("fmt", "e4m3") != "e4m3":
         raise CheckpointError(f"fmt {q['fmt']!r} is not 'e4m3'")
     _check_unquantized(q.get("modules_to_not_convert") or q.get("ignored_layers"))
+    kv = q.get("kv_cache_scheme")  # "static" in AMD's "-FP8-KV" checkpoints
+    if kv not in (None, "static"):
+        raise CheckpointError(f"kv_cache_scheme {kv!r} is not 'static' (stored scales)")
     block = q.get("weight_block_size")
     if block is None:
-        return Fp8Format("tensor", static_input_scale=scheme == "static")
+        static = scheme == "static"
+        return Fp8Format("tensor", static_input_scale=static, kv_cache_scales=kv == "static")
     if not isinstance(block, list) or len(block) != 2 or not all(is_int(b) for b in block):
         raise CheckpointError(f"weight_block_size must be two integers, not {block!r}")
     if scheme == "static":
         raise CheckpointError("block scales (weight_block_size) with static activations")
-    return Fp8Format("block", tuple(block))
+    return Fp8Format("block", tuple(block), kv_cache_scales=kv == "static")
 
 
 def _compressed_tensors(q: dict[str, Any]) -> Fp8Format:
     if q.get("format") not in ("float-quantized", "naive-quantized"):
         raise CheckpointError(f"format {q.get('format')!r} is not 'float-quantized'")
-    if q.get("kv_cache_scheme"):
-        raise CheckpointError("kv_cache_scheme (an FP8 KV cache) is not implemented")
+    kv_scales = _kv_cache_scheme(q.get("kv_cache_scheme"))
     _check_unquantized(q.get("ignore"))
     groups = q.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
@@ -316,7 +323,26 @@ def _compressed_tensors(q: dict[str, Any]) -> Fp8Format:
     static = fp8(acts, "input_activations", ("token", "tensor")) == "tensor"
     if acts.get("dynamic") == static:
         raise CheckpointError("activations must be dynamic per token or static per tensor")
-    return Fp8Format(strategy, static_input_scale=static)
+    return Fp8Format(strategy, static_input_scale=static, kv_cache_scales=kv_scales)
+
+
+def _kv_cache_scheme(kv: Any) -> bool:
+    """compressed-tensors' `kv_cache_scheme`: None, or the FP8 KV cache whose scales the
+    checkpoint stores, one per layer for K and one for V (as vLLM reads it)."""
+    if kv is None:
+        return False
+    if not isinstance(kv, dict):
+        raise CheckpointError(f"kv_cache_scheme must be an object or null, not {kv!r}")
+    if kv.get("type") != "float" or kv.get("num_bits") != 8:
+        raise CheckpointError(f"kv_cache_scheme must be 8-bit floats: {kv!r}")
+    if kv.get("strategy") != "tensor":
+        raise CheckpointError(
+            f"kv_cache_scheme.strategy must be 'tensor' (one scale per layer for K and for V), "
+            f"not {kv.get('strategy')!r}"
+        )
+    if not kv.get("symmetric", True) or kv.get("dynamic", False):
+        raise CheckpointError(f"kv_cache_scheme must be symmetric, with static scales: {kv!r}")
+    return True
 
 
 def _check_unquantized(names: Any) -> None:
@@ -480,6 +506,39 @@ def _fp8_scale_shapes(shapes: dict[str, tuple[int, ...]], f: Fp8Format) -> dict:
     return scales
 
 
+# An attention layer's FP8 KV cache scale, one float for K and one for V (vLLM reads both
+# names): `self_attn.k_scale` (llm-compressor) or `self_attn.k_proj.output_scale` (older
+# compressed-tensors).
+_KV_SCALE = re.compile(
+    r"model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)"
+)
+
+
+def kv_scale_of(name: str) -> tuple[int, str] | None:
+    """(layer, "k_scale" or "v_scale") of an FP8 KV cache scale's tensor name, else None."""
+    m = _KV_SCALE.fullmatch(name)
+    return None if m is None else (int(m[1]), f"{m[2] or m[3]}_scale")
+
+
+def kv_scale_shapes(names: Iterable[str], c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The FP8 KV cache scales a checkpoint holding tensors `names` must have: none, or a
+    scalar for K and one for V in every layer (all of them when its config declares them,
+    `kv_cache_scales`), each under the first of its names found there, else `self_attn.k_scale`
+    (a second name for the same scale is then an unexpected tensor)."""
+    found: dict[tuple[int, str], str] = {}
+    for name in names:
+        where = kv_scale_of(name)
+        if where is not None and where[0] < c.num_hidden_layers:
+            found.setdefault(where, name)
+    if not found and not (c.quantization is not None and c.quantization.kv_cache_scales):
+        return {}
+    return {
+        found.get((i, kind), f"model.layers.{i}.self_attn.{kind}"): ()
+        for i in range(c.num_hidden_layers)
+        for kind in ("k_scale", "v_scale")
+    }
+
+
 def check_sliding_window(c: ModelConfig, max_model_len: int) -> None:
     """Sliding-window attention is implemented nowhere here (nor in the Triton kernels): a
     model whose window is shorter than the context it would serve is refused (ValueError).
@@ -514,7 +573,7 @@ def check_shapes(
 ) -> None:
     """Raise one CheckpointError listing every missing, unexpected and wrongly shaped tensor
     (Hugging Face names, full shapes) plus `other_problems`; nothing if all is as `c` says."""
-    want = expected_shapes(c)
+    want = expected_shapes(c) | kv_scale_shapes(sorted(found), c)
     missing = sorted(set(want) - set(found))
     unexpected = sorted(n for n in set(found) - set(want) if not ignored_tensor(n, c))
     wrong = sorted(
