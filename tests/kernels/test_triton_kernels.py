@@ -103,6 +103,10 @@ def test_launchers_reject_bad_inputs():
         ops.rms_norm(torch.randn(3, 8), torch.ones(4), 1e-5)
     with pytest.raises(ValueError, match="last dim"):
         ops.silu_and_mul(torch.randn(8, 3).t())
+    with pytest.raises(ValueError, match=r"floating point \[R, C\]"):
+        ops.quantize_rows(torch.randn(2, 3, 4))
+    with pytest.raises(ValueError, match="one element"):
+        ops.quantize_rows(torch.randn(2, 4), torch.ones(2))
     with pytest.raises(ValueError, match="cos_sin_cache"):
         ops.rotary_embedding(torch.zeros(3, dtype=torch.long), torch.randn(3, 4, 16),
                              torch.randn(3, 2, 16), torch.randn(10, 8))  # fmt: skip
@@ -177,6 +181,17 @@ def test_rms_norm_gpu_bf16(hidden):
 @pytest.mark.parametrize("inter", [8192, 14336])
 def test_silu_and_mul_gpu_bf16(inter):
     checks.check_silu_and_mul("cuda", torch.bfloat16, 1024, inter, seed=inter)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="float8_e4m3fn in Triton needs CUDA compute capability 8.9+",
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [4096, 14336])
+def test_quantize_rows_gpu_bit_for_bit(dtype, hidden):
+    """Llama 3 8B's linear inputs (hidden, MLP intermediate): scales and FP8 bytes equal."""
+    checks.check_quantize_rows("cuda", dtype, 2048, hidden, seed=hidden)
 
 
 @cuda

@@ -192,6 +192,37 @@ def fp8_representable(x: torch.Tensor, scale: float) -> torch.Tensor:
     return (e4m3 * scale).to(x.dtype)
 
 
+def check_quantize_rows(device, dtype, num_tokens, hidden, seed, representable=False):
+    """Per-token and static-scale FP8 quantization of rows that are slices of a wider buffer
+    (row stride != hidden), an all-zero row among them: the scales always equal the
+    reference's; the FP8 bytes too, on the GPU, and under the interpreter for
+    `representable` rows (each row e4m3 values times a power of two 2^-3 to 2^3, its largest 448
+    times it, and a static scale of 2^-3: x / scale is an e4m3 value, or beyond 448 and
+    saturates, and never rounds)."""
+    reference, triton_ops = _ops()
+    gen = torch.Generator().manual_seed(seed)
+    x = (4 * torch.randn(num_tokens, hidden + 8, generator=gen))[:, :hidden]
+    x[1] = 0.0
+    if representable:
+        e4m3 = (8 * x).to(reference.FP8).float()
+        e4m3[:, 0] = reference.FP8_MAX
+        x = e4m3 * 2.0 ** torch.randint(-3, 4, (num_tokens, 1), generator=gen).float()
+    x = x.to(device, dtype)
+    static = torch.tensor(2.0**-3 if representable else 0.37, device=device)
+    for scale in (None, static):
+        q, got = triton_ops.quantize_rows(x, scale)
+        want_q, want = reference.quantize_rows(x, scale)
+        assert got.shape == (num_tokens, 1) and got.dtype == torch.float32
+        assert torch.equal(got, want), f"scales differ by {(got - want).abs().max()}"
+        if device == "cuda" or representable:
+            assert q.dtype == reference.FP8 and q.shape == x.shape
+            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), (
+                f"max diff {(q.float() - want_q.float()).abs().max()} (scale {scale})"
+            )
+    if representable:  # the static case tests the saturation
+        assert (q.float().abs() == reference.FP8_MAX).sum() > num_tokens
+
+
 def check_store_kv_cache(device, dtype, num_tokens, num_kv_heads, head_dim, block_size, seed,
                          fp8=False, representable=False):  # fmt: skip
     """`fp8`: FP8 caches, with FP8_SCALES; `representable`: inputs of `fp8_representable` and
@@ -354,7 +385,7 @@ def check_all_reduce_norm_ranks(dtype, world, seed, calls=4, rows=3, hidden=40):
 
 INTERPRETER_KERNELS = ("paged_attention", "paged_attention_fp8", "rms_norm", "silu_and_mul",
                        "rotary", "store_kv_cache", "store_kv_cache_fp8", "rotary_store_kv",
-                       "all_reduce_norm")  # fmt: skip
+                       "all_reduce_norm", "quantize_rows")  # fmt: skip
 
 
 def run_interpreter(kernel: str) -> None:
@@ -384,6 +415,9 @@ def run_interpreter(kernel: str) -> None:
             check_store_kv_cache("cpu", dtype, 21, 2, 16, 8, seed=i, fp8=True, representable=True)
         elif kernel == "rotary_store_kv":
             check_rotary_store_kv("cpu", dtype, 19, 6, 2, 16, 8, seed=i)
+        elif kernel == "quantize_rows":  # 1,100 columns: two steps of each loop, the last masked
+            check_quantize_rows("cpu", dtype, 5, 1100, seed=i)
+            check_quantize_rows("cpu", dtype, 5, 1100, seed=i, representable=True)
         elif kernel == "all_reduce_norm":
             check_all_reduce_norm(dtype, world=2, rank=1, seed=i)
             check_all_reduce_norm(dtype, world=4, rank=2, seed=i)

@@ -15,15 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from llm_inference.config import Fp8Format
-from llm_inference.kernels.reference import ReferenceOps
-from llm_inference.layers.fp8 import (
-    FP8,
-    FP8_MAX,
-    Fp8Config,
-    fp8_linear,
-    quantize_rows,
-    scaled_mm_supported,
-)
+from llm_inference.kernels.reference import FP8, FP8_MAX, ReferenceOps, quantize_rows
+from llm_inference.layers.fp8 import Fp8Config, fp8_linear, scaled_mm_supported
 from llm_inference.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -86,6 +79,30 @@ def test_online_linear_within_the_rounding_bound():
     bound = x_err @ w.abs().T + x.abs() @ w_err.T + x_err @ w_err.T
     assert ((y - x @ w.T).abs() <= bound * (1 + 1e-5) + 1e-7).all()
     assert (y - x @ w.T).abs().max() > 0  # it did quantize
+
+
+def test_prompt_steps_quantize_activations_with_the_ops():
+    """Steps past the skinny GEMM quantize x through the ops object (one Triton kernel on the
+    Triton ops), with the static input scale where the checkpoint has one."""
+    calls = []
+
+    class Spy(ReferenceOps):
+        def quantize_rows(self, x, scale=None):
+            calls.append((tuple(x.shape), scale))
+            return quantize_rows(x, scale)
+
+    fmt = Fp8Format("tensor", static_input_scale=True)
+    layer = ColumnParallelLinear(64, 48, Spy(), Fp8Config(fmt))
+    layer.weight_loader(layer.weight, (torch.randn(48, 64) * 8).to(FP8))
+    layer.weight_scale.weight_loader(layer.weight_scale, torch.tensor(0.01))
+    layer.input_scale.weight_loader(layer.input_scale, torch.tensor(0.05))
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(20, 64)
+    torch.testing.assert_close(
+        layer(x),
+        fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, scaled_mm=False),
+    )
+    assert calls == [((20, 64), layer.input_scale)]
 
 
 def test_gate_up_silu_and_row_parallel():
@@ -163,7 +180,8 @@ def test_block_shards_must_hold_whole_blocks():
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
 def test_scaled_mm_matches_the_reference(tokens, n, k):
     """Llama 3 8B's projections (qkv, o, gate_up, down) in bfloat16: the same quantized
-    operands, so only the accumulation order and the output's bf16 rounding differ."""
+    operands, so only the accumulation order and the output's bf16 rounding differ; the
+    activations quantized by the Triton kernel give the same output as by the reference."""
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
     x = torch.randn(tokens, k, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -173,12 +191,17 @@ def test_scaled_mm_matches_the_reference(tokens, n, k):
     fast = fp8_linear(x, q, scale, None, scaled_mm=True)
     ref = fp8_linear(x, q, scale, None, scaled_mm=False)
     assert fast.dtype == ref.dtype == torch.bfloat16
+    from llm_inference.kernels.triton_ops import quantize_rows as triton_quantize
+
+    # The Triton quantization is the reference's, bit for bit: the same product.
+    assert torch.equal(fp8_linear(x, q, scale, None, True, triton_quantize), fast)
     torch.testing.assert_close(
         fast.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().std().item()
     )
     static = torch.tensor(0.02, device="cuda")
     fast = fp8_linear(x, q, scale, static, scaled_mm=True)
     ref = fp8_linear(x, q, scale, static, scaled_mm=False)
+    assert torch.equal(fp8_linear(x, q, scale, static, True, triton_quantize), fast)
     torch.testing.assert_close(
         fast.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().std().item()
     )

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 
 FP8 = torch.float8_e4m3fn  # the FP8 KV cache's dtype
 FP8_MAX = torch.finfo(FP8).max  # 448: larger magnitudes saturate to it
+# Smallest row maximum scaled: an all-zero row gets a tiny scale, not a division by zero.
+MIN_AMAX = 1e-12
 
 
 def to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -263,6 +265,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate.float()) * up.float()).to(x.dtype)
 
 
+def quantize_rows(
+    x: torch.Tensor, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] as FP8 and its float32 scales [R, 1] (x ~ q * scale): each row's largest
+    magnitude maps to FP8_MAX, or `scale` (a static scalar) is used and what exceeds the range
+    saturates. Computed in float32, as vLLM's quantization kernels (layers/fp8.py's
+    activations, and its weights at load)."""
+    x = x.float()
+    if scale is None:
+        scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
+    else:
+        scale = scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, K] @ weight [N, K]^T -> [T, N] (nn.Linear's layout, no bias)."""
     return F.linear(x, weight)
@@ -282,6 +299,7 @@ class ReferenceOps:
     rms_norm = staticmethod(rms_norm)
     rotary_embedding = staticmethod(rotary_embedding)
     silu_and_mul = staticmethod(silu_and_mul)
+    quantize_rows = staticmethod(quantize_rows)
     rotary_store_kv = staticmethod(rotary_store_kv)
     linear = staticmethod(linear)
     gate_up_silu = staticmethod(gate_up_silu)

@@ -19,7 +19,8 @@ Every checkpoint form (config.Fp8Format) ends in that one layout after loading
   the weight bytes, and quantizing x would only add a kernel and its error. The MLP's gate_up
   is fused with SiLU-and-mul there, as unquantized layers' is; a static input scale goes
   unused;
-- else x is quantized and multiplied with W: on CUDA with compute capability 8.9 or more
+- else x is quantized (`ops.quantize_rows`: one Triton kernel on the Triton ops) and
+  multiplied with W: on CUDA with compute capability 8.9 or more
   through `torch._scaled_mm` with row-wise scales (per-token x per-channel); elsewhere the
   reference dequantizes both and multiplies in the activation dtype, the same product up to
   rounding.
@@ -40,26 +41,8 @@ from torch import nn
 
 from llm_inference.config import Fp8Format, cdiv
 from llm_inference.kernels import KernelOps
+from llm_inference.kernels.reference import FP8, quantize_rows
 from llm_inference.layers.quantization import LinearMethodBase
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
-# Smallest row maximum scaled: an all-zero row gets a tiny scale, not a division by zero.
-MIN_AMAX = 1e-12
-
-
-def quantize_rows(
-    x: torch.Tensor, scale: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, C] as FP8 and its float32 scales [R, 1] (x ~ q * scale): each row's largest
-    magnitude maps to FP8_MAX, or `scale` (a static scalar) is used and what exceeds the range
-    saturates. Computed in float32, as vLLM's quantization kernels."""
-    x = x.float()
-    if scale is None:
-        scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
-    else:
-        scale = scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
-    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def fp8_linear(
@@ -68,10 +51,12 @@ def fp8_linear(
     weight_scale: torch.Tensor,
     input_scale: torch.Tensor | None,
     scaled_mm: bool,
+    quantize: Callable = quantize_rows,
 ) -> torch.Tensor:
     """x [T, K] @ (weight [N, K] FP8 * weight_scale [N])^T, x quantized per token (or with the
-    static `input_scale`); `scaled_mm`: through torch._scaled_mm, else the reference."""
-    q, x_scale = quantize_rows(x, input_scale)
+    static `input_scale`) by `quantize` (the ops' quantize_rows: on the Triton ops one kernel);
+    `scaled_mm`: through torch._scaled_mm, else the reference."""
+    q, x_scale = quantize(x, input_scale)
     if scaled_mm:  # row-wise scaling takes bf16 output only
         y = torch._scaled_mm(
             q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
@@ -195,7 +180,10 @@ class Fp8LinearMethod(LinearMethodBase):
         if self.ops.skinny_applies(x, layer.weight):  # a decode step: W8A16
             y = self.ops.linear(x, layer.weight, weight_scale=layer.weight_scale)
         else:
-            y = fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, self.scaled_mm)
+            y = fp8_linear(
+                x, layer.weight, layer.weight_scale, layer.input_scale, self.scaled_mm,
+                quantize=self.ops.quantize_rows,
+            )  # fmt: skip
         return y if bias is None else y.add_(bias)
 
     def apply_gate_up_silu(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
