@@ -329,7 +329,8 @@ def check_fp8_linear() -> None:
     """The FP8 linear method on the Triton ops (float16 activations): up to 16 rows take the
     skinny GEMM with the weight's scales (gate_up fused with SiLU-and-mul), W8A16: the
     dequantized weight's product, within float16 rounding; 17 rows, or the switch off, the
-    method's W8A8 path (activations quantized; fp8_linear's reference) and no kernel."""
+    method's W8A8 path (activations quantized by the ops' kernel; fp8_linear's reference
+    product) and no skinny GEMM."""
     from llm_inference.kernels import reference
     from llm_inference.layers.fp8 import fp8_linear
 
@@ -345,7 +346,14 @@ def check_fp8_linear() -> None:
             calls.update(gemm=0, silu=0)
             got, got_silu = linear(x), gate_up.forward_silu_and_mul(x)
             assert calls == {"gemm": int(want), "silu": int(want)}, (rows, want, calls)
-            w8a8 = fp8_linear(x, linear.weight, linear.weight_scale, None, scaled_mm=False)
+            w8a8 = fp8_linear(
+                x,
+                linear.weight,
+                linear.weight_scale,
+                None,
+                scaled_mm=False,
+                quantize=off.quantize_rows,
+            )  # the ops' own quantization kernel
             if not want:
                 assert torch.equal(got, w8a8), rows
                 continue
