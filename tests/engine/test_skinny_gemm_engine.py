@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_greedy_close, make_sharp_checkpoint, triton_compiles
+from helpers import assert_greedy_close, make_sharp_checkpoint, needs_fp8, triton_compiles
 
 from llm_inference import LLM, SamplingParams
 
@@ -83,10 +83,7 @@ def test_skinny_gemm_greedy_equals_cublas(tmp_path, counted, eager, monkeypatch)
     assert_greedy_close(runs[True], runs[False], NEAR_TIE, "skinny GEMM")
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-    reason="FP8 needs CUDA compute capability 8.9+",
-)
+@needs_fp8
 @pytest.mark.parametrize("eager", [False, True], ids=["cuda_graphs", "eager"])
 def test_fp8_decode_steps_take_the_skinny_gemm(tmp_path, counted, eager, monkeypatch):
     """quantization="fp8" in bfloat16: decode steps run the kernels on the FP8 weights (qkv, o

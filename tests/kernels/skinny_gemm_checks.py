@@ -183,14 +183,9 @@ def check_model() -> None:
     tokens every linear layer and the LM head ran the kernels (qkv, o, down and the head the
     GEMM, gate_up the fused variant); at 20 tokens none did."""
     from llm_inference.models.llama import LlamaForCausalLM
-    from llm_inference.models.model_config import parse_hf_config
 
     calls = counting()
-    config = parse_hf_config({
-        "model_type": "llama", "hidden_size": 48, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 80,
-        "vocab_size": 300, "max_position_embeddings": 128, "rms_norm_eps": 1e-5,
-    })  # fmt: skip
+    config = _tiny_llama_config()
     _half_precision()
     models = {flag: LlamaForCausalLM(config, triton_ops(flag)) for flag in (False, True)}
     for model in models.values():
@@ -325,6 +320,17 @@ def _fp8_layers(ops):
     return linear, gate_up
 
 
+def _tiny_llama_config():
+    """A two-layer Llama small enough for the interpreter."""
+    from llm_inference.models.model_config import parse_hf_config
+
+    return parse_hf_config({
+        "model_type": "llama", "hidden_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 80,
+        "vocab_size": 300, "max_position_embeddings": 128, "rms_norm_eps": 1e-5,
+    })  # fmt: skip
+
+
 def check_fp8_linear() -> None:
     """The FP8 linear method on the Triton ops (float16 activations): up to 16 rows take the
     skinny GEMM with the weight's scales (gate_up fused with SiLU-and-mul), W8A16: the
@@ -376,14 +382,9 @@ def check_fp8_model() -> None:
     from llm_inference.config import Fp8Format
     from llm_inference.layers.fp8 import Fp8Config
     from llm_inference.models.llama import LlamaForCausalLM
-    from llm_inference.models.model_config import parse_hf_config
 
     calls = counting()
-    config = parse_hf_config({
-        "model_type": "llama", "hidden_size": 48, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 80,
-        "vocab_size": 300, "max_position_embeddings": 128, "rms_norm_eps": 1e-5,
-    })  # fmt: skip
+    config = _tiny_llama_config()
     _half_precision()
     ops = triton_ops()
     fp8 = LlamaForCausalLM(config, ops, Fp8Config(Fp8Format("online")))

@@ -25,15 +25,13 @@ pytest.importorskip("triton")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import skinny_gemm_checks as checks  # noqa: E402
+from helpers import needs_fp8  # noqa: E402
 from interpreter import run_checks  # noqa: E402
 
 from llm_inference.kernels import skinny_gemm as sg  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-fp8 = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-    reason="Triton's FP8 (e4m3) needs CUDA compute capability 8.9+",
-)
+fp8 = needs_fp8
 
 # (N, K) of each linear layer; gate_up is [2I, K] (the fused kernel's output is I wide).
 SHAPES = {

@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import triton_kernel_checks as checks  # noqa: E402
-from helpers import FP8_CACHES  # noqa: E402
+from helpers import FP8_CACHES, needs_fp8  # noqa: E402
 from interpreter import run_checks  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -183,10 +183,7 @@ def test_silu_and_mul_gpu_bf16(inter):
     checks.check_silu_and_mul("cuda", torch.bfloat16, 1024, inter, seed=inter)
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-    reason="float8_e4m3fn in Triton needs CUDA compute capability 8.9+",
-)
+@needs_fp8
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hidden", [4096, 14336])
 def test_quantize_rows_gpu_bit_for_bit(dtype, hidden):

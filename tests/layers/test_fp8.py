@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import needs_fp8
 
 from llm_inference.config import Fp8Format
 from llm_inference.kernels.reference import FP8, FP8_MAX, ReferenceOps, quantize_rows
@@ -172,10 +173,7 @@ def test_block_shards_must_hold_whole_blocks():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-    reason="torch._scaled_mm's FP8 needs CUDA compute capability 8.9+",
-)
+@needs_fp8
 @pytest.mark.parametrize("tokens", [1, 16, 333, 2048])
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
 def test_scaled_mm_matches_the_reference(tokens, n, k):

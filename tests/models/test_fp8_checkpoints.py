@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from fp8_testfiles import LAYOUTS, logits, steady, write_fp8_checkpoint
-from helpers import assert_greedy_close, make_sharp_checkpoint
+from helpers import assert_greedy_close, make_sharp_checkpoint, needs_fp8
 
 from llm_inference import LLM, SamplingParams
 from llm_inference.config import CheckpointError, Fp8Format
@@ -178,10 +178,7 @@ def test_fp8_tensors_need_the_config_and_their_scales(steady_ckpt, tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-    reason="torch._scaled_mm's FP8 needs CUDA compute capability 8.9+",
-)
+@needs_fp8
 @pytest.mark.parametrize("eager", [False, True], ids=["cuda_graphs", "eager"])
 def test_cuda_engine_runs_scaled_mm(tmp_path, eager):
     """The engine on CUDA (Triton kernels, bfloat16, CUDA graphs or not) with its linear layers

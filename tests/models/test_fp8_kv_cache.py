@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fp8_testfiles import PROMPT, steady
-from helpers import assert_greedy_close, make_sharp_checkpoint
+from helpers import assert_greedy_close, make_sharp_checkpoint, needs_fp8
 
 from llm_inference import LLM, SamplingParams
 from llm_inference.engine import arg_utils
@@ -159,10 +159,7 @@ def test_greedy_tokens_follow_the_unquantized_cache(tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-    reason="Triton's float8_e4m3fn needs CUDA compute capability 8.9+",
-)
+@needs_fp8
 @pytest.mark.parametrize("eager", [False, True], ids=["cuda_graphs", "eager"])
 def test_cuda_engine_with_an_fp8_cache(tmp_path, eager):
     """The engine on CUDA (Triton kernels, bfloat16, CUDA graphs or not) with an FP8 cache:

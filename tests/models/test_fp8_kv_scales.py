@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from fp8_testfiles import write_fp8_checkpoint
-from helpers import make_checkpoint
+from helpers import make_checkpoint, needs_fp8
 from safetensors.torch import load_file, save_file
 
 from llm_inference import LLM, SamplingParams
@@ -189,10 +189,7 @@ def test_online_quantization_has_no_kv_scales():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-    reason="Triton's float8_e4m3fn needs CUDA compute capability 8.9+",
-)
+@needs_fp8
 @pytest.mark.parametrize("eager", [False, True], ids=["cuda_graphs", "eager"])
 def test_cuda_engine_computes_with_the_checkpoint_scales(far_kv, eager):
     """The same on CUDA (Triton kernels, bfloat16, CUDA graphs or not): the scales reach the
