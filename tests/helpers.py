@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -268,3 +270,30 @@ needs_fp8 = pytest.mark.skipif(
 FP8_CACHES = pytest.mark.parametrize(
     "fp8", [False, pytest.param(True, marks=needs_fp8)], ids=["bf16_cache", "fp8_cache"]
 )
+
+
+def random_prompts(lengths=(1, 7, 33, 120, 250, 64)) -> list[list[int]]:
+    """Token-id prompts of these lengths in the tests' tokenizer's ids (seeded: the same ones
+    every call)."""
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(2, 320, (n,), generator=g).tolist() for n in lengths]
+
+
+def error_after_killing(pid: int, call, timeout: float = 10.0) -> Exception:
+    """SIGKILL `pid`, then run `call()` on a thread: the one exception it raised, which it must
+    do within `timeout` seconds (a hang, or no error, fails the test)."""
+    errors = []
+
+    def run():
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            errors.append(e)
+
+    os.kill(pid, signal.SIGKILL)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"the call hung after process {pid} was killed"
+    assert len(errors) == 1, errors
+    return errors[0]

@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
-import signal
 import sys
-import threading
 
 import pytest
-from helpers import child_processes, wait_gone
+from helpers import child_processes, error_after_killing, wait_gone
 
 from llm_inference import LLM, AsyncLLM, SamplingParams
 from llm_inference.core.outputs import EngineCoreOutput
@@ -152,22 +149,12 @@ def test_killed_replica_is_an_error_naming_it(tiny_ckpt):
     llm = LLM(str(tiny_ckpt), data_parallel_size=2, **ENGINE)
     pids = [r.pid for r in llm.engine.core.replicas]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    errors = []
-
-    def run():
-        try:
-            llm.generate(PROMPTS * 4, params, use_tqdm=False)
-        except Exception as e:  # noqa: BLE001 - the test reads it
-            errors.append(e)
-
     try:
-        os.kill(pids[1], signal.SIGKILL)
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        thread.join(10)
-        assert not thread.is_alive(), "generate hung on a dead replica"
-        assert len(errors) == 1 and isinstance(errors[0], EngineCoreError), errors
-        assert "data-parallel replica 1" in str(errors[0])
+        error = error_after_killing(
+            pids[1], lambda: llm.generate(PROMPTS * 4, params, use_tqdm=False)
+        )
+        assert isinstance(error, EngineCoreError), error
+        assert "data-parallel replica 1" in str(error)
     finally:
         llm.close()
     assert wait_gone(pids, 10) == []

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import child_processes, make_sharp_checkpoint, wait_gone
+from helpers import child_processes, make_sharp_checkpoint, random_prompts, wait_gone
 
 from llm_inference import LLM, SamplingParams
 
@@ -25,15 +25,10 @@ def folder(tmp_path_factory):
     return make_sharp_checkpoint(tmp_path_factory.mktemp("dp_ray_cuda"))
 
 
-def prompts():
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(2, 320, (n,), generator=g).tolist() for n in (1, 7, 33, 120, 250, 64)]
-
-
 @pytest.fixture(scope="module")
 def tp1(folder):
     with LLM(str(folder), **ENGINE) as llm:
-        return [o.token_ids for o in llm.generate(prompts(), PARAMS, use_tqdm=False)]
+        return [o.token_ids for o in llm.generate(random_prompts(), PARAMS, use_tqdm=False)]
 
 
 def test_tp2_through_ray_equals_tp1(folder, tp1):
@@ -44,7 +39,7 @@ def test_tp2_through_ray_equals_tp1(folder, tp1):
         rpc = llm.engine.executor.collective_rpc
         assert rpc("uses_custom_all_reduce") == [True, True]  # the peers see each other
         pids = llm.engine.executor.worker_pids
-        assert [o.token_ids for o in llm.generate(prompts(), PARAMS, use_tqdm=False)] == tp1
+        assert [o.token_ids for o in llm.generate(random_prompts(), PARAMS, use_tqdm=False)] == tp1
     assert not ray.is_initialized()  # the engine's own local Ray, stopped
     assert wait_gone(pids, 10) == []
     assert wait_gone([p for p, _ in child_processes()], 10) == []
@@ -54,6 +49,6 @@ def test_dp2_equals_tp1_one_gpu_each(folder, tp1):
     with LLM(str(folder), data_parallel_size=2, **ENGINE) as llm:
         replicas = llm.engine.core.replicas
         assert [r.config.device for r in replicas] == ["cuda:0", "cuda:1"]
-        assert [o.token_ids for o in llm.generate(prompts(), PARAMS, use_tqdm=False)] == tp1
+        assert [o.token_ids for o in llm.generate(random_prompts(), PARAMS, use_tqdm=False)] == tp1
         assert all(r.stats()["num_steps"] > 0 for r in replicas)
     assert wait_gone([p for p, _ in child_processes()], 10) == []

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import child_processes, make_sharp_checkpoint
+from helpers import child_processes, make_sharp_checkpoint, random_prompts
 
 from llm_inference import LLM, SamplingParams, envs
 
@@ -29,11 +29,6 @@ NEAR_TIE = 8 * 0.15
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return make_sharp_checkpoint(tmp_path_factory.mktemp("tp_cuda"))
-
-
-def prompts():
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(2, 320, (n,), generator=g).tolist() for n in (1, 7, 33, 120, 250, 64)]
 
 
 def generate(folder, dtype, tp, eager, logprobs=5, custom_all_reduce=True):
@@ -59,7 +54,7 @@ def generate(folder, dtype, tp, eager, logprobs=5, custom_all_reduce=True):
         # NCCL + RMSNorm.
         fused = tp > 1 and custom_all_reduce and envs.LLM_INFERENCE_FUSED_ALL_REDUCE_NORM
         assert rpc("uses_fused_all_reduce_norm") == [fused] * tp
-        return llm.generate(prompts(), params, use_tqdm=False)
+        return llm.generate(random_prompts(), params, use_tqdm=False)
 
 
 def assert_same_greedy(got, ref, dtype, what=""):
@@ -136,12 +131,12 @@ def test_tp2_structured_outputs_on_masked_slices(folder):
         params = [SamplingParams(temperature=0.0 if i == 2 else 0.8, seed=100 + i,
                                  max_tokens=40, logprobs=logprobs,
                                  structured_outputs=specs[i % 3])
-                  for i in range(len(prompts()))]  # fmt: skip
+                  for i in range(len(random_prompts()))]  # fmt: skip
         with LLM(
             str(folder), device="cuda", dtype="bfloat16", tensor_parallel_size=2,
             kv_cache_memory_bytes=64 << 20, max_num_seqs=8,
         ) as llm:  # fmt: skip
-            outs = llm.generate(prompts(), params, use_tqdm=False)
+            outs = llm.generate(random_prompts(), params, use_tqdm=False)
             runs[logprobs] = [(o.outputs[0].token_ids, o.text, o.finish_reason) for o in outs]
     assert runs[None] == runs[1]
     for i, (_, text, reason) in enumerate(runs[None]):
@@ -164,12 +159,14 @@ def test_tp2_seeded_sampling_races_on_slices(folder):
         params = [
             SamplingParams(temperature=0.0 if i == 2 else 0.8, seed=100 + i, max_tokens=40,
                            ignore_eos=True, logprobs=logprobs)
-            for i in range(len(prompts()))
+            for i in range(len(random_prompts()))
         ]  # fmt: skip
         with LLM(
             str(folder), device="cuda", dtype="bfloat16", tensor_parallel_size=2,
             kv_cache_memory_bytes=64 << 20, max_num_seqs=8,
         ) as llm:  # fmt: skip
-            runs[logprobs] = [o.token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
+            runs[logprobs] = [
+                o.token_ids for o in llm.generate(random_prompts(), params, use_tqdm=False)
+            ]
     assert runs[None] == runs[1]
     assert len({tuple(t) for t in runs[None]}) == len(runs[None])  # not one repeated answer

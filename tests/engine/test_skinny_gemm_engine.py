@@ -19,7 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_greedy_close, make_sharp_checkpoint, needs_fp8, triton_compiles
+from helpers import (
+    assert_greedy_close,
+    make_sharp_checkpoint,
+    needs_fp8,
+    random_prompts,
+    triton_compiles,
+)
 
 from llm_inference import LLM, SamplingParams
 
@@ -30,11 +36,6 @@ from fp8_testfiles import steady  # noqa: E402
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 NEAR_TIE = 0.15  # log-probability gap under which fp16 rounding may flip the argmax
-
-
-def _prompts():
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(2, 320, (n,), generator=g).tolist() for n in (1, 7, 33, 120, 250, 64)]
 
 
 @pytest.fixture
@@ -73,7 +74,7 @@ def test_skinny_gemm_greedy_equals_cublas(tmp_path, counted, eager, monkeypatch)
             enforce_eager=eager,
             max_num_seqs=8,
         ) as llm:
-            runs[skinny] = llm.generate(_prompts(), params, use_tqdm=False)
+            runs[skinny] = llm.generate(random_prompts(), params, use_tqdm=False)
         layers = 3
         if skinny:  # qkv, o, down per layer plus the LM head; gate_up fused
             assert counted["silu"] >= layers and counted["gemm"] >= 3 * layers + 1, counted
@@ -92,8 +93,7 @@ def test_fp8_decode_steps_take_the_skinny_gemm(tmp_path, counted, eager, monkeyp
     up to near ties as wide as test_fp8_checkpoints.py's CUDA test's: the two differ by the
     activations' FP8 rounding (W8A16 against W8A8), ~1 nat on this checkpoint's large logits."""
     folder = steady(tmp_path / "peaked", make_sharp_checkpoint, factor=100, num_hidden_layers=2)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, 320, (n,), generator=g).tolist() for n in (1, 7, 33, 120, 250)]
+    prompts = random_prompts((1, 7, 33, 120, 250))
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=5)
     runs = {}
     for skinny in (True, False):

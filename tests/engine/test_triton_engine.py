@@ -13,18 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_greedy_close, make_sharp_checkpoint
+from helpers import assert_greedy_close, make_sharp_checkpoint, random_prompts
 
 from llm_inference import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 NEAR_TIE = 0.15  # log-probability gap under which fp16 rounding may flip the argmax
-
-
-def _prompts():
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(2, 320, (n,), generator=g).tolist() for n in (1, 7, 33, 120, 250, 64)]
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["cuda_graphs", "eager"])
@@ -46,7 +41,7 @@ def test_triton_greedy_equals_reference(tmp_path, head_dim, block_size, eager):
         ) as llm:
             if backend == "auto":
                 assert (llm.engine.executor.workers[0].model_runner.graphs is None) == eager
-            runs[backend] = llm.generate(_prompts(), params, use_tqdm=False)
+            runs[backend] = llm.generate(random_prompts(), params, use_tqdm=False)
     # Before the first difference the sequences are identical; at it, the reference must have
     # found the two tokens nearly tied.
     assert_greedy_close(runs["auto"], runs["reference"], NEAR_TIE, "Triton")
@@ -71,7 +66,7 @@ def test_first_requests_compile_nothing(tmp_path, eager):
     folder = make_sharp_checkpoint(tmp_path, head_dim=64)
     with LLM(str(folder), device="cuda", dtype="bfloat16", kv_cache_memory_bytes=64 << 20,
              max_num_seqs=32, enforce_eager=eager) as llm:  # fmt: skip
-        prompts = _prompts()
+        prompts = random_prompts()
         with triton_compiles() as compiled:
             for n in (1, 3, 6, 6 * 2):
                 batch = (prompts * 2)[:n]
@@ -93,7 +88,7 @@ def test_prompt_logprobs_with_graphs_equal_reference(tmp_path):
     reaches unlikely tokens' logprobs whole: on the GPU, 0.053 off at -23.94 and 0.109 at
     -19.65, every other position within 0.05. A wrong position or row is off by nats."""
     folder = make_sharp_checkpoint(tmp_path, head_dim=64)
-    prompt = _prompts()[4]  # 250 tokens
+    prompt = random_prompts()[4]  # 250 tokens
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
     runs = {}
     for backend in ("auto", "reference"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from families import make_family_checkpoint
-from helpers import assert_greedy_close
+from helpers import assert_greedy_close, random_prompts
 
 from llm_inference import LLM, SamplingParams
 
@@ -30,11 +30,6 @@ def _sharp(folder, family, **overrides):
     return folder
 
 
-def _prompts():
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(2, 320, (n,), generator=g).tolist() for n in (1, 7, 33, 120, 250, 64)]
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("case", list(CASES))
 def test_triton_greedy_equals_reference(tmp_path, case, tp):
@@ -48,5 +43,5 @@ def test_triton_greedy_equals_reference(tmp_path, case, tp):
         with LLM(str(folder), device="cuda", dtype="float16", kernel_backend=backend,
                  kv_cache_memory_bytes=64 << 20, max_num_seqs=8,
                  tensor_parallel_size=tp) as llm:  # fmt: skip
-            runs[backend] = llm.generate(_prompts(), params, use_tqdm=False)
+            runs[backend] = llm.generate(random_prompts(), params, use_tqdm=False)
     assert_greedy_close(runs["auto"], runs["reference"], NEAR_TIE, "Triton")

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from fp8_testfiles import LAYOUTS, logits, steady, write_fp8_checkpoint
-from helpers import assert_greedy_close, make_sharp_checkpoint, needs_fp8
+from helpers import assert_greedy_close, make_sharp_checkpoint, needs_fp8, random_prompts
 
 from llm_inference import LLM, SamplingParams
 from llm_inference.config import CheckpointError, Fp8Format
@@ -187,8 +187,7 @@ def test_cuda_engine_runs_scaled_mm(tmp_path, eager):
     checkpoint's logits are ~30 in size, where FP8's few percent of error is ~1 nat (seen on the
     H200: first differences at steps 14 and 16 with gaps of 1.0)."""
     folder = steady(tmp_path / "peaked", make_sharp_checkpoint, factor=100, num_hidden_layers=2)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, 320, (n,), generator=g).tolist() for n in (1, 7, 33, 120, 250)]
+    prompts = random_prompts((1, 7, 33, 120, 250))
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=5)
     runs = {}
     for quantization in (None, "fp8"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fp8_testfiles import PROMPT, steady
-from helpers import assert_greedy_close, make_sharp_checkpoint, needs_fp8
+from helpers import assert_greedy_close, make_sharp_checkpoint, needs_fp8, random_prompts
 
 from llm_inference import LLM, SamplingParams
 from llm_inference.engine import arg_utils
@@ -166,8 +166,7 @@ def test_cuda_engine_with_an_fp8_cache(tmp_path, eager):
     twice the bfloat16 cache's blocks in the same bytes, and greedy tokens as the bfloat16
     cache's up to near ties, prompts from 1 to 250 tokens (mixed steps and decodes)."""
     folder = steady(tmp_path / "peaked", make_sharp_checkpoint, factor=100, num_hidden_layers=2)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, 320, (n,), generator=g).tolist() for n in (1, 7, 33, 120, 250)]
+    prompts = random_prompts((1, 7, 33, 120, 250))
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=5)
     runs, blocks = {}, {}
     for kv in ("auto", "fp8"):
