@@ -42,7 +42,7 @@ from torch import nn
 from llm_inference.config import Fp8Format, cdiv
 from llm_inference.kernels import KernelOps
 from llm_inference.kernels.reference import FP8, quantize_rows
-from llm_inference.layers.quantization import LinearMethodBase
+from llm_inference.layers.quantization import LinearMethodBase, register_param
 
 
 def fp8_linear(
@@ -119,14 +119,14 @@ class Fp8LinearMethod(LinearMethodBase):
         fmt, rows, cols = self.fmt, sum(output_partition_sizes), input_size_per_partition
         layer.output_partition_sizes = output_partition_sizes
         dtype = None if fmt.weight_scale == "online" else FP8  # None: the model dtype
-        _register(layer, "weight", torch.empty(rows, cols, dtype=dtype), weight_loader)
+        register_param(layer, "weight", torch.empty(rows, cols, dtype=dtype), weight_loader)
         parts = len(output_partition_sizes)
         if fmt.weight_scale == "tensor":
-            _register(
+            register_param(
                 layer, "weight_scale", torch.zeros(parts, dtype=torch.float32), _per_shard_loader
             )
         elif fmt.weight_scale == "channel":
-            _register(
+            register_param(
                 layer, "weight_scale", torch.empty(rows, 1, dtype=torch.float32), weight_loader
             )
         elif fmt.weight_scale == "block":
@@ -146,9 +146,9 @@ class Fp8LinearMethod(LinearMethodBase):
                 weight_loader(param, whole.repeat_interleave(bn, dim=0), *shard_id)
 
             scale = torch.empty(rows, cdiv(cols, bk), dtype=torch.float32)
-            _register(layer, "weight_scale_inv", scale, block_loader)
+            register_param(layer, "weight_scale_inv", scale, block_loader)
         if fmt.static_input_scale:
-            _register(
+            register_param(
                 layer, "input_scale", torch.zeros(parts, dtype=torch.float32), _per_shard_loader
             )
 
@@ -190,9 +190,3 @@ class Fp8LinearMethod(LinearMethodBase):
         if self.ops.skinny_applies(x, layer.weight):  # fused as the unquantized layers' are
             return self.ops.gate_up_silu(x, layer.weight, weight_scale=layer.weight_scale)
         return super().apply_gate_up_silu(layer, x)
-
-
-def _register(layer: nn.Module, name: str, data: torch.Tensor, loader: Callable) -> None:
-    param = nn.Parameter(data, requires_grad=False)
-    param.weight_loader = loader
-    layer.register_parameter(name, param)

@@ -18,7 +18,11 @@ from torch import nn
 
 from llm_inference.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size
 from llm_inference.kernels import KernelOps
-from llm_inference.layers.quantization import QuantizationConfig, get_linear_method
+from llm_inference.layers.quantization import (
+    QuantizationConfig,
+    get_linear_method,
+    register_param,
+)
 
 
 def _divide(a: int, b: int) -> int:
@@ -47,9 +51,8 @@ class LinearBase(nn.Module):
             self, input_size_per_partition, output_partition_sizes, self.weight_loader
         )
         if bias:
-            b = nn.Parameter(torch.empty(sum(output_partition_sizes)), requires_grad=False)
-            b.weight_loader = self.weight_loader
-            self.register_parameter("bias", b)
+            bias_data = torch.empty(sum(output_partition_sizes))
+            register_param(self, "bias", bias_data, self.weight_loader)
         else:
             self.register_parameter("bias", None)
 

@@ -55,6 +55,14 @@ class LinearMethodBase(ABC):
         return self.ops.silu_and_mul(self.apply(layer, x))
 
 
+def register_param(layer: nn.Module, name: str, data: torch.Tensor, loader: Callable) -> None:
+    """`data` as the frozen parameter `name` of `layer`, loaded from the checkpoint by `loader`
+    (`loader(param, loaded, *shard_id)`, the layer's or the method's)."""
+    param = nn.Parameter(data, requires_grad=False)
+    param.weight_loader = loader
+    layer.register_parameter(name, param)
+
+
 class QuantizationConfig(Protocol):
     """A checkpoint's quantization: picks each linear layer's method."""
 
@@ -73,12 +81,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
         output_partition_sizes: list[int],
         weight_loader: Callable,
     ) -> None:
-        weight = nn.Parameter(
-            torch.empty(sum(output_partition_sizes), input_size_per_partition),
-            requires_grad=False,
-        )
-        weight.weight_loader = weight_loader
-        layer.register_parameter("weight", weight)
+        data = torch.empty(sum(output_partition_sizes), input_size_per_partition)
+        register_param(layer, "weight", data, weight_loader)
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
