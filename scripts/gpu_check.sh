@@ -16,8 +16,9 @@ set -uo pipefail
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv \
   | tee "$OUT/gpu.txt"
 if [ "${RUN_TESTS:-1}" = 1 ]; then
-  timeout "${TEST_TIMEOUT:-560}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/engine tests/sample \
-    tests/kernels tests/layers tests/executor tests/distributed tests/entrypoints/test_llm.py} \
+  # SIGINT at TEST_TIMEOUT: pytest stops and still prints the failures it has seen.
+  timeout -s INT "${TEST_TIMEOUT:-560}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
+    ${TESTS:-tests/engine tests/sample tests/kernels tests/layers tests/executor tests/distributed tests/entrypoints/test_llm.py} \
     -k "${TESTS_K:-not interpreter}" 2>&1 | tee "$OUT/pytest_cuda.log" | tail -25
 fi
 if [ "${BENCH:-0}" = 1 ]; then

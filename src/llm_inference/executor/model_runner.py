@@ -195,8 +195,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_up_sampler(self) -> None:
-        """Compile the fused sampler's kernels for the staged sampling inputs, on the model's
-        logits and on float32 ones (rows with logprobs, penalties or a logit bias sample a
+        """Compile the fused sampler's kernels for the staged sampling inputs on the model's
+        logits and for the slow path's (rows with logprobs, penalties or a logit bias sample a
         float32 copy: sample/sampler.py), and the LM head at one row and at all, before the
         first request, as the graph capture does the model's (kernels/sampling.py,
         "Compiles")."""
@@ -207,11 +207,13 @@ class ModelRunner:
         head = lm_head.compute_local_logits if tp else self.model.compute_logits
         head(hidden[:1])  # the LM head of a small batch: the skinny GEMM, where it applies
         logits = head(hidden)
-        for x in (logits, logits.float()) if logits.dtype != torch.float32 else (logits,):
+        # The slow path's rows sample a float32 copy, with SamplingMetadata.build's int64 keys
+        # and bool greedy flags: another compiled variant.
+        built = (staged.keys.long() & 0xFFFFFFFF, staged.greedy.bool())
+        for x, keys, greedy in [(logits, staged.keys, staged.greedy), (logits.float(), *built)]:
             self.sampler.warm_up(
-                x, staged.keys, staged.temperature, staged.greedy,
-                lm_head.vocab_start if tp else None,
-            )  # fmt: skip
+                x, keys, staged.temperature, greedy, lm_head.vocab_start if tp else None
+            )
 
     def mixed_graph_sizes(self) -> list[int]:
         """Token buckets of the mixed-step graphs (none without CUDA graphs)."""

@@ -274,7 +274,9 @@ def quantize_rows(
     activations, and its weights at load)."""
     x = x.float()
     if scale is None:
-        scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
+        amax = x.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX)
+        # Divided by a tensor: a Python number would make CUDA multiply by its reciprocal.
+        scale = amax / torch.full_like(amax, FP8_MAX)
     else:
         scale = scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
