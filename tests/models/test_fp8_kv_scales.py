@@ -116,7 +116,8 @@ def test_engine_computes_with_the_checkpoint_scales(far_kv):
     or with either of K's and V's ignored, they move by more than 0.2 (each measured)."""
     scaled, plain = far_kv
     ref = prompt_logprobs(scaled, "auto")
-    assert EngineArgs(str(scaled), device="cpu").create_engine_config().cache.kv_cache_dtype == "float32"
+    config = EngineArgs(str(scaled), device="cpu").create_engine_config()
+    assert config.cache.kv_cache_dtype == "float32"
     torch.testing.assert_close(prompt_logprobs(plain, "auto"), ref, rtol=0, atol=0)  # unread
     err = (prompt_logprobs(scaled, "fp8") - ref).abs().max().item()
     assert 0 < err < 0.06, f"FP8 cache with the checkpoint's scales: {err:.4f}"
