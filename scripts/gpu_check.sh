@@ -10,6 +10,8 @@
 #     `git archive REV src | tar -x -C .ab_old`, then carried), of that one, alternating for
 #     ROUNDS rounds: figures move between machine starts, so compare within one call only.
 #     One shape and two rounds fit a 10-minute call. JSON lands in $OUT; the tables print.
+#     BATCHES=none skips the latency; WORKLOAD replaces the throughput run's workload options
+#     (for example issue 28's chat-like mix, as scripts/gpu_vs_vllm.sh MIXES=1 runs it).
 #   RUN_TESTS=0 BENCH=1 OLD_SRC=.ab_old/src SHAPES=llama-3.2-3b OUT=$OUT bash scripts/gpu_check.sh
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"  # $OUT, $R, the environment, $B
@@ -28,10 +30,11 @@ if [ "${BENCH:-0}" = 1 ]; then
         src=src; [ "$side" = old ] && src=$OLD_SRC
         bench="env PYTHONPATH=$src:/tmp/site python3 $src/llm_inference/entrypoints/bench.py"  # that tree's
         echo "== $shape round $round $side ($src)"
-        timeout 200 $bench latency --model "$shape" --batches "${BATCHES:-1,8,64,256}" \
-          --json "$OUT/latency_${shape}_${side}_$round.json" 2>&1 | grep -v "it/s" | tail -7
-        timeout 150 $bench throughput --model "$shape" --disable-detokenize \
-          --json "$OUT/throughput_${shape}_${side}_$round.json" 2>&1 | tail -1
+        [ "${BATCHES:-}" = none ] || timeout 200 $bench latency --model "$shape" \
+          --batches "${BATCHES:-1,8,64,256}" --json "$OUT/latency_${shape}_${side}_$round.json" \
+          2>&1 | grep -v "it/s" | tail -7
+        timeout 200 $bench throughput --model "$shape" --disable-detokenize ${WORKLOAD:-} \
+          --json "$OUT/throughput_${shape}_${side}_$round.json" 2>&1 | tail -2
       done
     done
   done

@@ -194,3 +194,26 @@ def test_the_order_is_followed_from_order_min_seqs_on(monkeypatch):
                              seq_order=order)  # fmt: skip
     assert seen[0] is None and seen[1] is not None
     assert not ua.ordered(ua.ORDER_MIN_SEQS, 2) and ua.ordered(ua.ORDER_MIN_SEQS, 1)
+
+
+def test_mixed_steps_leave_their_decodes_to_the_decode_kernel(monkeypatch):
+    """A step with a prompt chunk launches the decode kernel (it takes the one-row sequences,
+    split by the step's sizes) and then the tiled kernel, told to skip them; a decode-only
+    step the decode kernel alone."""
+    from llm_inference.kernels import paged_attention as pa
+    from llm_inference.kernels import unified_attention as ua
+
+    seen = []
+    monkeypatch.setattr(ua, "num_sms", lambda device: 132)
+    monkeypatch.setattr(pa, "launch", lambda *a, **kw: seen.append(("decode", a[7])))
+    monkeypatch.setattr(ua, "launch", lambda *a, **kw: seen.append(("tiled", kw["skip_decodes"])))
+    cache = torch.zeros(4, 16, 8, 128)
+    for q_lens in ([1, 1, 300], [1, 1, 1]):
+        cu = torch.tensor([0, 1, 2, 2 + q_lens[2]], dtype=torch.int32)
+        ua.unified_attention(torch.zeros(sum(q_lens), 32, 128), cache, cache,
+                             torch.zeros(3, 256, dtype=torch.int32), cu,
+                             torch.full((3,), 400, dtype=torch.int32), 1.0,
+                             max_query_len=max(q_lens), max_seq_len=4096)  # fmt: skip
+    splits = pa.choose_splits(3, 8, 4096, pa.default_block_n(128, 16), 132)
+    assert splits > 1  # three sequences of 4,096 tokens split
+    assert seen == [("decode", splits), ("tiled", True), ("decode", splits)]

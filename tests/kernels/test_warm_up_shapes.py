@@ -8,10 +8,9 @@ import pytest
 pytest.importorskip("triton")
 from llm_inference.kernels import paged_attention as pa  # noqa: E402
 from llm_inference.kernels import skinny_gemm as sg  # noqa: E402
-from llm_inference.kernels import unified_attention as ua  # noqa: E402
 from llm_inference.kernels.reference import ReferenceOps  # noqa: E402
 from llm_inference.kernels.triton_ops import TritonOps  # noqa: E402
-from llm_inference.kernels.warm_up import warm_up_shapes  # noqa: E402
+from llm_inference.kernels.warm_up import step_keys, warm_up_shapes  # noqa: E402
 
 SHAPES = [
     # (KV heads, group, head_dim, block size, max_num_seqs, max_model_len, budget, SMs)
@@ -24,38 +23,40 @@ SHAPES = [
 ]
 
 
-def _key(num_seqs, tokens, max_query_len, max_seq_len, shape):
+def _keys(num_seqs, tokens, max_query_len, max_seq_len, shape):
     kv, group, head_dim, block_size, *_, sms = shape
-    ordered = ua.ordered(num_seqs, max_query_len)
-    plan = ua.plan(
-        num_seqs, kv, group, head_dim, block_size, max_query_len, max_seq_len, sms, ordered
-    )
-    return ua.compile_key(plan, ordered), tokens <= sg.MAX_ROWS
+    return step_keys(kv, group, head_dim, block_size, sms, sg.MAX_ROWS, num_seqs, tokens,
+                     max_query_len, max_seq_len)  # fmt: skip
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"kv{s[0]}g{s[1]}d{s[2]}s{s[4]}")
 def test_steps_reach_every_variant(shape):
-    """Against every decode (batch, context in whole tiles) and every mixed query length."""
+    """Against every decode (batch, context in whole tiles) and mixed steps of every query
+    length, at several sequence counts and longest contexts (their decodes split by those)."""
     kv, group, head_dim, block_size, max_seqs, max_len, budget, sms = shape
     steps = warm_up_shapes(
         kv, group, head_dim, block_size, max_seqs, max_len, budget, sms, sg.MAX_ROWS
     )
-    warmed = {_key(s.num_seqs, s.num_tokens, s.max_query_len, s.max_seq_len, shape) for s in steps}
-    assert len(warmed) == len(steps)  # one step per variant
+    warmed = set()
+    for s in steps:  # each step brings a variant the ones before it did not
+        keys = _keys(s.num_seqs, s.num_tokens, s.max_query_len, s.max_seq_len, shape)
+        assert not keys <= warmed, s
+        warmed |= keys
     block_n = pa.default_block_n(head_dim, block_size)
-    every = {
-        _key(b, b, 1, min(n, max_len), shape)
-        for b in range(1, max_seqs + 1)
-        for n in range(block_n, max_len + block_n, block_n)
-    }
-    # A mixed step's tile follows its longest query; its linear layers, all its tokens.
+    contexts = range(block_n, max_len + block_n, block_n)
+    every = set().union(*(_keys(b, b, 1, min(n, max_len), shape)
+                          for b in range(1, max_seqs + 1) for n in contexts))  # fmt: skip
+    # A mixed step's tile follows its longest query; its decodes' split, its sequences and
+    # longest context; its linear layers, all its tokens.
     for tokens in range(2, budget + 1):
-        for query in (2, tokens // 2, tokens):
-            if query >= 2:
-                every.add(_key(max_seqs, tokens, query, max_len, shape))
+        for query in {2, tokens // 2, tokens} - {0, 1}:
+            for seqs in {1, 2, max_seqs // 2, max_seqs} - {0}:
+                for n in (block_n, max_len // 3, max_len):
+                    every |= _keys(seqs, tokens, query, max(n, 1), shape)
     assert every <= warmed, f"not warmed up: {sorted(every - warmed, key=str)}"
-    decode_keys = {k for k, _ in warmed if k[0] == "decode"}
+    decode_keys = {k for k in warmed if k[0] == "decode"}
     assert {k[1] for k in decode_keys} == {False, True}  # these limits split and do not
+    assert "skinny" in warmed and any(k[0] == "tiled" for k in warmed)
 
 
 def test_the_ops_objects_list_them(monkeypatch):
@@ -64,6 +65,5 @@ def test_the_ops_objects_list_them(monkeypatch):
     monkeypatch.delenv("LLM_INFERENCE_SKINNY_GEMM", raising=False)
     with_skinny = TritonOps("cpu").warm_up_shapes(*limits)
     assert with_skinny == warm_up_shapes(*limits, 4, sg.MAX_ROWS)
-    monkeypatch.setenv("LLM_INFERENCE_SKINNY_GEMM", "0")  # one linear variant: fewer steps
-    without = TritonOps("cpu").warm_up_shapes(*limits)
-    assert without == warm_up_shapes(*limits, 4, 0) and len(without) < len(with_skinny)
+    monkeypatch.setenv("LLM_INFERENCE_SKINNY_GEMM", "0")
+    assert TritonOps("cpu").warm_up_shapes(*limits) == warm_up_shapes(*limits, 4, 0)

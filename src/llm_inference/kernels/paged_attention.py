@@ -31,10 +31,11 @@ short ones, not a long one running alone.
 - Compiles: `num_splits` is not specialized (`do_not_specialize`), so what a launch compiles
   follows from whether it splits, the merge's tile (BLOCK_S, the split count rounded up to a
   power of two; the decode kernel's own only with the fused merge) and the order; see
-  unified_attention.compile_key, which an eager engine's start-up warm-up enumerates.
-- With `cu_seqlens` (HAS_CU; unified_attention's decode path, at most one query row per
-  sequence) sequence b reads q row cu[b] and writes that out row, or does nothing when
-  cu[b + 1] == cu[b]; without it row b, and the compiled kernel is the one above.
+  unified_attention.compile_keys, which an eager engine's start-up warm-up enumerates.
+- With `cu_seqlens` (HAS_CU; unified_attention's decodes) sequence b reads q row cu[b] and
+  writes that out row when it has exactly one query row (cu[b + 1] == cu[b] + 1), and does
+  nothing otherwise (no rows, or a prompt chunk that the tiled kernel takes); without it row
+  b, and the compiled kernel is the one above.
 - An FP8 cache (reference.FP8; FP8_KV, a constexpr: other caches compile as before): K/V tiles
   are converted to q's dtype (exact: e4m3 fits in 16 bits) as they are loaded; k_scale is
   folded into the softmax scale and v_scale multiplies the normalized output, the same
@@ -143,9 +144,9 @@ def _paged_decode_kernel(
     num_kv_heads = tl.num_programs(0) // num_splits
     seq_len = tl.load(lens_ptr + b).to(tl.int32)
     row = b  # the q/out row of sequence b
-    if HAS_CU:  # unified_attention's decode path: row cu[b], or none when cu[b + 1] == cu[b]
+    if HAS_CU:  # unified_attention's decodes: row cu[b] of a sequence of one query row
         row = tl.load(cu_ptr + b).to(tl.int32)
-        if tl.load(cu_ptr + b + 1) == row:
+        if tl.load(cu_ptr + b + 1) != row + 1:
             return
     # This sequence's own chunk: its tiles spread evenly over the splits.
     chunk = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits) * BLOCK_N
@@ -209,7 +210,7 @@ def _merge_kernel(part_ptr, out_ptr, cu_ptr, stride_ob, stride_oh, num_splits,
     row = b
     if HAS_CU:
         row = tl.load(cu_ptr + b).to(tl.int32)
-        if tl.load(cu_ptr + b + 1) == row:
+        if tl.load(cu_ptr + b + 1) != row + 1:
             return
     lse_ptr = part_ptr + tl.num_programs(0) * tl.num_programs(1) * num_splits * HEAD_DIM
     o_ptrs = out_ptr + row.to(tl.int64) * stride_ob + h * stride_oh
@@ -344,9 +345,9 @@ def launch(
     """Run with an explicit split and tile configuration (tests and the benchmark sweep it).
 
     Any num_splits >= 1 is exact (each sequence divides its own tiles over them). With
-    `cu_seqlens` ([B + 1], unified_attention's decode path) sequence b reads and writes
-    row cu_seqlens[b] of q/out, or nothing when cu_seqlens[b + 1] == cu_seqlens[b]; q/out may
-    then have any number of rows. Not with the fused merge. `seq_order` ([B] int32 or int64,
+    `cu_seqlens` ([B + 1], unified_attention's decodes) sequence b reads and writes row
+    cu_seqlens[b] of q/out when it has exactly one query row, else nothing; q/out may then
+    have any number of rows. Not with the fused merge. `seq_order` ([B] int32 or int64,
     a permutation of 0..B-1) is the order in which the sequences' programs are dispatched;
     any permutation gives the same result. `k_scale`, `v_scale`: an FP8 cache's scales.
     `pdl`: both kernels launch with programmatic dependent launch (kernels/pdl.py).

@@ -9,10 +9,12 @@ Shapes (as in reference.unified_attention):
 Query row i of sequence s is at position c_s + i (c_s = seq_lens[s] - L_s) and attends to cache
 positions [0, c_s + i].
 
-Dispatch (host side, from Python ints only):
-- `max_query_len == 1` (decode-only steps): paged_attention's split-K decode kernel with its
-  cu_seqlens row mapping, so long contexts at small batch still fill the GPU.
-- otherwise the tiled kernel below (FlashAttention-2 style, no split-K).
+Dispatch (host side, from Python ints only): the sequences of one query row (decodes) take
+paged_attention's split-K decode kernel with its cu_seqlens row mapping, which reads their
+context at the memory's pace and spreads a long one over splits; when `max_query_len > 1` the
+tiled kernel below (FlashAttention-2 style, no split-K) takes the other sequences in a second
+launch. (In the tiled kernel a decode would fill G of the tile's BLOCK_M rows: its tensor work
+is BLOCK_M / G times the useful, which makes a mixed step's decodes compute-bound.)
 
 Work split of the tiled kernel: one program per (q tile, KV head). A q tile is BLOCK_Q
 consecutive query rows of one sequence times the G = Hq / Hkv heads of the KV head, folded into
@@ -25,7 +27,8 @@ T // BLOCK_Q + S programs per KV head cover every sequence; a program finds its 
 binary search over cu and exits when its tile is past the sequence's rows. The grid depends on
 T, S and max_query_len (Python ints), never on tensor contents: no host sync, and a launch can
 be captured in a CUDA graph and replayed with other cu_seqlens_q / seq_lens / block tables.
-Rows past cu[S] (padding) and sequences with L_s = 0 are never read or written.
+Rows past cu[S] (padding) and sequences with L_s = 0 are never read or written; with
+SKIP_DECODES neither are sequences with L_s = 1 (the decode kernel's).
 An FP8 cache (FP8_KV, a constexpr) is read as in paged_attention: tiles converted to q's dtype,
 k_scale folded into the softmax scale, v_scale applied to the normalized output.
 """
@@ -110,7 +113,7 @@ def _unified_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8_KV: tl.constexpr,
+    FP8_KV: tl.constexpr, SKIP_DECODES: tl.constexpr,
 ):  # fmt: skip
     # Reversed: a sequence's last tiles, with the most keys, start first (shorter tail).
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -119,7 +122,7 @@ def _unified_kernel(
     q_begin = tl.load(cu_ptr + seq).to(tl.int32)
     q_len = tl.load(cu_ptr + seq + 1).to(tl.int32) - q_begin
     q0 = (pid - q_begin // BLOCK_Q - seq) * BLOCK_Q  # first query row of this tile
-    if q0 >= q_len:
+    if q0 >= q_len or (SKIP_DECODES and q_len == 1):
         return
     seq_len = tl.load(lens_ptr + seq).to(tl.int32)
     context = seq_len - q_len
@@ -210,15 +213,17 @@ def unified_attention(
     *,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """Triton version of reference.unified_attention: one launch (two when decode splits).
+    """Triton version of reference.unified_attention: the decode kernel for the sequences of
+    one query row (and its merge when it splits), then the tiled kernel for the others when
+    `max_query_len` > 1.
 
-    `max_query_len` bounds the query lengths (default T); exactly 1 selects the split-K decode
-    kernel. `max_seq_len` bounds seq_lens (default: the block-table capacity) and only sets the
+    `max_query_len` bounds the query lengths (default T); exactly 1 launches the decode kernel
+    only. `max_seq_len` bounds seq_lens (default: the block-table capacity) and only sets the
     decode split count. Any bounds that hold are correct; tight ones are faster. `seq_order`
     (a permutation of the sequences, longest context first) orders the decode kernel's
-    programs from ORDER_MIN_SEQS sequences on; it changes no result. `k_scale`, `v_scale`: an
-    FP8 cache's scales. `pdl`: the decode kernels launch with programmatic dependent launch
-    (kernels/pdl.py).
+    programs in decode-only steps of ORDER_MIN_SEQS sequences or more; it changes no result.
+    `k_scale`, `v_scale`: an FP8 cache's scales. `pdl`: the decode kernels launch with
+    programmatic dependent launch (kernels/pdl.py).
     """
     _check(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out)
     if out is None:
@@ -232,20 +237,21 @@ def unified_attention(
         max_seq_len = block_table.shape[1] * block_size
     if not ordered(num_seqs, max_query_len):
         seq_order = None
-    kind, *config = plan(
+    (_, *decode), *tiled = plan(
         num_seqs, num_kv_heads, q.shape[1] // num_kv_heads, head_dim, block_size,
         max_query_len, max_seq_len, num_sms(q.device), seq_order is not None,
     )  # fmt: skip
-    if kind == "decode":
-        return pa.launch(
-            q, k_cache, v_cache, block_table, seq_lens, scale, out, *config,
-            fused_merge=False, cu_seqlens=cu_seqlens_q, seq_order=seq_order,
-            k_scale=k_scale, v_scale=v_scale, pdl=pdl,
-        )  # fmt: skip
-    return launch(
-        q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out, *config,
-        k_scale=k_scale, v_scale=v_scale,
+    pa.launch(
+        q, k_cache, v_cache, block_table, seq_lens, scale, out, *decode,
+        fused_merge=False, cu_seqlens=cu_seqlens_q, seq_order=seq_order,
+        k_scale=k_scale, v_scale=v_scale, pdl=pdl,
     )  # fmt: skip
+    for _, *tiles in tiled:
+        launch(
+            q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out, *tiles,
+            k_scale=k_scale, v_scale=v_scale, skip_decodes=True,
+        )  # fmt: skip
+    return out
 
 
 def ordered(num_seqs: int, max_query_len: int) -> bool:
@@ -257,35 +263,41 @@ def plan(
     num_seqs: int, num_kv_heads: int, group: int, head_dim: int, block_size: int,
     max_query_len: int, max_seq_len: int, num_sms: int, ordered: bool,
 ) -> tuple:  # fmt: skip
-    """The launch `unified_attention` makes, from sizes only: ("decode", splits, BLOCK_N) for
-    max_query_len 1 (`ordered`: with a dispatch order), else ("tiled", *default_tiles)."""
+    """The launches `unified_attention` makes, from sizes only: ("decode", splits, BLOCK_N)
+    (`ordered`: with a dispatch order), then for max_query_len > 1 ("tiled", *default_tiles)."""
+    block_n = pa.default_block_n(head_dim, block_size)
+    waves = pa.ORDERED_WAVES if ordered else 0  # 0: the default
+    splits = pa.choose_splits(num_seqs, num_kv_heads, max_seq_len, block_n, num_sms, waves)
+    decode = ("decode", splits, block_n)
     if max_query_len == 1:
-        block_n = pa.default_block_n(head_dim, block_size)
-        waves = pa.ORDERED_WAVES if ordered else 0  # 0: the default
-        splits = pa.choose_splits(num_seqs, num_kv_heads, max_seq_len, block_n, num_sms, waves)
-        return "decode", splits, block_n
-    return "tiled", *default_tiles(group, head_dim, max_query_len)
+        return (decode,)
+    return decode, ("tiled", *default_tiles(group, head_dim, max_query_len))
 
 
-def compile_key(launch_plan: tuple, ordered: bool) -> tuple:
-    """What of a `plan` selects a compiled kernel (besides the model's fixed shapes, dtypes and
-    strides): calls with equal keys run kernels compiled once. The decode kernels' split count
-    is not specialized; whether they split, the merge's tile and the order are."""
-    kind, *config = launch_plan
-    if kind == "decode":
-        splits = config[0]
-        return kind, splits > 1, 1 << (splits - 1).bit_length(), ordered
-    return launch_plan
+def compile_keys(launch_plan: tuple, ordered: bool) -> tuple:
+    """What of a `plan` selects the compiled kernels (besides the model's fixed shapes, dtypes
+    and strides), one key per launch: launches with equal keys run kernels compiled once. The
+    decode kernels' split count is not specialized; whether they split, the merge's tile and
+    the order are."""
+    keys = []
+    for kind, *config in launch_plan:
+        if kind == "decode":
+            splits = config[0]
+            keys.append((kind, splits > 1, 1 << (splits - 1).bit_length(), ordered))
+        else:
+            keys.append((kind, *config))
+    return tuple(keys)
 
 
 def launch(
     q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out,
     block_m: int, block_n: int, num_warps: int = 4, num_stages: int = 3,
-    k_scale: float = 1.0, v_scale: float = 1.0,
+    k_scale: float = 1.0, v_scale: float = 1.0, skip_decodes: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """The tiled kernel with an explicit tile configuration (tests and the benchmark sweep it);
     any query lengths. BLOCK_M >= G and both tiles powers of two >= 16. `k_scale`, `v_scale`:
-    an FP8 cache's scales."""
+    an FP8 cache's scales. `skip_decodes`: sequences of one query row are left to the decode
+    kernel."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = block_table.shape[0], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -311,6 +323,6 @@ def launch(
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, FP8_KV=k_cache.dtype == FP8,
-        num_warps=num_warps, num_stages=num_stages,
+        SKIP_DECODES=skip_decodes, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

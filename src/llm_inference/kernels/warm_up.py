@@ -8,17 +8,19 @@ list one step shape per variant (`TritonOps.warm_up_shapes`, from `warm_up_shape
 the executor runs each as an all-padding forward when it starts without graphs
 (executor/warm_up.py); the sampler has its own warm-up.
 
-Only the attention picks its variant from a step's sizes (`unified_attention.compile_key`): a
-decode step's split count follows its batch and its longest context (and whether it is
-dispatched in `seq_order`, `unified_attention.ordered`), a mixed step's tile its longest
-query. The linear layers take the skinny GEMM up to `skinny_rows` rows (one variant for all
-of them) and cuBLAS above. Every other kernel compiles once for all sizes: the integers that
-change from step to step are not specialized (`do_not_specialize`). So `warm_up_shapes` lists
-one step shape for each (attention variant, skinny or not) that the scheduler's limits allow.
+Only the attention picks its variants from a step's sizes (`unified_attention.compile_keys`,
+one per launch): the decode kernel's split count follows the batch and the longest context
+(and whether it is dispatched in `seq_order`, `unified_attention.ordered`), a mixed step's
+tile its longest query. The linear layers take the skinny GEMM up to `skinny_rows` rows (one
+variant for all of them) and cuBLAS above. Every other kernel compiles once for all sizes: the
+integers that change from step to step are not specialized (`do_not_specialize`). So
+`warm_up_shapes` lists step shapes until every attention variant that the scheduler's limits
+allow, and the skinny GEMM, are in one of them.
 
 Finding the decode variants: the split count grows with the context and falls with the batch,
 so every context length in whole tiles at one sequence, and every batch size at power-of-two
-contexts and at the longest, reach every variant that some (batch, context) pair reaches
+contexts and at the longest, reach every variant that some (batch, context) pair reaches; a
+mixed step's decodes, never ordered, split as a decode step of its batch would
 (tests/kernels/test_warm_up_shapes.py checks that against all pairs).
 """
 
@@ -45,19 +47,20 @@ def warm_up_shapes(
     num_kv_heads: int, group: int, head_dim: int, block_size: int, max_num_seqs: int,
     max_model_len: int, max_num_batched_tokens: int, num_sms: int, skinny_rows: int,
 ) -> list[StepShape]:  # fmt: skip
-    """One step per (attention compile key, skinny GEMM or not) the limits allow, the
-    smallest first found (see the module docstring); `skinny_rows`: the most rows the linear
-    layers run through the skinny GEMM (0: none)."""
-    steps: dict[tuple, StepShape] = {}
+    """Steps until every attention compile key the limits allow, and the skinny GEMM, are in
+    one, each the first found that brings a new one (see the module docstring);
+    `skinny_rows`: the most rows the linear layers run through the skinny GEMM (0: none)."""
+    steps: list[StepShape] = []
+    seen: set[tuple] = set()
 
     def add(num_seqs: int, num_tokens: int, max_query_len: int, max_seq_len: int) -> None:
-        ordered = ua.ordered(num_seqs, max_query_len)
-        plan = ua.plan(
-            num_seqs, num_kv_heads, group, head_dim, block_size, max_query_len, max_seq_len,
-            num_sms, ordered,
+        keys = step_keys(
+            num_kv_heads, group, head_dim, block_size, num_sms, skinny_rows,
+            num_seqs, num_tokens, max_query_len, max_seq_len,
         )  # fmt: skip
-        key = ua.compile_key(plan, ordered), num_tokens <= skinny_rows
-        steps.setdefault(key, StepShape(num_seqs, num_tokens, max_query_len, max_seq_len))
+        if not keys <= seen:
+            seen.update(keys)
+            steps.append(StepShape(num_seqs, num_tokens, max_query_len, max_seq_len))
 
     block_n = pa.default_block_n(head_dim, block_size)
     for n in range(block_n, max_model_len + block_n, block_n):
@@ -70,4 +73,19 @@ def warm_up_shapes(
     for query in range(2, budget + 1):
         for tokens in sorted({query, min(max(query, skinny_rows + 1), budget)}):
             add(max_num_seqs, tokens, query, max_model_len)
-    return list(steps.values())
+    return steps
+
+
+def step_keys(
+    num_kv_heads: int, group: int, head_dim: int, block_size: int, num_sms: int,
+    skinny_rows: int, num_seqs: int, num_tokens: int, max_query_len: int, max_seq_len: int,
+) -> set[tuple]:  # fmt: skip
+    """The attention compile keys a step of these sizes launches, and "skinny" where its
+    linear layers run the skinny GEMM."""
+    ordered = ua.ordered(num_seqs, max_query_len)
+    plan = ua.plan(
+        num_seqs, num_kv_heads, group, head_dim, block_size, max_query_len, max_seq_len,
+        num_sms, ordered,
+    )  # fmt: skip
+    skinny = {"skinny"} if num_tokens <= skinny_rows else set()
+    return set(ua.compile_keys(plan, ordered)) | skinny
