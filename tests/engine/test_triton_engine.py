@@ -56,7 +56,10 @@ def test_first_requests_compile_nothing(tmp_path, eager):
     long for a graph (here 6 x 400 prompt tokens, eager) compiled the attention kernel for its
     sequence count, and an eager engine compiled attention variants in its first steps and
     whenever the batch or the longest context changed the decode split count (the eager case
-    failed on the code before the warm-up: paged decode and tiled attention variants). Up to
+    failed on the code before the warm-up: paged decode and tiled attention variants); since
+    a mixed step's decodes take the decode kernel, a step past the graphs with decodes in it
+    (the last batch) may split them in a way no graph did, so graph engines warm up eager
+    steps too. Up to
     12 requests at once in an engine of 32, so the sampler's warm-up at all rows does not run
     the small batches' LM head (on the 1B shape its skinny GEMM variant is its own:
     benchmarks/first_run.py --enforce-eager compiled it in the first requests until the
@@ -77,6 +80,12 @@ def test_first_requests_compile_nothing(tmp_path, eager):
                 llm.generate(batch, mixed, use_tqdm=False)
             long = [[(7 * i + j) % 300 + 2 for j in range(400)] for i in range(6)]
             llm.generate(long, SamplingParams(temperature=0.8, max_tokens=3), use_tqdm=False)
+            # 40 such prompts, 32 at once, ending at different steps: each group of 8 let in
+            # (3,200 prompt tokens, past the mixed graphs) joins some 24 decodes, whose split
+            # count follows that eager step's own sizes.
+            many = [[(11 * i + j) % 300 + 2 for j in range(400)] for i in range(40)]
+            ends = [SamplingParams(temperature=0.8, max_tokens=8 + 16 * (i % 4)) for i in range(40)]
+            llm.generate(many, ends, use_tqdm=False)
     assert compiled == [], compiled.details
 
 

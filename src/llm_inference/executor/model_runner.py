@@ -168,6 +168,9 @@ class ModelRunner:
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        # Steps no graph holds run eagerly (with graphs: mixed steps past the buckets), and
+        # their decodes' split counts follow their own sizes: warm them up in either case.
+        self._warm_up_eager()
         if self.use_cuda_graphs:
             sched = self.config.scheduler
             self.graphs = CudaGraphs(
@@ -175,14 +178,12 @@ class ModelRunner:
                 self.mixed_graph_sizes(),
             )  # fmt: skip
             self.graphs.capture()
-        else:
-            self._warm_up_eager()
         if self.device.type == "cuda" and self.sampler.fused:
             self._warm_up_sampler()
 
     def _warm_up_eager(self) -> None:
-        """Without graphs, compile what steps of any size launch before the first request:
-        an all-padding forward per step shape the kernel ops list (executor/warm_up.py)."""
+        """Compile what eager steps of any size launch before the first request: an
+        all-padding forward per step shape the kernel ops list (executor/warm_up.py)."""
         attn, sched = self.model.attention_layers()[0], self.config.scheduler
         steps = self.ops.warm_up_shapes(
             attn.num_kv_heads, attn.num_heads // attn.num_kv_heads, attn.head_dim,

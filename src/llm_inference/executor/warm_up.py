@@ -1,11 +1,12 @@
-"""The eager engine's start-up warm-up: one all-padding forward per step shape the kernels list.
+"""The start-up warm-up of eager steps: one all-padding forward per step shape the kernels list.
 
-Without CUDA graphs (`enforce_eager`) each step runs at its own sizes, and Triton compiles a
-kernel variant the first time a launch needs it: in the middle of the first requests. The
-kernel ops list the step shapes that reach every variant steps within the scheduler's limits
-can launch (`ops.warm_up_shapes`, kernels/warm_up.py; none for the reference kernels), and
-`ModelRunner` runs each here when it starts without graphs (no KV written, no query row
-read). With CUDA graphs, each graph's capture compiles what it launches.
+A step no CUDA graph holds (every step with `enforce_eager`; with graphs, a mixed step past
+the buckets) runs at its own sizes, and Triton compiles a kernel variant the first time a
+launch needs it: in the middle of the first requests. The kernel ops list the step shapes that
+reach every variant steps within the scheduler's limits can launch (`ops.warm_up_shapes`,
+kernels/warm_up.py; none for the reference kernels), and `ModelRunner` runs each here at start
+(no KV written, no query row read), before capturing the graphs, whose captures compile what
+they launch.
 """
 
 from __future__ import annotations
