@@ -19,6 +19,10 @@ measured runs and writes the top functions per thread (engine thread, event loop
 
     PYTHONPATH=src python3 benchmarks/serve_host.py [--runs 3] [--num-prompts 256]
         [--output-len 256] [--num-workers 2] [--profile /tmp/serve_profile.txt]
+        [--save-detailed /tmp/detailed.json]
+
+`--save-detailed` keeps the last run's chunk times for `benchmarks/serve_stalls.py`; with
+LLM_INFERENCE_PAUSE_LOG set, the server's processes log their GC pauses and compiles there.
 
 Numbers on a 2-core machine are noisy (the client processes compete with the server): run
 the same command each time and compare medians.
@@ -158,6 +162,8 @@ def bench(url: str, ckpt: Path, args, seed: int) -> dict:
             "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
             "--output-len", str(args.output_len), "--num-workers", str(args.num_workers),
             "--seed", str(seed)]  # fmt: skip
+    if args.save_detailed:
+        argv.append("--save-detailed")
     before = get(url + "/_host/stats")
     report = bench_serve.run_benchmark(p.parse_args(argv))
     after = get(url + "/_host/stats")
@@ -178,6 +184,10 @@ def main() -> None:
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--profile", default=None, metavar="PATH")
     p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument(
+        "--save-detailed", default=None, metavar="PATH",
+        help="the last run's report with each request's chunk times, for serve_stalls.py",
+    )  # fmt: skip
     p.add_argument(
         "--offline",
         action="store_true",
@@ -278,6 +288,10 @@ def main() -> None:
         summary[k] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
         print(f"{k:<20} median {summary[k]['median']:10.2f}   "
               f"[{min(values):.2f} .. {max(values):.2f}]")  # fmt: skip
+    if args.save_detailed:
+        Path(args.save_detailed).write_text(json.dumps(reports[-1]))
+    for r in reports:
+        r.pop("requests", None)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"runs": reports, "summary": summary}, f, indent=2)
