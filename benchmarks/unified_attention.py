@@ -1,11 +1,12 @@
-"""Unified paged attention (mixed prefill/decode, one launch) on the GPU.
+"""Unified paged attention (a step's prompt chunks and decodes) on the GPU.
 
 Llama-3.2-1B heads (32 q, 8 KV, head_dim 64), 3B heads (24 q, 8 KV, head_dim 128) and
 Llama-3.1-8B heads (32 q, 8 KV, head_dim 128), bfloat16, block size 16, random non-contiguous
 block tables. Per layer, three tables:
-- Prefill: one 8,000-token prompt and 64 x 512-token prompts (context 0). Triton
-  `unified_attention` (CUDA-graph replay: GPU time), today's engine path (one SDPA call per
-  sequence, default backend, K/V repeated for GQA; eager), SDPA's math backend (eager), the
+- Prefill: one 8,000-token prompt, one of 2,048 and 64 x 512-token prompts (context 0;
+  `--quick`: the first two). Triton `unified_attention` (CUDA-graph replay: GPU time), the
+  engine's path before it (one SDPA call per sequence, default backend, K/V repeated for
+  GQA; eager), SDPA's math backend (eager), the
   causal FLOP floor at 793 TFLOP/s (4 x L^2/2 x Hq x D flops per sequence) and the Triton
   kernel's achieved TFLOP/s.
 - Decode: batch 1/64/256 at contexts 128..4,096: unified_attention (max_query_len=1) against
@@ -45,7 +46,7 @@ from llm_inference.kernels import unified_attention as ua
 
 SHAPES = {"Llama-3.2-1B": (32, 8, 64), "Llama-3.2-3B": (24, 8, 128),
           "Llama-3.1-8B": (32, 8, 128)}  # fmt: skip
-PREFILL_ROWS = [(1, 8000), (64, 512)]  # (sequences, prompt tokens each)
+PREFILL_ROWS = [(1, 8000), (1, 2048), (64, 512)]  # (sequences, prompt tokens each)
 DECODE_ROWS = [(b, c) for b in (1, 64, 256) for c in (128, 512, 1024, 4096)]
 QUICK_DECODE_ROWS = [(1, 4096), (64, 1024), (256, 128)]
 MIXED_ROWS = {"2048 + 255 decodes": ([2048] + [1] * 255, [0] + [1023] * 255),
@@ -225,7 +226,7 @@ def main() -> None:
         rep = report[name] = {}
         tiles = ua.default_tiles(shape[0] // shape[1], shape[2], 8000)
         print(f"Prefill, one layer (default tiles {tiles}):\n")
-        rows = PREFILL_ROWS[:1] if args.quick else PREFILL_ROWS
+        rows = PREFILL_ROWS[:2] if args.quick else PREFILL_ROWS
         rep["prefill"] = [prefill_row(n, length, shape, gen, args.sweep) for n, length in rows]
         print_prefill(rep["prefill"], args.sweep)
         torch.cuda.empty_cache()
