@@ -237,16 +237,18 @@ def unified_attention(
         max_seq_len = block_table.shape[1] * block_size
     if not ordered(num_seqs, max_query_len):
         seq_order = None
-    (_, *decode), *tiled = plan(
+    launches = plan(
         num_seqs, num_kv_heads, q.shape[1] // num_kv_heads, head_dim, block_size,
         max_query_len, max_seq_len, num_sms(q.device), seq_order is not None,
     )  # fmt: skip
+    _, splits, block_n = launches[0]
     pa.launch(
-        q, k_cache, v_cache, block_table, seq_lens, scale, out, *decode,
+        q, k_cache, v_cache, block_table, seq_lens, scale, out, splits, block_n,
         fused_merge=False, cu_seqlens=cu_seqlens_q, seq_order=seq_order,
         k_scale=k_scale, v_scale=v_scale, pdl=pdl,
     )  # fmt: skip
-    for _, *tiles in tiled:
+    if max_query_len > 1:  # the prompt chunks
+        _, *tiles = launches[1]
         launch(
             q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out, *tiles,
             k_scale=k_scale, v_scale=v_scale, skip_decodes=True,
