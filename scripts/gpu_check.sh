@@ -18,10 +18,16 @@ set -uo pipefail
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv \
   | tee "$OUT/gpu.txt"
 if [ "${RUN_TESTS:-1}" = 1 ]; then
-  # SIGINT at TEST_TIMEOUT: pytest stops and still prints the failures it has seen.
-  timeout -s INT "${TEST_TIMEOUT:-560}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
-    ${TESTS:-tests/engine tests/sample tests/kernels tests/layers tests/executor tests/distributed tests/entrypoints/test_llm.py} \
-    -k "${TESTS_K:-not interpreter}" 2>&1 | tee "$OUT/pytest_cuda.log" | tail -25
+  # Each test's outcome as it ends (-v): a run stopped at TEST_TIMEOUT (SIGINT; pytest then
+  # prints its summary, unless an engine's shutdown swallows the interrupt) still names the
+  # tests that failed, printed below with the last lines.
+  timeout -s INT "${TEST_TIMEOUT:-560}" python3 -m pytest -v -rf --tb=short -p no:cacheprovider \
+    ${TESTS:-tests/engine tests/sample tests/kernels tests/layers tests/executor \
+    tests/distributed tests/entrypoints/test_llm.py} -k "${TESTS_K:-not interpreter}" \
+    > "$OUT/pytest_cuda.log" 2>&1
+  grep -E "^tests/.* (FAILED|ERROR)" "$OUT/pytest_cuda.log" | head -40
+  echo "$(grep -cE "^tests/.* PASSED" "$OUT/pytest_cuda.log") passed (counted as they ended)"
+  tail -25 "$OUT/pytest_cuda.log"
 fi
 if [ "${BENCH:-0}" = 1 ]; then
   for shape in ${SHAPES:-llama-3.2-1b}; do
