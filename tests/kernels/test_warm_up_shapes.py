@@ -56,6 +56,8 @@ def test_steps_reach_every_variant(shape):
     assert every <= warmed, f"not warmed up: {sorted(every - warmed, key=str)}"
     decode_keys = {k for k in warmed if k[0] == "decode"}
     assert {k[1] for k in decode_keys} == {False, True}  # these limits split and do not
+    # Each linear path where a step can take it (more rows than the skinny GEMM's: cuBLAS).
+    assert ("cublas" in warmed) == (max(budget, max_seqs) > sg.MAX_ROWS)
     assert "skinny" in warmed and any(k[0] == "tiled" for k in warmed)
 
 

@@ -15,7 +15,7 @@ tile its longest query. The linear layers take the skinny GEMM up to `skinny_row
 variant for all of them) and cuBLAS above. Every other kernel compiles once for all sizes: the
 integers that change from step to step are not specialized (`do_not_specialize`). So
 `warm_up_shapes` lists step shapes until every attention variant that the scheduler's limits
-allow, and the skinny GEMM, are in one of them.
+allow, and each of the two linear paths, are in one of them.
 
 Finding the decode variants: the split count grows with the context and falls with the batch,
 so every context length in whole tiles at one sequence, and every batch size at power-of-two
@@ -47,8 +47,8 @@ def warm_up_shapes(
     num_kv_heads: int, group: int, head_dim: int, block_size: int, max_num_seqs: int,
     max_model_len: int, max_num_batched_tokens: int, num_sms: int, skinny_rows: int,
 ) -> list[StepShape]:  # fmt: skip
-    """Steps until every attention compile key the limits allow, and the skinny GEMM, are in
-    one, each the first found that brings a new one (see the module docstring);
+    """Steps until every attention compile key the limits allow, and each linear path, are
+    in one, each the first found that brings a new one (see the module docstring);
     `skinny_rows`: the most rows the linear layers run through the skinny GEMM (0: none)."""
     steps: list[StepShape] = []
     seen: set[tuple] = set()
@@ -80,12 +80,12 @@ def step_keys(
     num_kv_heads: int, group: int, head_dim: int, block_size: int, num_sms: int,
     skinny_rows: int, num_seqs: int, num_tokens: int, max_query_len: int, max_seq_len: int,
 ) -> set[tuple]:  # fmt: skip
-    """The attention compile keys a step of these sizes launches, and "skinny" where its
-    linear layers run the skinny GEMM."""
+    """The attention compile keys a step of these sizes launches, and its linear layers'
+    path: "skinny" (the skinny GEMM) or "cublas" (F.linear, then the Triton SiLU-and-mul)."""
     ordered = ua.ordered(num_seqs, max_query_len)
     plan = ua.plan(
         num_seqs, num_kv_heads, group, head_dim, block_size, max_query_len, max_seq_len,
         num_sms, ordered,
     )  # fmt: skip
-    skinny = {"skinny"} if num_tokens <= skinny_rows else set()
-    return set(ua.compile_keys(plan, ordered)) | skinny
+    linear = "skinny" if num_tokens <= skinny_rows else "cublas"
+    return {*ua.compile_keys(plan, ordered), linear}
