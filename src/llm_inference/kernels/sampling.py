@@ -287,24 +287,8 @@ def _sample_kernel(logits_ptr, stride, keys_ptr, temp_ptr, greedy_ptr, top_k_ptr
         tries = 0
         if RETRIES > 0:  # no loop at all without (Triton 3.6 fails on a never-taken one)
             while unsure & out & (tries < RETRIES):  # the kept tokens are all above xw
-                idx, _, top = _race(
-                    row_ptr,
-                    V,
-                    t,
-                    key,
-                    _next_up(xw),
-                    min_p,
-                    m,
-                    mask_ptr,
-                    masked,
-                    HAS_MASK,
-                    True,
-                    True,
-                    FAST_LOG,
-                    BLOCK,
-                    0,
-                    0,
-                )
+                idx, _, top = _race(row_ptr, V, t, key, _next_up(xw), min_p, m, mask_ptr, masked,
+                                    HAS_MASK, True, True, FAST_LOG, BLOCK, 0, 0)  # fmt: skip
                 xw = tl.load(row_ptr + idx).to(tl.float32) / t
                 unsure, out = _verdict(row_ptr, V, t, m, xw, k, p, min_p, mask_ptr, masked,
                                        HAS_MASK, BLOCK)  # fmt: skip
