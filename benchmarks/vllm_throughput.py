@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seed request i with i, as ours (default: unseeded)")  # fmt: skip
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step (default: vLLM's)")  # fmt: skip
+    p.add_argument("--quantization", default=None, help="vLLM's option: fp8 (default: none)")
+    p.add_argument("--kv-cache-dtype", default=None, help="vLLM's option: fp8 (default: auto)")
     p.add_argument("--latency", action="store_true",
                    help="first decode ms per step at --batches, as vllm_bench.py")  # fmt: skip
     p.add_argument("--batches", type=batch_sizes, default=list(bench.BATCHES),
@@ -124,7 +126,8 @@ def main() -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import vllm
 
-    extra = {"max_num_batched_tokens": args.max_num_batched_tokens}
+    extra = {"max_num_batched_tokens": args.max_num_batched_tokens,
+             "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}  # fmt: skip
     llm = vllm.LLM(str(folder), skip_tokenizer_init=True, max_model_len=args.max_model_len,
                    gpu_memory_utilization=0.85, max_num_seqs=args.max_num_seqs,
                    enable_prefix_caching=args.enable_prefix_caching,
@@ -157,7 +160,7 @@ def main() -> None:
         "total_tok_per_s": (n_in + n_out) / dt, "output_tokens": n_out,
         "workload": workload.describe(list(map(len, prompts)), [kw["max_tokens"] for kw in kwargs]),
         "detokenize": False, "vllm": vllm.__version__,
-    }  # fmt: skip
+    } | {k: v for k, v in extra.items() if k != "max_num_batched_tokens" and v}  # fmt: skip
     print(f"vLLM {vllm.__version__}, " + bench.format_result(res))
     if args.profile:
         res["profile"] = profile_run(timed, len(inputs))
