@@ -168,8 +168,9 @@ def test_same_answers_under_preemption_and_recompute(tiny_ckpt, llm, async_sched
 def test_a_constrained_step_is_launched_before_the_step_before_is_read(llm, monkeypatch):
     """Async scheduling: a step with constrained rows goes out as its forward, launched before
     step n's tokens are read (the host's update and bitmask overlap the device's forward), then
-    its sampling, with the bitmask filled from them. A request that step n's token finished
-    still has its row sampled there, with every token allowed."""
+    its sampling, with the bitmask filled from them, and in the same call the next step's
+    launch (the device does not wait for the caller between them). A request that step n's
+    token finished still has its row sampled there, with every token allowed."""
     core = llm.engine.core
     events, finished = [], []  # finished: the bitmask rows of requests finished since
 
@@ -197,10 +198,22 @@ def test_a_constrained_step_is_launched_before_the_step_before_is_read(llm, monk
         return bitmask
 
     monkeypatch.setattr(core.structured, "fill_bitmask", fill_bitmask)
+    step = core.step
+
+    def step_returning():
+        outputs = step()
+        events.append(("returned", None))
+        return outputs
+
+    monkeypatch.setattr(core, "step", step_returning)
     prompts, params = mixed_batch(("json", "regex"), range(2))
     for out, p in zip(llm.generate(prompts, params, use_tqdm=False), params):
         if p.structured_outputs is not None:
             assert out.outputs[0].finish_reason == "stop"
+    sampled = [i for i, (kind, _) in enumerate(events) if kind == "sample"]
+    launched_next = [events[i + 1][0] in ("forward", "step") for i in sampled]
+    assert sum(launched_next) >= len(sampled) - 1, events  # all but the last one
+    events = [e for e in events if e[0] != "returned"]
     overlapped = 0
     for i, (kind, step_id) in enumerate(events):
         if kind != "forward":
@@ -213,6 +226,45 @@ def test_a_constrained_step_is_launched_before_the_step_before_is_read(llm, monk
             assert after[0] == ("sample", None)
     assert overlapped >= 20
     assert finished and all((row == -1).all() for row in finished)
+
+
+def test_a_call_reports_each_request_once(llm, monkeypatch):
+    """A call that reads two steps (a constrained step's sampling, then the step after it,
+    unconstrained or empty) reports one record per request, holding both steps' tokens:
+    front ends read a request once per call (the server's streamed deltas lost a token to a
+    second record in one call)."""
+    core, calls = llm.engine.core, []
+    step = core.step
+
+    def recording():
+        records = step()
+        calls.append(records)
+        return records
+
+    monkeypatch.setattr(core, "step", recording)
+    prompts, params = mixed_batch(("choice", "regex"), range(2))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    tokens: dict[str, list[int]] = {}
+    for records in calls:
+        assert len({r.request_id for r in records}) == len(records)
+        for r in records:
+            tokens.setdefault(r.request_id, []).extend(r.new_token_ids)
+    assert any(len(r.new_token_ids) > 1 for records in calls for r in records)  # it arose
+    got = sorted(c.token_ids for o in outs for c in o.outputs)
+    assert sorted(tokens.values()) == got
+
+
+def test_one_record_each_keeps_order_logprobs_and_the_end():
+    from llm_inference.core.outputs import EngineCoreOutput as R
+    from llm_inference.engine.engine_core import one_record_each
+
+    first = [R("a", [1], new_logprobs=["l1"], prompt_logprobs=[None, "p"]), R("b", [5])]
+    second = [R("c", [7]), R("a", [2, 3], "stop", 3, ["l2", "l3"], None, [1, 2, 3])]
+    merged = {r.request_id: r for r in one_record_each(first, second)}
+    assert list(merged) == ["a", "b", "c"]
+    assert merged["a"] == R("a", [1, 2, 3], "stop", 3, ["l1", "l2", "l3"], [None, "p"], [1, 2, 3])
+    assert merged["b"] is first[1] and merged["c"] is second[0]
+    assert one_record_each([], second) is second and one_record_each(first, []) is first
 
 
 def test_a_constrained_request_joining_overlapped_steps(llm):

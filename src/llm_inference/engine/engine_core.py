@@ -14,16 +14,18 @@ Async scheduling (`EngineConfig.async_scheduling`, ARCHITECTURE.md "One step"): 
 launches step n+1 before it waits for step n's tokens, except while a request on
 `SamplingPath.SYNC` is live: then steps run one at a time.
 
-Structured outputs (structured_output/): a request's grammar compiles on the manager's
-threads while the scheduler passes it over. A step with constrained rows needs a token bitmask
+Structured outputs (structured_output/): a request's grammar compiles on the manager's threads
+while the scheduler passes it over. A step with constrained rows needs a token bitmask
 (`SchedulerOutput.grammar_bitmask`) that the matchers fill once they have every token before
-it, so under async scheduling such a step goes out in two calls, as vLLM's: the forward of
-step n+1 first, then (step n's tokens read, the matchers advanced, the bitmask filled) its
-sampling. The host's work thus still overlaps the device's forward. A request that step n's
-token finished may have a row in step n+1: every token is allowed there, and the token is
-discarded, as any finished request's in flight. Without async scheduling, or in a step without
-constrained rows, a step is one call. A grammar that fails to compile finishes its request
-with finish reason "abort".
+it, so under async scheduling such a step goes out in two parts, over two calls: one call
+launches the forward of step n+1 and returns; the next reads step n's tokens, advances the
+matchers, fills the bitmask and launches step n+1's sampling, then schedules and launches step
+n+2. The device runs that sampling and the next forward back to back, and the host's work
+between calls (the caller's output processing, the fill) overlaps a forward. A request that
+step n's token finished may have a row in step n+1: every token is allowed there, and the token
+is discarded, as any finished request's in flight. Without async scheduling, or in a step
+without constrained rows, a step is one call. A grammar that fails to compile finishes its
+request with finish reason "abort".
 """
 
 from __future__ import annotations
@@ -47,6 +49,25 @@ GRAMMAR_WAIT_S = 0.05
 
 class KVCacheTooSmallError(ValueError):
     pass
+
+
+def one_record_each(first: list[EngineCoreOutput], second: list[EngineCoreOutput]):
+    """The records of two steps read in one call, with one record per request, as front ends
+    read them (engine/output_processor.py): a request in both gets one, its tokens in order."""
+    if not first or not second:
+        return first or second
+    merged = {o.request_id: o for o in first}
+    for o in second:
+        a = merged.get(o.request_id)
+        if a is not None:
+            logprobs = None if o.new_logprobs is None else (a.new_logprobs or []) + o.new_logprobs
+            prompt_logprobs = o.prompt_logprobs if a.prompt_logprobs is None else a.prompt_logprobs
+            o = EngineCoreOutput(
+                o.request_id, a.new_token_ids + o.new_token_ids, o.finish_reason,
+                o.stop_reason, logprobs, prompt_logprobs, o.output_token_ids,
+            )  # fmt: skip
+        merged[o.request_id] = o
+    return list(merged.values())
 
 
 class EngineCore:
@@ -73,6 +94,7 @@ class EngineCore:
             enable_prefix_caching=config.cache.enable_prefix_caching,
         )
         self._pending = None  # (SchedulerOutput, PendingOutput) of the step in flight
+        self._unsampled = None  # SchedulerOutput of a step launched without its sampling
         self._sync_ids: set[str] = set()  # live requests that need synchronous steps
         self.structured = StructuredOutputManager(
             lambda: load_tokenizer(config.model_path), config.model.vocab_size,
@@ -121,8 +143,10 @@ class EngineCore:
         ids = list(request_ids)
         self.scheduler.finish_requests(ids, status)
         self._sync_ids.difference_update(ids)
-        if self._pending is not None and not self.scheduler.has_unfinished_requests():
-            self._update()  # only finished requests were in flight: nothing to report
+        if not self.scheduler.has_unfinished_requests():  # only finished ones were in flight:
+            if self._unsampled is not None:  # nothing to report
+                self._launch_sampling()
+            self._update()
 
     # ---- stepping --------------------------------------------------------------------------
 
@@ -131,9 +155,14 @@ class EngineCore:
 
         Overlapped (async scheduling, no synchronous request live): step n+1 is scheduled and
         launched first, then step n's tokens are awaited and applied, so the records are those
-        of the step launched before. Otherwise the step runs to its end before returning."""
+        of the step launched before. A step with constrained rows is launched without its
+        sampling, which the next call adds once step n's tokens have filled the bitmask,
+        before it schedules and launches the step after (see the module docstring).
+        Otherwise the step runs to its end before returning."""
         overlap = self.config.async_scheduling and not self._sync_ids
-        outputs = [] if overlap else self._update()  # what steps left in flight when overlapped
+        outputs = [] if self._unsampled is None else self._launch_sampling()
+        if not overlap:  # what steps left in flight when overlapped
+            outputs = one_record_each(outputs, self._update())
         if self.structured.compiling:
             outputs += self._finish_failed_grammars()
         so = self.scheduler.schedule()
@@ -141,15 +170,13 @@ class EngineCore:
             self.structured.wait(GRAMMAR_WAIT_S)  # nothing runs until a grammar compiles
         if not overlap:
             self._pending = self._execute(so, sync=True)
-            return outputs + self._update()
-        if so.structured_output_request_ids:  # the mask needs step n's tokens: sample later
+            return one_record_each(outputs, self._update())
+        if so.structured_output_request_ids:  # sampled in the next call, after step n's update
             self.executor.execute_model(so, sync=False, sample=False)
-            outputs += self._update()
-            so.grammar_bitmask = self._fill_bitmask(so)
-            self._pending = so, self.executor.sample_tokens(so.grammar_bitmask)
+            self._unsampled = so
             return outputs
         launched = self._execute(so, sync=False)
-        outputs += self._update()
+        outputs = one_record_each(outputs, self._update())
         self._pending = launched
         return outputs
 
@@ -163,6 +190,15 @@ class EngineCore:
         if so.structured_output_request_ids:
             so.grammar_bitmask = self._fill_bitmask(so)
         return so, self.executor.execute_model(so, sync=sync)
+
+    def _launch_sampling(self) -> list[EngineCoreOutput]:
+        """Launch the sampling of the step whose forward went out without it, once the step in
+        flight before it is read (its records returned) and the bitmask filled."""
+        so, self._unsampled = self._unsampled, None
+        outputs = self._update()
+        so.grammar_bitmask = self._fill_bitmask(so)
+        self._pending = so, self.executor.sample_tokens(so.grammar_bitmask)
+        return outputs
 
     def _fill_bitmask(self, so: SchedulerOutput):
         """The step's grammar bitmask, from every token its requests have so far."""
@@ -192,7 +228,11 @@ class EngineCore:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._pending is not None
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self._pending is not None
+            or self._unsampled is not None
+        )
 
     def stats(self) -> dict[str, int]:
         kv = self.scheduler.kv_cache_manager

@@ -2,14 +2,14 @@
 step's token bitmask (ARCHITECTURE.md, "Structured outputs").
 
 `add(request)` gives a request its `RequestGrammar` and starts compiling its spec on a thread
-pool (xgrammar's compiler releases the GIL while it works, and caches what it compiled by
-spec: n completions of a request, or requests with one schema, compile once). The scheduler
-admits the request only once `grammar.ready`, so a compile never holds up other requests'
-steps. For each step, `fill_bitmask` writes the bitmask for the requests the scheduler
-listed (those with a grammar that sample in it): each one's matcher first accepts the output
-tokens it has not seen, then fills its row. The engine core calls it once every token before
-the step is known (under async scheduling, after the step's forward is launched and the step
-before's tokens are read: engine/engine_core.py). A listed request that has finished since
+pool (xgrammar's compiler releases the GIL while it works, and caches what it compiled by spec:
+n completions of a request, or requests with one schema, compile once). The scheduler admits
+the request only once `grammar.ready`, so a compile never holds up other requests' steps. For
+each step, `fill_bitmask` writes the bitmask for the requests the scheduler listed (those with
+a grammar that sample in it): each one's matcher first accepts the output tokens it has not
+seen, then xgrammar fills all their rows in one call. The engine core calls it once every token
+before the step is known (under async scheduling, after the step's forward is launched and the
+step before's tokens are read: engine/engine_core.py). A listed request that has finished since
 (the step before's token ended it) gets a row allowing every token: its sample is discarded,
 and its matcher, perhaps terminated, sees nothing more. The matcher follows the request's
 output tokens alone; preemption keeps them (the request recomputes them), so no matcher ever
@@ -34,6 +34,9 @@ from llm_inference.structured_output.spec import compile_grammar, grammar_key
 # Compiled grammars xgrammar keeps for reuse (least recently used ones go beyond): vLLM's
 # default. Without a bound a server of many distinct schemas would grow without end.
 CACHE_LIMIT_BYTES = 512 << 20
+# Threads of xgrammar's batch fill of a step's bitmask rows (one C++ call for all rows, the GIL
+# released): benchmarks/grammar_fill.py measures the choice (DECISIONS.md).
+FILL_THREADS = 1
 
 
 class RequestGrammar:
@@ -57,10 +60,10 @@ class RequestGrammar:
         """The compile's error, once it failed."""
         return self.compiled.exception() if self.compiled.done() else None
 
-    def fill(self, bitmask: np.ndarray, row: int, output_token_ids: list[int]) -> None:
-        """Accept the output tokens not yet seen, then write the allowed next tokens into
-        `bitmask[row]`. A token the grammar rejects raises: the sampler draws only tokens of
-        the mask, so that would be a bug, not the model's doing."""
+    def advance(self, output_token_ids: list[int]):
+        """Accept the output tokens not yet seen; return the matcher, for the step's bitmask
+        fill. A token the grammar rejects raises: the sampler draws only tokens of the mask, so
+        that would be a bug, not the model's doing."""
         import xgrammar as xgr
 
         if self._matcher is None:
@@ -71,7 +74,7 @@ class RequestGrammar:
             if not self._matcher.accept_token(token):
                 raise RuntimeError(f"the grammar rejected token {token} of its own mask")
             self.num_accepted += 1
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        return self._matcher
 
 
 class StructuredOutputManager:
@@ -89,6 +92,7 @@ class StructuredOutputManager:
         self._compiler = None
         self._lock = threading.Lock()  # the compiler is built once, by the first compile
         self._compiling: dict[str, object] = {}  # request id -> Request, until compiled
+        self._filler = None  # xgrammar's batch matcher: every row's fill in one call
 
     def add(self, request) -> None:
         """Start compiling `request`'s grammar (its sampling params have structured outputs)
@@ -140,12 +144,20 @@ class StructuredOutputManager:
         scheduler's unfinished ones, by id; a request not there gets every token),
         int32 [len(request_ids), ceil(vocab_size / 32)]."""
         bitmask = np.empty((len(request_ids), -(-self.vocab_size // 32)), dtype=np.int32)
+        matchers, rows = [], []
         for row, rid in enumerate(request_ids):
             request = requests.get(rid)
             if request is None:  # finished since it was scheduled: its sample is discarded
                 bitmask[row] = -1
             else:
-                request.grammar.fill(bitmask, row, request.output_token_ids)
+                matchers.append(request.grammar.advance(request.output_token_ids))
+                rows.append(row)
+        if matchers:
+            if self._filler is None:
+                import xgrammar as xgr
+
+                self._filler = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
+            self._filler.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         return bitmask
 
     def shutdown(self) -> None:
