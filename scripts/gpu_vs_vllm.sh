@@ -27,7 +27,7 @@ SHAPE=${SHAPE:-llama-3.2-1b}; TP=${TP:-1}
 SUFFIX=$([ "$TP" = 1 ] || echo "_tp$TP")
 VC=/tmp/vc/call4
 if [ "${MIXES:-0}" = 1 ]; then
-  common="--model $SHAPE --max-model-len 16384 --disable-detokenize"
+  common="--model $SHAPE --max-model-len 16384"  # vLLM's side: token ids only, always
   declare -A MIX=(
     [chat]="--dataset lognormal --num-prompts 600 --temperature 0.8 --top-p 0.95"
     [prefill]="--dataset fixed --num-prompts 256 --input-len 2000 --output-len 8"
@@ -37,7 +37,7 @@ if [ "${MIXES:-0}" = 1 ]; then
     (export PYTHONPATH=src:/tmp/site PATH=/tmp/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0
      timeout 300 python3 benchmarks/vllm_throughput.py $common ${MIX[$mix]} ${PROFILE:+--profile} \
        --json "$OUT/vllm_${SHAPE}_mix_$mix.json" 2>&1 | grep -v "it/s\|WARN\|INFO" | tail -1)
-    timeout 200 $B throughput $common ${MIX[$mix]} ${PROFILE:+--profile 1} \
+    timeout 200 $B throughput $common --disable-detokenize ${MIX[$mix]} ${PROFILE:+--profile 1} \
       --json "$OUT/ours_${SHAPE}_mix_$mix.json" 2>&1 | grep -v "it/s" | tail -2
   done
   exit
