@@ -154,7 +154,7 @@ def run_model(name: str, m: dict, batches: list[int], fp8: bool = False) -> list
         fp8_weights = weight_copies(n, k, fp8=True) if fp8 and layer != "lm_head" else None
         for shown in [layer, "gate_up+act"] if layer == "gate_up" else [layer]:
             fused = shown == "gate_up+act"
-            cfg = sg.default_config(n // 2 if fused else n, k, sms)
+            cfg = sg.default_config(n // 2 if fused else n, k, sms)  # bf16; FP8 takes fp8=True
             for b in batches:
                 x = torch.randn(b, k, device=DEVICE, dtype=DTYPE)
                 impls = implementations(shown, fp8)
@@ -221,7 +221,7 @@ def sweep(models: list[str], batch: int, seconds: float, fp8: bool = False) -> l
             x = torch.randn(batch, k, device=DEVICE, dtype=DTYPE)
             for fused in (False, True) if layer == "gate_up" else (False,):
                 n_out = n // 2 if fused else n
-                rule = sg.default_config(n_out, k, sms)
+                rule = sg.default_config(n_out, k, sms, fp8=fp8)
                 gemm = sg.skinny_gemm_silu if fused else sg.skinny_gemm
 
                 def fn(x, w, config, gemm=gemm):

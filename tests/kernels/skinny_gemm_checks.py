@@ -71,9 +71,8 @@ def check_gemm(device, dtype, m, n, k, config=None, seed=0, want_split=None, fp8
     assert got.data_ptr() == out.data_ptr()
     what = f"skinny_gemm {dtype} {'FP8 ' * fp8}M={m} N={n} K={k} {config}"
     if want_split is not None:
-        assert sg.split_plan(k, config or sg.default_config(n, k, num_sms(x.device)))[0] == (
-            want_split
-        ), what
+        rule = sg.default_config(n, k, num_sms(x.device), fp8=fp8)
+        assert sg.split_plan(k, config or rule)[0] == want_split, what
     _assert_close(got, x.double() @ w64.T, buf, n, dtype, what)
 
 
@@ -88,7 +87,7 @@ def check_silu(device, dtype, m, inter, k, config=None, seed=0, want_split=None,
     want = F.silu(y[:, :inter]) * y[:, inter:]
     what = f"skinny_gemm_silu {dtype} {'FP8 ' * fp8}M={m} I={inter} K={k} {config}"
     if want_split is not None:
-        cfg = config or sg.default_config(inter, k, num_sms(x.device))
+        cfg = config or sg.default_config(inter, k, num_sms(x.device), fp8=fp8)
         assert sg.split_plan(k, cfg)[0] == want_split, what
     _assert_close(got, want, buf, inter, dtype, what)
 

@@ -89,6 +89,10 @@ def test_default_config_fills_the_sms():
     assert sg.default_config(128256, 3072, H200_SMS).split_k == 1  # LM head
     tiny = sg.default_config(40, 24, H200_SMS)
     assert (tiny.block_n, tiny.block_k, tiny.split_k) == (64, 32, 1)
+    # FP8 weights: twice the fill target (8B shapes: the split the sweep found fastest)
+    assert sg.default_config(6144, 4096, H200_SMS, fp8=True).split_k == 4  # qkv: 96 blocks
+    assert sg.default_config(4096, 14336, H200_SMS, fp8=True).split_k == 4  # down
+    assert sg.default_config(14336, 4096, H200_SMS, fp8=True).split_k == 1  # gate_up, fused
 
 
 def test_split_plan_never_makes_empty_ranges():

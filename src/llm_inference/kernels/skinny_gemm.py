@@ -30,8 +30,9 @@ W once at the memory bandwidth:
 - Configs come from a fixed rule (`default_config`), not `triton.autotune`, so that every rank
   and run rounds alike: BLOCK_N 64, BLOCK_K 128 (clamped to small shapes), and split-K doubled
   while the programs fill less than FILL of the SMs and each range keeps MIN_K_PER_SPLIT.
-  FP8 weights take the same rule; their tiles hold half the bytes, so a larger BLOCK_K may
-  suit them: to measure (benchmarks/skinny_gemm.py --fp8 --sweep).
+  FP8 weights take the same tiles with twice the fill target: their tiles hold half the
+  bytes, and twice the programs keep as many in flight (benchmarks/skinny_gemm.py --fp8
+  --sweep: larger BLOCK_K or more warps did not help them).
 
 M, the batch, is not specialized (`do_not_specialize`): one compiled kernel per config serves
 every decode bucket of 1..16 rows. Rows beyond M are masked, W's rows beyond N are clamped
@@ -82,15 +83,16 @@ class GemmConfig:
             raise ValueError(f"split_k must be in [1, 64], got {self.split_k}")
 
 
-def default_config(n: int, k: int, sms: int) -> GemmConfig:
+def default_config(n: int, k: int, sms: int, fp8: bool = False) -> GemmConfig:
     """The rule: BLOCK_N 64 and BLOCK_K 128, clamped to small shapes; split-K doubled while
-    the cdiv(n, BLOCK_N) column blocks times the split fill less than FILL of `sms` and each
-    K range keeps MIN_K_PER_SPLIT columns. `n` is the output width (I when fused)."""
+    the cdiv(n, BLOCK_N) column blocks times the split fill less than FILL of `sms` (twice
+    that for `fp8` weights, whose tiles hold half the bytes) and each K range keeps
+    MIN_K_PER_SPLIT columns. `n` is the output width (I when fused)."""
     block_n = min(64, max(16, triton.next_power_of_2(n)))
     block_k = min(128, max(16, triton.next_power_of_2(k)))
-    blocks = triton.cdiv(n, block_n)
+    blocks, fill = triton.cdiv(n, block_n), FILL * sms * (2 if fp8 else 1)
     split = 1
-    while split < MAX_SPLIT and blocks * split < FILL * sms and k // (2 * split) >= MIN_K_PER_SPLIT:
+    while split < MAX_SPLIT and blocks * split < fill and k // (2 * split) >= MIN_K_PER_SPLIT:
         split *= 2
     return GemmConfig(block_n, block_k, split)
 
@@ -252,7 +254,7 @@ def _launch(
     x, weight, scale, out, n: int, fused: bool, config: GemmConfig | None, pdl: bool
 ) -> torch.Tensor:
     m, k = x.shape
-    cfg = config or default_config(n, k, num_sms(x.device))
+    cfg = config or default_config(n, k, num_sms(x.device), fp8=scale is not None)
     split, k_per_split = split_plan(k, cfg)
     blocks = triton.cdiv(n, cfg.block_n)
     partial = split > 1
