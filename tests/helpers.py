@@ -227,14 +227,20 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 class _Compiles(list):
     def __init__(self) -> None:
         super().__init__()
-        self.details: list[str] = []
+        self.specializations: list[str] = []
+
+    @property
+    def details(self) -> str:
+        """Every compile's specialization, a line each: a string, so that pytest prints an
+        assert's message whole (it shortens the repr of anything else)."""
+        return "\n".join(self.specializations)
 
 
 @contextlib.contextmanager
 def triton_compiles():
     """The names of the Triton kernels compiled (in-memory cache misses, loads from the disk
     cache included) while the block runs, in a list the block can read after it; its `details`
-    hold each compile's specialization as Triton describes it (for an assert's message)."""
+    give each compile's specialization as Triton describes it (for an assert's message)."""
     import triton
 
     names = _Compiles()
@@ -242,7 +248,7 @@ def triton_compiles():
 
     def hook(*args, **kw):
         names.append(kw["fn"].name)
-        names.details.append(str(kw.get("repr", "")))
+        names.specializations.append(str(kw.get("repr", "")))
 
     triton.knobs.runtime.jit_post_compile_hook = hook
     try:
