@@ -208,13 +208,14 @@ class ModelRunner:
         head = lm_head.compute_local_logits if tp else self.model.compute_logits
         head(hidden[:1])  # the LM head of a small batch: the skinny GEMM, where it applies
         logits = head(hidden)
-        # The slow path's rows sample a float32 copy, with SamplingMetadata.build's int64 keys
-        # and bool greedy flags: another compiled variant.
-        built = (staged.keys.long() & 0xFFFFFFFF, staged.greedy.bool())
-        for x, keys, greedy in [(logits, staged.keys, staged.greedy), (logits.float(), *built)]:
-            self.sampler.warm_up(
-                x, keys, staged.temperature, greedy, lm_head.vocab_start if tp else None
-            )
+        # The slow path's rows sample a float32 copy, with SamplingMetadata.build's tensors:
+        # int64 keys, bool greedy flags and temperatures each in an allocation of its own
+        # (Triton specializes on a pointer's 16-byte alignment, which the staged temperatures,
+        # a view into the staging buffer, lack): another compiled variant.
+        built = (staged.keys.long() & 0xFFFFFFFF, staged.temperature.clone(), staged.greedy.bool())
+        staged_args = (staged.keys, staged.temperature, staged.greedy)
+        for x, (keys, temperature, greedy) in [(logits, staged_args), (logits.float(), built)]:
+            self.sampler.warm_up(x, keys, temperature, greedy, lm_head.vocab_start if tp else None)
 
     def mixed_graph_sizes(self) -> list[int]:
         """Token buckets of the mixed-step graphs (none without CUDA graphs)."""
