@@ -58,8 +58,9 @@ exactly the single program's. Splits are chosen to give about SPLIT_PROGRAMS pro
 batch large enough to fill the GPU runs unsplit. When a row of the launch filters (a top-k, top-p
 or min-p tensor is given), the merge hands its winners to `_sample_kernel`, one program per row.
 
-Compiles: Triton compiles a kernel again for each new constexpr and each integer argument newly
-equal to 1 or divisible by 16. The batch size and the split count change from step to step, so
+Compiles: Triton compiles a kernel again for each new constexpr, each integer argument newly
+equal to 1 or divisible by 16, and each tensor argument newly (or no longer) at an address that
+is a multiple of 16 bytes. The batch size and the split count change from step to step, so
 they are not specialized (`do_not_specialize`) and the merge's tile is sized from V: one
 compiled kernel per variant serves every step. `warm_up` compiles the variants an engine meets
 before its first request.
