@@ -143,8 +143,9 @@ class EngineCore:
         ids = list(request_ids)
         self.scheduler.finish_requests(ids, status)
         self._sync_ids.difference_update(ids)
-        if not self.scheduler.has_unfinished_requests():  # only finished ones were in flight:
-            if self._unsampled is not None:  # nothing to report
+        if not self.scheduler.has_unfinished_requests():
+            # Only finished requests were in flight: end their steps, nothing to report.
+            if self._unsampled is not None:
                 self._launch_sampling()
             self._update()
 
