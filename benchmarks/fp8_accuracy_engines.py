@@ -28,6 +28,7 @@ Hugging Face folder, e.g. the default model converted on the GPU machine:
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import math
@@ -72,9 +73,10 @@ def run_ours(model: str, prompts, quantization, kv_cache_dtype, device) -> list[
 def run_vllm(model: str, prompts, quantization, kv_cache_dtype, device) -> list[tuple]:
     import vllm
 
+    # four of these one after the other, so a small share of the GPU each
     llm = vllm.LLM(model, dtype="bfloat16", quantization=quantization,
                    kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False,
-                   max_model_len=max(map(len, prompts)) + 1, gpu_memory_utilization=0.4,
+                   max_model_len=max(map(len, prompts)) + 1, gpu_memory_utilization=0.15,
                    seed=0)  # fmt: skip
     params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=TOP_K)
     outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
@@ -83,7 +85,8 @@ def run_vllm(model: str, prompts, quantization, kv_cache_dtype, device) -> list[
         for token, entry in zip(prompt[1:], o.prompt_logprobs[1:]):
             top = sorted(entry.items(), key=lambda kv: kv[1].rank)[:TOP_K]
             rows.append((entry[token].logprob, {t: lp.logprob for t, lp in top}))
-    del llm
+    del llm  # its engine core process ends with it
+    gc.collect()
     return rows
 
 
