@@ -69,7 +69,7 @@ def pauses_in(path: str, since: float, until: float) -> list[tuple[float, float,
 
 def pause_report(found: list[dict], pauses: list[tuple[float, float, str, str]]) -> list[str]:
     """Per process and kind of pause: how many, total and longest ms; then the long gaps that
-    overlap any pause, and those that overlap a compile."""
+    overlap any pause, a compile, and a slow step of the engine core."""
     lines = ["| process | pause | count | total ms | longest ms |", "|---|---|---:|---:|---:|"]
     by_key: dict[tuple[str, str], list[float]] = {}
     for a, b, process, what in pauses:
@@ -80,8 +80,10 @@ def pause_report(found: list[dict], pauses: list[tuple[float, float, str, str]])
     def overlap(s: dict, kinds: str) -> bool:
         return any(a < s["end"] and s["start"] < b for a, b, _, w in pauses if w.startswith(kinds))
 
-    hit, compiles = sum(overlap(s, "") for s in found), sum(overlap(s, "compile") for s in found)
-    lines.append(f"\n{hit} of {len(found)} long gaps overlap a pause, {compiles} a compile.")
+    hit, compiles, steps = (sum(overlap(s, kind) for s in found)
+                            for kind in ("", "compile", "core_step"))  # fmt: skip
+    lines.append(f"\n{hit} of {len(found)} long gaps overlap a pause, {compiles} a compile, "
+                 f"{steps} a slow step of the engine core.")  # fmt: skip
     return lines
 
 

@@ -189,7 +189,8 @@ def test_core_process_freezes_its_startup_heap(tiny_ckpt):
 
 def test_pause_log_names_a_silent_core(tiny_ckpt, tmp_path, monkeypatch):
     """With a pause log, the front end logs each wait of 50 ms or more for a step while requests
-    run (here every step takes 80 ms more), and the core process its own pauses' lines."""
+    run (here every step takes 80 ms more), and the core process its own pauses' lines: each
+    of those steps, as core_step."""
     log = tmp_path / "pauses.log"
     monkeypatch.setenv("LLM_INFERENCE_PAUSE_LOG", str(log))
     with AsyncLLM(str(tiny_ckpt), core_setup=slow_steps, **ENGINE_ARGS) as llm:
@@ -198,6 +199,9 @@ def test_pause_log_names_a_silent_core(tiny_ckpt, tmp_path, monkeypatch):
     silent = [line.split() for line in log.read_text().splitlines() if " core_silent " in line]
     assert len(silent) >= 3  # a step of prompt, then one per token
     assert all(float(ms) >= 50 and name == "MainProcess" for _, _, _, ms, name in silent)
+    steps = [line.split() for line in log.read_text().splitlines() if " core_step " in line]
+    assert len(steps) >= 3 and all(float(ms) >= 80 for _, _, _, ms, _ in steps)
+    assert {line[1] for line in steps}.isdisjoint(line[1] for line in silent)  # the core's pid
 
 
 def _joined(deltas, n=1):

@@ -45,17 +45,19 @@ def test_command_line(tmp_path):
 
 
 def test_pause_log(tmp_path):
-    """A 150 ms generation-2 collection inside the shared stall overlaps its four gaps, a
-    compile the lone one's; a pause before the run is left out."""
+    """A 150 ms generation-2 collection inside the shared stall overlaps its four gaps, and a
+    slow step of the core too, a compile the lone one's; a pause before the run is left out."""
     path, log = tmp_path / "r.json", tmp_path / "pauses.log"
     path.write_text(json.dumps({"requests": _streams()}))
     log.write_text(
         "50.0 7 gc2 300.0 core\n100.25 7 gc2 150.00 core\n"
         "100.305 8 gc0 2.00 MainProcess\n100.38 7 compile:_merge 20.0 core\n"
+        "100.25 7 core_step 150.00 core\n"
     )
     out = subprocess.run([sys.executable, str(SCRIPT), str(path), "--pause-log", str(log)],
                          capture_output=True, text=True, check=True).stdout  # fmt: skip
     assert "| 7 core | gc2 | 1 | 150.0 | 150.0 |" in out
     assert "| 8 MainProcess | gc0 | 1 | 2.0 | 2.0 |" in out
     assert "| 7 core | compile:_merge | 1 | 20.0 | 20.0 |" in out
-    assert "5 of 5 long gaps overlap a pause, 1 a compile." in out
+    assert "| 7 core | core_step | 1 | 150.0 | 150.0 |" in out
+    assert "5 of 5 long gaps overlap a pause, 1 a compile, 4 a slow step of the engine core." in out

@@ -47,11 +47,15 @@ from multiprocessing import util as mp_util
 from multiprocessing.connection import Connection
 from typing import Any
 
+from llm_inference import pause_log
 from llm_inference.config import EngineConfig
 from llm_inference.core.request import Request, RequestStatus
 from llm_inference.gc_heap import freeze_startup_heap, thaw_heap
 
 JOIN_TIMEOUT_S = 10.0
+# With a pause log (pause_log.py), a step or a batch of commands this long is logged
+# (core_step, core_commands): what a front end's core_silent waited for.
+SLOW_MS = 50.0
 
 
 class EngineCoreError(RuntimeError):
@@ -113,18 +117,21 @@ def _core_main(config: EngineConfig, conn: Connection, parent_pid: int, setup) -
         conn.send(("ready", (core.config, core.stats())))
         sender.start()
         unscheduled: set[str] = set()
-        running = True
+        running, log = True, pause_log.get()
         while running:
             block = not core.has_unfinished_requests()
             while running and (block or conn.poll()):
                 block = False
                 _, commands = conn.recv()  # EOFError: the parent closed the pipe
+                start = time.monotonic()
                 running = _apply(core, commands, unscheduled)
+                _log_slow(log, "core_commands", start)
             if running and not core.has_unfinished_requests():
                 results.put(([], [], time.monotonic(), core.stats()))  # idle: the stats only
             elif running:
                 start = time.monotonic()
                 records = core.step()
+                _log_slow(log, "core_step", start)
                 scheduled = []
                 if unscheduled:
                     waiting = core.waiting_request_ids()
@@ -149,6 +156,13 @@ def _core_main(config: EngineConfig, conn: Connection, parent_pid: int, setup) -
         core.shutdown()
         conn.close()
         thaw_heap()
+
+
+def _log_slow(log, what: str, start: float) -> None:
+    """Log `what` to the pause log if it took SLOW_MS or more since `start`."""
+    ms = (time.monotonic() - start) * 1e3
+    if log is not None and ms >= SLOW_MS:
+        log.write(what, ms)
 
 
 def _apply(core, commands: list[tuple], unscheduled: set[str]) -> bool:
