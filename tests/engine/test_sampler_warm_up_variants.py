@@ -1,8 +1,9 @@
-"""The fused sampler's warm-up launches the split race with every variant (what Triton compiles
-for) that requests on every sampling path launch it with, structured outputs included: checked
-on any machine under the Triton interpreter (sampler_warm_up_checks.py), as the CUDA
-compile-nothing test sees it on a GPU. It failed while the warm-up gave the slow path the
-staged temperatures, a view whose address is not 16-byte aligned, where the requests' own are."""
+"""The fused sampler's warm-up launches its kernels with every variant (what Triton compiles
+for) that requests on every sampling path launch them with, structured outputs included, and
+rows filtering by top-p or top-k and top-p: checked on any machine under the Triton interpreter
+(sampler_warm_up_checks.py), as the CUDA compile-nothing tests see it on a GPU. It failed while
+the warm-up gave the slow path the staged temperatures, a view whose address is not 16-byte
+aligned, where the requests' own are, and while it left the filtered search out."""
 
 from __future__ import annotations
 

@@ -51,7 +51,8 @@ def test_triton_greedy_equals_reference(tmp_path, head_dim, block_size, eager):
 def test_first_requests_compile_nothing(tmp_path, eager):
     """Engine start compiles every Triton kernel its steps launch (graph capture for the model,
     or without graphs an all-padding forward per attention variant; a warm-up for the
-    sampler), so requests of any batch size, sampled or greedy, wait for no compile: before, a
+    sampler), so requests of any batch size, sampled, greedy or filtered by top-p (and top-k),
+    wait for no compile: before, a
     run's first steps at each new batch size compiled the sampler's merge, the first step too
     long for a graph (here 6 x 400 prompt tokens, eager) compiled the attention kernel for its
     sequence count, and an eager engine compiled attention variants in its first steps and
@@ -78,6 +79,9 @@ def test_first_requests_compile_nothing(tmp_path, eager):
                 mixed = [SamplingParams(temperature=0.0 if i % 2 else 0.8, max_tokens=9)
                          for i in range(n)]  # fmt: skip
                 llm.generate(batch, mixed, use_tqdm=False)
+                filtered = [SamplingParams(temperature=0.8, top_p=0.9, top_k=(0, 20)[i % 2],
+                                           max_tokens=5) for i in range(n)]  # fmt: skip
+                llm.generate(batch, filtered, use_tqdm=False)
             long = [[(7 * i + j) % 300 + 2 for j in range(400)] for i in range(6)]
             llm.generate(long, SamplingParams(temperature=0.8, max_tokens=3), use_tqdm=False)
             # 40 such prompts, 32 at once, ending at different steps: each group of 8 let in

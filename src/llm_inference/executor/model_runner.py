@@ -216,6 +216,9 @@ class ModelRunner:
         staged_args = (staged.keys, staged.temperature, staged.greedy)
         for x, (keys, temperature, greedy) in [(logits, staged_args), (logits.float(), built)]:
             self.sampler.warm_up(x, keys, temperature, greedy, lm_head.vocab_start if tp else None)
+        if not tp:  # the staged rows' filtered search (top-p; top-k and top-p), on their own
+            staged.top_k.fill_(1 << 30)  # arrays: off (each step's staging copy overwrites)
+            self.sampler.warm_up(logits, *staged_args, None, staged.top_k, staged.top_p)
 
     def mixed_graph_sizes(self) -> list[int]:
         """Token buckets of the mixed-step graphs (none without CUDA graphs)."""

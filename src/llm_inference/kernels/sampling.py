@@ -565,12 +565,16 @@ def warm_up(
     temperature: torch.Tensor,
     greedy: torch.Tensor,
     vocab_start: int | None = None,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
 ) -> None:
     """Compile what `sample` (given `vocab_start`: `race_shard`) runs on inputs of these dtypes
     and strides, with and without greedy rows, at one row and at all of `logits`' rows (where
-    that many fill the GPU, the unsplit kernel), `sample` with and without a grammar bitmask:
-    an engine calls it at start, so that its first requests do not wait for compiles (module
-    doc, "Compiles"). The results are not used."""
+    that many fill the GPU, the unsplit kernel), `sample` with and without a grammar bitmask,
+    and given `top_k` and `top_p` (the rows' own arrays: their values are not read) the
+    filtered search with top-p and with top-k and top-p, the filters clients set most (other
+    combinations compile at their first step): an engine calls it at start, so that its first
+    requests do not wait for compiles (module doc, "Compiles"). The results are not used."""
     B, V = logits.shape
     bitmask = torch.full((1, -(-V // 32)), -1, dtype=torch.int32, device=logits.device)
     for rows in sorted({1, B}):
@@ -582,3 +586,6 @@ def warm_up(
             sample(*args, greedy=g)
             mask_rows = torch.zeros(rows, dtype=torch.int32, device=logits.device)
             sample(*args, greedy=g, bitmask=bitmask, bitmask_rows=mask_rows)
+            if top_p is not None:
+                sample(*args, greedy=g, top_p=top_p[:rows])
+                sample(*args, greedy=g, top_k=top_k[:rows], top_p=top_p[:rows])

@@ -267,10 +267,11 @@ class Sampler(torch.nn.Module):
     def warm_up(
         self, logits: torch.Tensor, keys: torch.Tensor, temperature: torch.Tensor,
         greedy: torch.Tensor, vocab_start: int | None = None,
+        top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         """Compile the fused sampler's kernels for these inputs' shapes and dtypes
         (`ops.warm_up_sampler`, kernels/sampling.py "Compiles")."""
-        self.ops.warm_up_sampler(logits, keys, temperature, greedy, vocab_start)
+        self.ops.warm_up_sampler(logits, keys, temperature, greedy, vocab_start, top_k, top_p)
 
     @staticmethod
     def probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
