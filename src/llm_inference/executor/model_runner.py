@@ -213,12 +213,14 @@ class ModelRunner:
         # (Triton specializes on a pointer's 16-byte alignment, which the staged temperatures,
         # a view into the staging buffer, lack): another compiled variant.
         built = (staged.keys.long() & 0xFFFFFFFF, staged.temperature.clone(), staged.greedy.bool())
-        staged_args = (staged.keys, staged.temperature, staged.greedy)
-        for x, (keys, temperature, greedy) in [(logits, staged_args), (logits.float(), built)]:
-            self.sampler.warm_up(x, keys, temperature, greedy, lm_head.vocab_start if tp else None)
-        if not tp:  # the staged rows' filtered search (top-p; top-k and top-p), on their own
-            staged.top_k.fill_(1 << 30)  # arrays: off (each step's staging copy overwrites)
-            self.sampler.warm_up(logits, *staged_args, None, staged.top_k, staged.top_p)
+        vocab_start = lm_head.vocab_start if tp else None
+        # The staged rows' filtered search too (top-p; top-k and top-p), on their own arrays,
+        # top-k off (each step's staging copy overwrites them); at TP > 1 those rows gather.
+        filters = () if tp else (staged.top_k.fill_(1 << 30), staged.top_p)
+        self.sampler.warm_up(
+            logits, staged.keys, staged.temperature, staged.greedy, vocab_start, *filters
+        )
+        self.sampler.warm_up(logits.float(), *built, vocab_start)
 
     def mixed_graph_sizes(self) -> list[int]:
         """Token buckets of the mixed-step graphs (none without CUDA graphs)."""
