@@ -206,13 +206,17 @@ def step_totals(name: str, m: dict, rows: list[dict], floor_bw: float) -> list[d
     return out
 
 
-def sweep(models: list[str], batch: int, seconds: float, fp8: bool = False) -> list[dict]:
-    """Every SWEEP_TILES (with `fp8`, on FP8 weights: SWEEP_TILES_FP8 too) x SWEEP_SPLITS
-    config (K ranges of SWEEP_MIN_K or more) per layer shape at `batch` rows; the rule's own
-    config is marked. A config that does not fit the GPU (shared memory) is left out."""
+def sweep(
+    models: list[str], batch: int, seconds: float, fp8: bool = False, tiles: list | None = None,
+    dots: tuple[str, ...] = ("x",),
+) -> list[dict]:  # fmt: skip
+    """Every tile (default SWEEP_TILES; with `fp8`, on FP8 weights: SWEEP_TILES_FP8 too) x
+    SWEEP_SPLITS config (K ranges of SWEEP_MIN_K or more) per layer shape at `batch` rows, on
+    FP8 weights with each of `dots` (GemmConfig.fp8_dot); the rule's own config is marked. A
+    config that does not fit the GPU (shared memory) is left out."""
     out, deadline = [], time.monotonic() + seconds
     sms = num_sms(torch.device(DEVICE))
-    tiles = SWEEP_TILES + SWEEP_TILES_FP8 if fp8 else SWEEP_TILES
+    tiles = tiles or (SWEEP_TILES + SWEEP_TILES_FP8 if fp8 else SWEEP_TILES)
     for name in models:
         for layer, (n, k) in layer_shapes(MODELS[name]).items():
             if fp8 and layer == "lm_head":
@@ -229,17 +233,24 @@ def sweep(models: list[str], batch: int, seconds: float, fp8: bool = False) -> l
                         return gemm(x, w[0], weight_scale=w[1], config=config)
                     return gemm(x, w, config=config)
 
+                w0 = weights[0]
+                dense = (w0[0].float() * w0[1][:, None]).to(DTYPE) if fp8 else w0
+                ref = F.linear(x, dense)
+                ref = silu_and_mul(ref) if fused else ref
                 results = []
-                for (bn, bk, warps, stages), split in itertools.product(tiles, SWEEP_SPLITS):
+                for (bn, bk, warps, stages), split, dot in itertools.product(
+                    tiles, SWEEP_SPLITS, dots if fp8 else ("x",)
+                ):
                     if k // split < SWEEP_MIN_K or time.monotonic() > deadline:
                         continue
-                    cfg = sg.GemmConfig(bn, bk, split, warps, stages)
+                    cfg = sg.GemmConfig(bn, bk, split, warps, stages, fp8_dot=dot)
                     try:
                         us = time_calls(lambda w, cfg=cfg: fn(x, w, cfg), weights)  # noqa: B023
                     except OutOfResources:
                         continue
                     results.append({"model": name, "layer": "gate_up+act" if fused else layer,
                                     "M": batch, "config": cfg.__dict__, "us": us,
+                                    "err": rel_err(fn(x, w0, cfg), ref),
                                     "rule": cfg == rule})  # fmt: skip
                 out.extend(sorted(results, key=lambda r: r["us"]))
             del weights
@@ -295,18 +306,21 @@ def print_tables(rows, steps, sweep_rows) -> None:
                   f"| {s['scaled_mm_us']:.0f} | {fp8_us / s['triton_us']:.2f} "
                   f"| {s['fp8_floor_us']:.0f} | {gbps(s['fp8_bytes'], fp8_us):.0f} |")  # fmt: skip
     if sweep_rows:
-        print(f"\nSweep: the {SWEEP_SHOWN} fastest per shape and the rule's config (*):\n")
-        print("| model | layer | M | BN | BK | warps | stages | split | us |")
-        print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        print(f"\nSweep: the {SWEEP_SHOWN} fastest per shape, the fastest of each FP8 dot and the "
+              "rule's config (*):\n")  # fmt: skip
+        print("| model | layer | M | BN | BK | warps | stages | split | FP8 dot | us | err |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
         shown = []
         for _, group in itertools.groupby(sweep_rows, key=lambda r: (r["model"], r["layer"])):
             group = list(group)
-            shown += group[:SWEEP_SHOWN] + [r for r in group[SWEEP_SHOWN:] if r["rule"]]
+            dots = {r["config"]["fp8_dot"]: r for r in reversed(group)}  # each dot's fastest
+            top = group[:SWEEP_SHOWN]
+            shown += top + [r for r in group if r not in top and (r["rule"] or r in dots.values())]
         for r in shown:
             c = r["config"]
             print(f"| {r['model']} | {r['layer']} | {r['M']} | {c['block_n']} | {c['block_k']} "
-                  f"| {c['num_warps']} | {c['num_stages']} | {c['split_k']} "
-                  f"| {r['us']:.1f}{' *' if r['rule'] else ''} |")  # fmt: skip
+                  f"| {c['num_warps']} | {c['num_stages']} | {c['split_k']} | {c['fp8_dot']} "
+                  f"| {r['us']:.1f}{' *' if r['rule'] else ''} | {r['err']:.1e} |")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -318,11 +332,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="also time other Triton configs")
     p.add_argument("--sweep-batch", type=int, default=1, help="rows of the sweep")
     p.add_argument("--sweep-seconds", type=float, default=90.0, help="the sweep's time budget")
+    p.add_argument("--sweep-tiles", help="BN,BK,warps,stages;... (default: SWEEP_TILES)")
+    p.add_argument("--fp8-dots", default="x", help="the sweep's GemmConfig.fp8_dot values")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
     default_models, default_batches = (FP8_MODELS, FP8_BATCHES) if args.fp8 else (MODELS, BATCHES)
     args.models = args.models.split(",") if args.models else list(default_models)
     args.batches = [int(b) for b in args.batches.split(",")] if args.batches else default_batches
+    tiles = (args.sweep_tiles or "").split(";")
+    args.sweep_tiles = [tuple(int(v) for v in tile.split(",")) for tile in tiles if tile]
+    args.fp8_dots = tuple(args.fp8_dots.split(","))
     return args
 
 
@@ -338,7 +357,10 @@ def main() -> None:
         steps += step_totals(name, MODELS[name], model_rows, bw)
     sweep_rows = []
     if args.sweep:
-        sweep_rows = sweep(args.models, args.sweep_batch, args.sweep_seconds, args.fp8)
+        sweep_rows = sweep(
+            args.models, args.sweep_batch, args.sweep_seconds, args.fp8, args.sweep_tiles,
+            args.fp8_dots,
+        )  # fmt: skip
     dtype = str(DTYPE).removeprefix("torch.")
     print(f"{torch.cuda.get_device_name()}, {dtype}, copy bandwidth {bw / 1e12:.2f} TB/s\n")
     print_tables(rows, steps, sweep_rows)

@@ -48,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from llm_inference import envs
 from llm_inference.kernels.device import num_sms
 from llm_inference.kernels.pdl import launch_kwargs, wait_then_release
 
@@ -73,6 +74,10 @@ class GemmConfig:
     # Load the first weight tile before the input (always so with PDL: the weights stream
     # while the previous kernel finishes; kernels/pdl.py).
     prefetch: bool = False
+    # FP8 weights only: the dot's operands. "x": the W tile converted to x's dtype; "fp16":
+    # W and x converted to float16; "fp8": x quantized per tile row to FP8 (a scale per row
+    # and BLOCK_K columns), an FP8 x FP8 dot, its sums scaled.
+    fp8_dot: str = "x"
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -81,6 +86,8 @@ class GemmConfig:
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
         if not 1 <= self.split_k <= 64:
             raise ValueError(f"split_k must be in [1, 64], got {self.split_k}")
+        if self.fp8_dot not in ("x", "fp16", "fp8"):
+            raise ValueError(f"fp8_dot must be x, fp16 or fp8, got {self.fp8_dot!r}")
 
 
 def default_config(n: int, k: int, sms: int, fp8: bool = False) -> GemmConfig:
@@ -94,7 +101,33 @@ def default_config(n: int, k: int, sms: int, fp8: bool = False) -> GemmConfig:
     split = 1
     while split < MAX_SPLIT and blocks * split < fill and k // (2 * split) >= MIN_K_PER_SPLIT:
         split *= 2
-    return GemmConfig(block_n, block_k, split)
+    return GemmConfig(block_n, block_k, split, fp8_dot=envs.LLM_INFERENCE_FP8_DOT if fp8 else "x")
+
+
+@triton.jit
+def _x_operand(xt, FP8_DOT: tl.constexpr):
+    """xt [BLOCK_K, BLOCK_M] as the dot takes it, and its scale per column ([BLOCK_M]; ones
+    unless FP8_DOT is "fp8": then x is quantized to FP8 per row of x and BLOCK_K columns)."""
+    ones = tl.full((xt.shape[1],), 1.0, tl.float32)
+    if FP8_DOT == "fp16":
+        return xt.to(tl.float16), ones
+    elif FP8_DOT == "fp8":
+        x32 = xt.to(tl.float32)
+        s = tl.maximum(tl.max(tl.abs(x32), axis=0), 1e-12) / 448.0
+        return (x32 / s[None, :]).to(tl.float8e4nv), s
+    else:
+        return xt, ones
+
+
+@triton.jit
+def _dot(w, xo, xs, acc, PRECISION: tl.constexpr, FP8_DOT: tl.constexpr):
+    """acc + w @ x^T for w [BLOCK_N, BLOCK_K] in x's dtype or FP8 and (xo, xs) from
+    _x_operand."""
+    if FP8_DOT == "fp8":
+        acc += tl.dot(w, xo) * xs[None, :]
+    else:
+        acc = tl.dot(w.to(xo.dtype), xo, acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -103,7 +136,7 @@ def _skinny_gemm_kernel(
     k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FUSED: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8_DOT: tl.constexpr,
 ):  # fmt: skip
     """Program (n, s): columns [n * BLOCK_N, +BLOCK_N) over K range s. N is the output width
     (I when FUSED: up rows start N rows below gate rows). PARTIAL: store float32 sums to the
@@ -136,9 +169,10 @@ def _skinny_gemm_kernel(
         if PDL:
             wait_then_release()
         xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
-        acc = tl.dot(w.to(xt.dtype), xt, acc, input_precision=PRECISION)
+        xo, xs = _x_operand(xt, FP8_DOT)
+        acc = _dot(w, xo, xs, acc, PRECISION, FP8_DOT)
         if FUSED:
-            acc_up = tl.dot(w_up.to(xt.dtype), xt, acc_up, input_precision=PRECISION)
+            acc_up = _dot(w_up, xo, xs, acc_up, PRECISION, FP8_DOT)
         w_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -157,9 +191,10 @@ def _skinny_gemm_kernel(
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
             if FUSED:
                 w_up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0)
-        acc = tl.dot(w.to(xt.dtype), xt, acc, input_precision=PRECISION)
+        xo, xs = _x_operand(xt, FP8_DOT)
+        acc = _dot(w, xo, xs, acc, PRECISION, FP8_DOT)
         if FUSED:
-            acc_up = tl.dot(w_up.to(xt.dtype), xt, acc_up, input_precision=PRECISION)
+            acc_up = _dot(w_up, xo, xs, acc_up, PRECISION, FP8_DOT)
         w_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -266,7 +301,7 @@ def _launch(
         k_per_split, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FUSED=fused,
         PARTIAL=partial, EVEN_K=split * k_per_split == k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl,
-        PREFETCH=cfg.prefetch or pdl,
+        PREFETCH=cfg.prefetch or pdl, FP8_DOT=cfg.fp8_dot if scale is not None else "x",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(pdl),
     )  # fmt: skip
     if partial:
