@@ -208,11 +208,12 @@ def step_totals(name: str, m: dict, rows: list[dict], floor_bw: float) -> list[d
 
 def sweep(
     models: list[str], batch: int, seconds: float, fp8: bool = False, tiles: list | None = None,
-    dots: tuple[str, ...] = ("x",),
+    dots: tuple[bool, ...] = (True,),
 ) -> list[dict]:  # fmt: skip
     """Every tile (default SWEEP_TILES; with `fp8`, on FP8 weights: SWEEP_TILES_FP8 too) x
     SWEEP_SPLITS config (K ranges of SWEEP_MIN_K or more) per layer shape at `batch` rows, on
-    FP8 weights with each of `dots` (GemmConfig.fp8_dot); the rule's own config is marked. A
+    FP8 weights with each of `dots` (GemmConfig.fp8_dot: True the FP8 x FP8 dot, False W8A16);
+    the rule's own config is marked. A
     config that does not fit the GPU (shared memory) is left out."""
     out, deadline = [], time.monotonic() + seconds
     sms = num_sms(torch.device(DEVICE))
@@ -239,7 +240,7 @@ def sweep(
                 ref = silu_and_mul(ref) if fused else ref
                 results = []
                 for (bn, bk, warps, stages), split, dot in itertools.product(
-                    tiles, SWEEP_SPLITS, dots if fp8 else ("x",)
+                    tiles, SWEEP_SPLITS, dots if fp8 else (True,)
                 ):
                     if k // split < SWEEP_MIN_K or time.monotonic() > deadline:
                         continue
@@ -249,7 +250,7 @@ def sweep(
                     except OutOfResources:
                         continue
                     results.append({"model": name, "layer": "gate_up+act" if fused else layer,
-                                    "M": batch, "config": cfg.__dict__, "us": us,
+                                    "M": batch, "config": cfg.__dict__, "us": us, "fp8": fp8,
                                     "err": rel_err(fn(x, w0, cfg), ref),
                                     "rule": cfg == rule})  # fmt: skip
                 out.extend(sorted(results, key=lambda r: r["us"]))
@@ -319,7 +320,8 @@ def print_tables(rows, steps, sweep_rows) -> None:
         for r in shown:
             c = r["config"]
             print(f"| {r['model']} | {r['layer']} | {r['M']} | {c['block_n']} | {c['block_k']} "
-                  f"| {c['num_warps']} | {c['num_stages']} | {c['split_k']} | {c['fp8_dot']} "
+                  f"| {c['num_warps']} | {c['num_stages']} | {c['split_k']} "
+                  f"| {('fp8' if c['fp8_dot'] else 'w8a16') if r['fp8'] else '-'} "
                   f"| {r['us']:.1f}{' *' if r['rule'] else ''} | {r['err']:.1e} |")  # fmt: skip
 
 
@@ -333,7 +335,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep-batch", type=int, default=1, help="rows of the sweep")
     p.add_argument("--sweep-seconds", type=float, default=90.0, help="the sweep's time budget")
     p.add_argument("--sweep-tiles", help="BN,BK,warps,stages;... (default: SWEEP_TILES)")
-    p.add_argument("--fp8-dots", default="x", help="the sweep's GemmConfig.fp8_dot values")
+    p.add_argument("--fp8-dots", default="fp8", help="the sweep's FP8 dots: fp8,w8a16")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
     default_models, default_batches = (FP8_MODELS, FP8_BATCHES) if args.fp8 else (MODELS, BATCHES)
@@ -341,7 +343,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.batches = [int(b) for b in args.batches.split(",")] if args.batches else default_batches
     tiles = (args.sweep_tiles or "").split(";")
     args.sweep_tiles = [tuple(int(v) for v in tile.split(",")) for tile in tiles if tile]
-    args.fp8_dots = tuple(args.fp8_dots.split(","))
+    args.fp8_dots = tuple({"fp8": True, "w8a16": False}[d] for d in args.fp8_dots.split(","))
     return args
 
 

@@ -16,9 +16,9 @@ LLM_INFERENCE_PDL
     wherever it is supported (compute capability 9.0+ and a Triton with gdc_wait;
     kernels/pdl.py); "0": off; "1": on, and an error where it is not supported.
 LLM_INFERENCE_FP8_DOT
-    The skinny GEMM's dot on FP8 weights (kernels/skinny_gemm.py, GemmConfig.fp8_dot): "x"
-    (default) converts the weight tiles to the activations' dtype; "fp16" converts both to
-    float16; "fp8" quantizes the activations per tile to FP8 for an FP8 x FP8 dot.
+    "1" (default): the skinny GEMM on FP8 weights (decode steps) quantizes the activations per
+    tile to FP8 for an FP8 x FP8 dot (kernels/skinny_gemm.py); "0": it converts the weight
+    tiles to the activations' dtype instead (W8A16).
 LLM_INFERENCE_FUSED_ALL_REDUCE_NORM
     "1" (default): under tensor parallelism on CUDA with the Triton kernels and the custom
     all-reduce, the all-reduce of o_proj and down_proj fused with the residual add and RMSNorm
@@ -63,14 +63,6 @@ def _pdl() -> bool | None:
     return None if value == "auto" else value == "1"
 
 
-def _choice(name: str, choices: tuple[str, ...]) -> str:
-    """One of `choices`, the first the default."""
-    value = os.environ.get(name, choices[0])
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-    return value
-
-
 def _graph_sizes() -> tuple[int, ...] | None:
     """None: the default ladder; else the sizes, ascending, without repeats."""
     name = "LLM_INFERENCE_MIXED_CUDA_GRAPH_SIZES"
@@ -101,7 +93,7 @@ def _positive_int(name: str) -> int | None:
 environment_variables: dict[str, Callable[[], Any]] = {
     "LLM_INFERENCE_SKINNY_GEMM": lambda: _flag("LLM_INFERENCE_SKINNY_GEMM", True),
     "LLM_INFERENCE_PDL": _pdl,
-    "LLM_INFERENCE_FP8_DOT": lambda: _choice("LLM_INFERENCE_FP8_DOT", ("x", "fp16", "fp8")),
+    "LLM_INFERENCE_FP8_DOT": lambda: _flag("LLM_INFERENCE_FP8_DOT", True),
     "LLM_INFERENCE_FUSED_ALL_REDUCE_NORM": lambda: _flag(
         "LLM_INFERENCE_FUSED_ALL_REDUCE_NORM", True
     ),

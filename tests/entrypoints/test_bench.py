@@ -132,6 +132,11 @@ def test_step_bytes_counts_weights_once_and_kv_per_token():
     # with 4 KV heads, two ranks read two heads each: half the KV bytes
     c4 = {**c, "num_attention_heads": 4, "num_key_value_heads": 4}
     assert bench.step_bytes(c4, 3, 5, tp=2) - bench.step_bytes(c4, 3, 0, tp=2) == 2 * kv
+    # FP8: the layers' linear weights one byte each and a float32 scale per output row (qkv
+    # 8, o 4, gate_up 16, down 4); FP8 KV: one byte per element
+    fp8 = 2 * (per_layer + 4 * (8 + 4 + 16 + 4)) + 2 * 10 * 4
+    assert bench.step_bytes(c, batch=3, context=5, fp8=True) == fp8 + 3 * 5 * 2 * 2 * 2 * 2
+    assert bench.step_bytes(c, 3, 5, fp8=True, fp8_kv=True) == fp8 + 3 * 5 * 2 * 2 * 2
 
 
 @pytest.mark.parametrize("kind", ["latency", "throughput", "prefill"])

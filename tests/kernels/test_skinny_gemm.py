@@ -190,6 +190,30 @@ def test_skinny_gemm_gpu_fp8(layer):
 
 
 @fp8
+@pytest.mark.parametrize("dot", [True, False], ids=["fp8_dot", "w8a16"])
+def test_skinny_gemm_gpu_fp8_dots(dot):
+    """Both dots on FP8 weights (GemmConfig.fp8_dot): the FP8 x FP8 dot against float64 math
+    on x quantized per row and BLOCK_K columns as the kernel does (so a wrong scale or chunk
+    shows), W8A16 against it on x; split and unsplit, plain and fused, K not a multiple of
+    the tiles."""
+    for split, block_k in ((1, 128), (4, 128), (8, 64), (2, 32)):
+        cfg = sg.GemmConfig(block_n=64, block_k=block_k, split_k=split, fp8_dot=dot)
+        for m in (1, 5, 16):
+            checks.check_gemm("cuda", torch.bfloat16, m, 1000, 3000, cfg, seed=m, fp8=True)
+            checks.check_silu("cuda", torch.bfloat16, m, 700, 2900, cfg, seed=m, fp8=True)
+    checks.check_gemm("cuda", torch.float16, 3, 4096, 4096, cfg, seed=9, fp8=True)
+
+
+@fp8
+def test_skinny_gemm_gpu_fp8_dot_takes_block_k_of_32():
+    x, w = torch.ones(1, 64, device="cuda", dtype=torch.bfloat16), torch.ones(64, 64, device="cuda")
+    cfg = sg.GemmConfig(block_n=64, block_k=16)
+    with pytest.raises(ValueError, match="block_k >= 32"):
+        sg.skinny_gemm(x, w.to(sg.FP8), weight_scale=torch.ones(64, device="cuda"), config=cfg)
+    assert sg.default_config(64, 16, H200_SMS, fp8=True).block_k == 32
+
+
+@fp8
 def test_skinny_gemm_gpu_fp8_exact_and_forced_splits():
     for dtype in (torch.bfloat16, torch.float16):
         checks.check_fp8_exact("cuda", dtype)

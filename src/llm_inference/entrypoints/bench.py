@@ -139,18 +139,24 @@ def copy_bandwidth(device: str = "cuda", nbytes: int = 1 << 30) -> float:
     return 2 * n / statistics.median(times)
 
 
-def step_bytes(config: dict, batch: int, context: int, tp: int = 1) -> int:
-    """Bytes one decode step must read on each GPU: every bf16 weight once (a tied head once)
-    and each sequence's K and V of `context` tokens; at tensor parallel size `tp`, a rank's
-    share (1/tp of the weights, its KV heads: replicated when tp exceeds them)."""
+def step_bytes(
+    config: dict, batch: int, context: int, tp: int = 1, fp8: bool = False, fp8_kv: bool = False
+) -> int:
+    """Bytes one decode step must read on each GPU: every weight once (bf16; with `fp8`, the
+    decoder layers' linear weights FP8 with a float32 scale per row, embeddings and head
+    bf16; a tied head once) and each sequence's K and V of `context` tokens (bf16, or FP8 with
+    `fp8_kv`); at tensor parallel size `tp`, a rank's share (1/tp of the weights, its KV
+    heads: replicated when tp exceeds them)."""
     h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
     hd = config.get("head_dim") or h // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
+    rows = (q + 2 * kv) + h + 2 * i + h  # output rows of qkv, o, gate_up, down
+    linear = layers * (per_layer + 4 * rows if fp8 else 2 * per_layer)
     heads = 1 if config.get("tie_word_embeddings") else 2
-    weights = 2 * (layers * per_layer + heads * config["vocab_size"] * h)
+    weights = linear + 2 * heads * config["vocab_size"] * h
     kv_rank = -(-config["num_key_value_heads"] // tp) * hd
-    return weights // tp + batch * context * 2 * layers * kv_rank * 2
+    return weights // tp + batch * context * 2 * layers * kv_rank * (1 if fp8_kv else 2)
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
@@ -411,7 +417,11 @@ def run_bench(args) -> dict:
             for bs, ms in decode_latency(llm, batches).items():
                 res[f"bs{bs}"] = {"ms_per_step": ms}
                 if bw:
-                    step = step_bytes(config, bs, 128 + 72, args.tensor_parallel_size)
+                    step = step_bytes(
+                        config, bs, 128 + 72, args.tensor_parallel_size,
+                        fp8=engine_args.quantization == "fp8" or "quantization_config" in config,
+                        fp8_kv=engine_args.kv_cache_dtype == "fp8",
+                    )  # fmt: skip
                     res[f"bs{bs}"]["floor_ms"] = step / bw * 1e3
             for bs in [int(b) for b in args.profile.split(",") if b]:
                 res[f"profile_bs{bs}"] = profile_decode(llm, bs)

@@ -1,7 +1,7 @@
 """Skinny GEMM for decode steps: out[M, N] = x[M, K] @ W[N, K]^T for 1 <= M <= 16, W in
 nn.Linear's layout, float32 accumulation; and the gate_up projection fused with SiLU-and-mul:
 out[M, I] = silu(x @ Wg^T) * (x @ Wu^T), where W = [Wg; Wu] is [2I, K]. W is in x's dtype, or
-FP8 (float8_e4m3fn) with a float32 scale per row (layers/fp8.py's layout; W8A16).
+FP8 (float8_e4m3fn) with a float32 scale per row (layers/fp8.py's layout).
 
 At decode the weights are nearly all the bytes a step reads, so the kernel's job is to stream
 W once at the memory bandwidth:
@@ -19,20 +19,25 @@ W once at the memory bandwidth:
   and up side by side when fused) and a second small kernel adds them in split order, then
   casts (and applies SiLU-and-mul): not atomics, whose order, and so rounding, changes from run
   to run.
-- FP8 weights. Each W tile is loaded as FP8 (half the bytes) and converted to x's dtype in
-  registers, exactly (every e4m3 value is a float16 and a bfloat16), for the same `tl.dot`;
-  x is never quantized (Triton converts e4m3 from compute capability 8.9: TritonOps decides).
-  The row scales are constant along K, so they multiply the float32 sums once, at the end:
-  before split-K's partial sums are stored (a sum of scaled partials is the scaled sum),
-  which leaves the reduce kernel as it is and gives the unsplit fused variant its scaled gate
-  and up for the activation. A weight in x's dtype is the same kernel with `scale_ptr` None:
-  its conversion and scaling compile to nothing (the same PTX as before FP8).
+- FP8 weights. Each W tile is loaded as FP8 (half the bytes) and goes to the tensor cores as
+  it is: the x tile is quantized to FP8 in registers, a float32 scale per row of x and BLOCK_K
+  columns (its largest magnitude to e4m3's 448), and each tile's FP8 x FP8 dot is scaled
+  into the accumulator (the `_x_operand` and `_dot` helpers). Finer than vLLM's one scale
+  per token, and nothing to launch before the GEMM; converting the W tiles to x's dtype
+  instead (W8A16, `fp8_dot` False, envs.LLM_INFERENCE_FP8_DOT=0) costs more instructions
+  than the streaming leaves time for: 8B decode 4.19 against 3.24 ms per step
+  (benchmarks/DECISIONS.md). The row scales of W are constant along K, so they multiply the
+  float32 sums once, at the end: before split-K's partial sums are stored (a sum of scaled
+  partials is the scaled sum), which leaves the reduce kernel as it is and gives the unsplit
+  fused variant its scaled gate and up for the activation. A weight in x's dtype is the same
+  kernel with `scale_ptr` None: its conversion and scaling compile to nothing (the same PTX
+  as before FP8). Triton converts e4m3 from compute capability 8.9 (TritonOps decides).
 - Configs come from a fixed rule (`default_config`), not `triton.autotune`, so that every rank
   and run rounds alike: BLOCK_N 64, BLOCK_K 128 (clamped to small shapes), and split-K doubled
   while the programs fill less than FILL of the SMs and each range keeps MIN_K_PER_SPLIT.
-  FP8 weights take the same tiles with twice the fill target: their tiles hold half the
-  bytes, and twice the programs keep as many in flight (benchmarks/skinny_gemm.py --fp8
-  --sweep: larger BLOCK_K or more warps did not help them).
+  FP8 weights take the same tiles (BLOCK_K at least 32, the FP8 dot's) with twice the fill
+  target: their tiles hold half the bytes, and twice the programs keep as many in flight
+  (benchmarks/skinny_gemm.py --fp8 --sweep: larger BLOCK_K or more warps did not help them).
 
 M, the batch, is not specialized (`do_not_specialize`): one compiled kernel per config serves
 every decode bucket of 1..16 rows. Rows beyond M are masked, W's rows beyond N are clamped
@@ -74,10 +79,9 @@ class GemmConfig:
     # Load the first weight tile before the input (always so with PDL: the weights stream
     # while the previous kernel finishes; kernels/pdl.py).
     prefetch: bool = False
-    # FP8 weights only: the dot's operands. "x": the W tile converted to x's dtype; "fp16":
-    # W and x converted to float16; "fp8": x quantized per tile row to FP8 (a scale per row
-    # and BLOCK_K columns), an FP8 x FP8 dot, its sums scaled.
-    fp8_dot: str = "x"
+    # FP8 weights only: x quantized to FP8 per tile for an FP8 x FP8 dot (BLOCK_K >= 32),
+    # else the weight tiles converted to x's dtype (W8A16).
+    fp8_dot: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -86,8 +90,6 @@ class GemmConfig:
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
         if not 1 <= self.split_k <= 64:
             raise ValueError(f"split_k must be in [1, 64], got {self.split_k}")
-        if self.fp8_dot not in ("x", "fp16", "fp8"):
-            raise ValueError(f"fp8_dot must be x, fp16 or fp8, got {self.fp8_dot!r}")
 
 
 def default_config(n: int, k: int, sms: int, fp8: bool = False) -> GemmConfig:
@@ -96,35 +98,33 @@ def default_config(n: int, k: int, sms: int, fp8: bool = False) -> GemmConfig:
     that for `fp8` weights, whose tiles hold half the bytes) and each K range keeps
     MIN_K_PER_SPLIT columns. `n` is the output width (I when fused)."""
     block_n = min(64, max(16, triton.next_power_of_2(n)))
-    block_k = min(128, max(16, triton.next_power_of_2(k)))
+    block_k = min(128, max(32 if fp8 else 16, triton.next_power_of_2(k)))
     blocks, fill = triton.cdiv(n, block_n), FILL * sms * (2 if fp8 else 1)
     split = 1
     while split < MAX_SPLIT and blocks * split < fill and k // (2 * split) >= MIN_K_PER_SPLIT:
         split *= 2
-    return GemmConfig(block_n, block_k, split, fp8_dot=envs.LLM_INFERENCE_FP8_DOT if fp8 else "x")
+    return GemmConfig(block_n, block_k, split, fp8_dot=envs.LLM_INFERENCE_FP8_DOT)
 
 
 @triton.jit
 def _x_operand(xt, FP8_DOT: tl.constexpr):
-    """xt [BLOCK_K, BLOCK_M] as the dot takes it, and its scale per column ([BLOCK_M]; ones
-    unless FP8_DOT is "fp8": then x is quantized to FP8 per row of x and BLOCK_K columns)."""
-    ones = tl.full((xt.shape[1],), 1.0, tl.float32)
-    if FP8_DOT == "fp16":
-        return xt.to(tl.float16), ones
-    elif FP8_DOT == "fp8":
+    """The x^T tile [BLOCK_K, BLOCK_M] as the dot takes it, with a scale per row of x
+    ([BLOCK_M]): FP8_DOT, quantized to FP8 (each row's largest magnitude to 448); else x
+    itself, scale 1."""
+    if FP8_DOT:
         x32 = xt.to(tl.float32)
-        s = tl.maximum(tl.max(tl.abs(x32), axis=0), 1e-12) / 448.0
-        return (x32 / s[None, :]).to(tl.float8e4nv), s
-    else:
-        return xt, ones
+        scale = tl.maximum(tl.max(tl.abs(x32), axis=0), 1e-12) / 448.0
+        return (x32 / scale[None, :]).to(tl.float8e4nv), scale
+    return xt, tl.full((xt.shape[1],), 1.0, tl.float32)
 
 
 @triton.jit
-def _dot(w, xo, xs, acc, PRECISION: tl.constexpr, FP8_DOT: tl.constexpr):
-    """acc + w @ x^T for w [BLOCK_N, BLOCK_K] in x's dtype or FP8 and (xo, xs) from
-    _x_operand."""
-    if FP8_DOT == "fp8":
-        acc += tl.dot(w, xo) * xs[None, :]
+def _dot(w, xo, x_scale, acc, PRECISION: tl.constexpr, FP8_DOT: tl.constexpr):
+    """acc + w @ x^T, w [BLOCK_N, BLOCK_K] in x's dtype or FP8, (xo, x_scale) _x_operand's:
+    an FP8 x FP8 dot whose sums take the scales, or a dot in x's dtype (`.to` is no
+    instruction when w is in it already)."""
+    if FP8_DOT:
+        acc += tl.dot(w, xo) * x_scale[None, :]
     else:
         acc = tl.dot(w.to(xo.dtype), xo, acc, input_precision=PRECISION)
     return acc
@@ -290,6 +290,9 @@ def _launch(
 ) -> torch.Tensor:
     m, k = x.shape
     cfg = config or default_config(n, k, num_sms(x.device), fp8=scale is not None)
+    fp8_dot = scale is not None and cfg.fp8_dot
+    if fp8_dot and cfg.block_k < 32:
+        raise ValueError(f"the FP8 dot takes block_k >= 32, got {cfg.block_k}")
     split, k_per_split = split_plan(k, cfg)
     blocks = triton.cdiv(n, cfg.block_n)
     partial = split > 1
@@ -301,7 +304,7 @@ def _launch(
         k_per_split, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FUSED=fused,
         PARTIAL=partial, EVEN_K=split * k_per_split == k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl,
-        PREFETCH=cfg.prefetch or pdl, FP8_DOT=cfg.fp8_dot if scale is not None else "x",
+        PREFETCH=cfg.prefetch or pdl, FP8_DOT=fp8_dot,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(pdl),
     )  # fmt: skip
     if partial:

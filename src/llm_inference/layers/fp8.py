@@ -1,7 +1,7 @@
 """FP8 linear layers (vLLM's Fp8LinearMethod and compressed-tensors' FP8 W8A8, reduced):
-float8_e4m3fn weights with one float32 scale per output row; decode steps read them as they
-are (W8A16), larger steps also quantize the activations per token (or with the checkpoint's
-static scale). Decode reads half the bytes of bf16.
+float8_e4m3fn weights with one float32 scale per output row, multiplied with FP8 activations:
+decode steps quantize them per tile inside the skinny GEMM, larger steps per token (or with
+the checkpoint's static scale). Decode reads half the bytes of bf16.
 
 Every checkpoint form (config.Fp8Format) ends in that one layout after loading
 (`process_weights_after_loading`):
@@ -15,10 +15,10 @@ Every checkpoint form (config.Fp8Format) ends in that one layout after loading
 `apply` computes x @ W^T one of two ways:
 - where the kernel ops take a skinny GEMM (`ops.skinny_applies`: steps of at most 16 rows on
   the Triton ops, compute capability 8.9+), the Triton skinny GEMM reads the FP8 weight and
-  its row scales with x in its own dtype (W8A16, as vLLM's FP8 Marlin): such a step's time is
-  the weight bytes, and quantizing x would only add a kernel and its error. The MLP's gate_up
-  is fused with SiLU-and-mul there, as unquantized layers' is; a static input scale goes
-  unused;
+  its row scales and quantizes each x tile itself (a scale per row and 128 columns) for an
+  FP8 x FP8 dot: such a step's time is the weight bytes, with no kernel before it. The MLP's
+  gate_up is fused with SiLU-and-mul there, as unquantized layers' is; a static input scale
+  goes unused;
 - else x is quantized (`ops.quantize_rows`: one Triton kernel on the Triton ops) and
   multiplied with W: on CUDA with compute capability 8.9 or more
   through `torch._scaled_mm` with row-wise scales (per-token x per-channel); elsewhere the
@@ -177,7 +177,7 @@ class Fp8LinearMethod(LinearMethodBase):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if self.ops.skinny_applies(x, layer.weight):  # a decode step: W8A16
+        if self.ops.skinny_applies(x, layer.weight):  # a decode step: x quantized per tile
             y = self.ops.linear(x, layer.weight, weight_scale=layer.weight_scale)
         else:
             y = fp8_linear(
