@@ -143,8 +143,8 @@ def _skinny_gemm_kernel(
     workspace slice s (up sums at column N + n), else the result in out's dtype. PREFETCH:
     the first weight tile is loaded before the previous kernel is waited for (PDL) and before
     the input, the first K step peeled off the loop. `scale_ptr` None: W is in x's dtype (its
-    `.to` is no instruction); else W is FP8, each tile converted to x's dtype, and the sums
-    are multiplied by their row's scale."""
+    `.to` is no instruction); else W is FP8, the dot FP8 x FP8 on x quantized per tile
+    (FP8_DOT) or in x's dtype, and the sums are multiplied by their row's scale."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
