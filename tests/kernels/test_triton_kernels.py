@@ -107,6 +107,8 @@ def test_launchers_reject_bad_inputs():
         ops.quantize_rows(torch.randn(2, 3, 4))
     with pytest.raises(ValueError, match="one element"):
         ops.quantize_rows(torch.randn(2, 4), torch.ones(2))
+    with pytest.raises(ValueError, match=r"\[T, 2\*I\]"):
+        ops.silu_and_mul_quant(torch.randn(2, 5))
     with pytest.raises(ValueError, match="cos_sin_cache"):
         ops.rotary_embedding(torch.zeros(3, dtype=torch.long), torch.randn(3, 4, 16),
                              torch.randn(3, 2, 16), torch.randn(10, 8))  # fmt: skip
@@ -189,6 +191,14 @@ def test_silu_and_mul_gpu_bf16(inter):
 def test_quantize_rows_gpu_bit_for_bit(dtype, hidden):
     """Llama 3 8B's linear inputs (hidden, MLP intermediate): scales and FP8 bytes equal."""
     checks.check_quantize_rows("cuda", dtype, 2048, hidden, seed=hidden)
+
+
+@needs_fp8
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_and_mul_quant_gpu(dtype):
+    """Llama 3 8B's MLP intermediate (14,336): a prompt-sized step and a decode batch."""
+    checks.check_silu_and_mul_quant("cuda", dtype, 2048, 14336, seed=1)
+    checks.check_silu_and_mul_quant("cuda", dtype, 64, 14336, seed=2)
 
 
 @cuda

@@ -223,6 +223,29 @@ def check_quantize_rows(device, dtype, num_tokens, hidden, seed, representable=F
         assert (q.float().abs() == reference.FP8_MAX).sum() > num_tokens
 
 
+def check_silu_and_mul_quant(device, dtype, num_tokens, inter, seed):
+    """SiLU-and-mul quantized per token (x [T, 2I] rows that are slices of a wider buffer, an
+    all-zero row among them) against the reference: the scales to float32 rounding (SiLU's
+    exponential differs); on the GPU each value within one e4m3 step of the reference's (a
+    product on the edge of two steps may round either way). The interpreter rounds some
+    float32 values to the wrong e4m3 value (-7.86 to -4), so there only the scales count."""
+    reference, triton_ops = _ops()
+    gen = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(num_tokens, 2 * inter + 8, generator=gen))[:, : 2 * inter]
+    x[1] = 0.0
+    x = x.to(device, dtype)
+    q, scale = triton_ops.silu_and_mul_quant(x)
+    want_q, want = reference.silu_and_mul_quant(x)
+    assert q.shape == (num_tokens, inter) and q.dtype == reference.FP8
+    assert scale.shape == (num_tokens, 1) and scale.dtype == torch.float32
+    torch.testing.assert_close(scale, want, rtol=1e-5, atol=0)
+    if device == "cuda":
+        got, ref = q.float() * scale, want_q.float() * want
+        step = 2.0**-3 * ref.abs() + 2.0**-9 * want  # one e4m3 step (subnormals: 2^-9 * scale)
+        assert ((got - ref).abs() <= step * 1.001).all(), f"max diff {(got - ref).abs().max()}"
+        assert not q[1].float().any()
+
+
 def check_store_kv_cache(device, dtype, num_tokens, num_kv_heads, head_dim, block_size, seed,
                          fp8=False, representable=False):  # fmt: skip
     """`fp8`: FP8 caches, with FP8_SCALES; `representable`: inputs of `fp8_representable` and
@@ -385,7 +408,7 @@ def check_all_reduce_norm_ranks(dtype, world, seed, calls=4, rows=3, hidden=40):
 
 INTERPRETER_KERNELS = ("paged_attention", "paged_attention_fp8", "rms_norm", "silu_and_mul",
                        "rotary", "store_kv_cache", "store_kv_cache_fp8", "rotary_store_kv",
-                       "all_reduce_norm", "quantize_rows")  # fmt: skip
+                       "all_reduce_norm", "quantize_rows", "silu_and_mul_quant")  # fmt: skip
 
 
 def run_interpreter(kernel: str) -> None:
@@ -418,6 +441,8 @@ def run_interpreter(kernel: str) -> None:
         elif kernel == "quantize_rows":  # 1,100 columns: two steps of each loop, the last masked
             check_quantize_rows("cpu", dtype, 5, 1100, seed=i)
             check_quantize_rows("cpu", dtype, 5, 1100, seed=i, representable=True)
+        elif kernel == "silu_and_mul_quant":  # 1,100 columns: two steps of each loop
+            check_silu_and_mul_quant("cpu", dtype, 5, 1100, seed=i)
         elif kernel == "all_reduce_norm":
             check_all_reduce_norm(dtype, world=2, rank=1, seed=i)
             check_all_reduce_norm(dtype, world=4, rank=2, seed=i)

@@ -17,7 +17,7 @@ from helpers import needs_fp8
 
 from llm_inference.config import Fp8Format
 from llm_inference.kernels.reference import FP8, FP8_MAX, ReferenceOps, quantize_rows
-from llm_inference.layers.fp8 import Fp8Config, fp8_linear, scaled_mm_supported
+from llm_inference.layers.fp8 import Fp8Activation, Fp8Config, fp8_linear, scaled_mm_supported
 from llm_inference.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -117,11 +117,38 @@ def test_gate_up_silu_and_row_parallel():
     row.weight_loader(row.weight, down)
     for layer in (gate_up, row):
         layer.quant_method.process_weights_after_loading(layer)
+    # off the skinny GEMM, gate_up hands down_proj its activation quantized per token
     h = gate_up.forward_silu_and_mul(x)
-    torch.testing.assert_close(h, ReferenceOps().silu_and_mul(gate_up(x)), rtol=0, atol=0)
+    assert isinstance(h, Fp8Activation) and h.dtype == x.dtype
+    q, scale = ReferenceOps().silu_and_mul_quant(gate_up(x))
+    assert torch.equal(h.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(h.scale, scale)
+    dense = h.q.float() * h.scale
     ref = F.silu(x @ gate.T) * (x @ up.T)
-    assert (h - ref).norm() / ref.norm() < 4 * EPS
-    assert (row(h) - h @ down.T).norm() / (h @ down.T).norm() < 4 * EPS
+    assert (dense - ref).norm() / ref.norm() < 6 * EPS  # the weights' rounding and x's
+    assert (row(h) - dense @ down.T).norm() / (dense @ down.T).norm() < 4 * EPS
+    # a static input scale (the checkpoint's) is down_proj's to apply: gate_up hands on x
+    static = fp8_layer(
+        MergedColumnParallelLinear, 16, [32, 32], fmt=Fp8Format("tensor", static_input_scale=True)
+    )
+    for part, w in enumerate((gate, up)):
+        static.weight_loader(static.weight, (w * 100).clamp(-448, 448).to(FP8), part)
+        static.weight_scale.weight_loader(static.weight_scale, torch.tensor(0.01), part)
+        static.input_scale.weight_loader(static.input_scale, torch.tensor([0.02]), part)
+    static.quant_method.process_weights_after_loading(static)
+    h = static.forward_silu_and_mul(x)
+    assert isinstance(h, torch.Tensor)
+    torch.testing.assert_close(h, ReferenceOps().silu_and_mul(static(x)), rtol=0, atol=0)
+
+
+def test_silu_and_mul_quant_is_silu_and_mul_then_quantize_rows_in_float32():
+    x = torch.randn(6, 40, dtype=torch.bfloat16) * 3
+    x[2] = 0  # an all-zero row: the smallest scale, zeros
+    q, scale = ReferenceOps().silu_and_mul_quant(x)
+    gate, up = x.float().chunk(2, dim=-1)
+    want_q, want = quantize_rows(F.silu(gate) * up)
+    assert q.shape == (6, 20) and q.dtype == FP8 and scale.shape == (6, 1)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scale, want) and not q[2].float().any()
 
 
 def test_per_tensor_scales_of_fused_parts_and_static_input_scale():

@@ -282,6 +282,14 @@ def quantize_rows(
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def silu_and_mul_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`silu_and_mul` then `quantize_rows` per token in one op, the product kept in float32
+    between (not rounded to x's dtype): x [T, 2*I] -> (FP8 [T, I], float32 scales [T, 1]),
+    the next FP8 layer's input (layers/fp8.py)."""
+    gate, up = x.chunk(2, dim=-1)
+    return quantize_rows(F.silu(gate.float()) * up.float())
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, K] @ weight [N, K]^T -> [T, N] (nn.Linear's layout, no bias)."""
     return F.linear(x, weight)
@@ -302,6 +310,7 @@ class ReferenceOps:
     rotary_embedding = staticmethod(rotary_embedding)
     silu_and_mul = staticmethod(silu_and_mul)
     quantize_rows = staticmethod(quantize_rows)
+    silu_and_mul_quant = staticmethod(silu_and_mul_quant)
     rotary_store_kv = staticmethod(rotary_store_kv)
     linear = staticmethod(linear)
     gate_up_silu = staticmethod(gate_up_silu)

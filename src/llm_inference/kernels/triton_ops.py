@@ -29,7 +29,7 @@ from llm_inference.kernels import pdl, sampling
 from llm_inference.kernels import skinny_gemm as sg
 from llm_inference.kernels.activation import silu_and_mul
 from llm_inference.kernels.device import num_sms
-from llm_inference.kernels.fp8_quant import quantize_rows
+from llm_inference.kernels.fp8_quant import quantize_rows, silu_and_mul_quant
 from llm_inference.kernels.kv_cache import store_kv_cache
 from llm_inference.kernels.paged_attention import paged_attention_decode
 from llm_inference.kernels.rms_norm import rms_norm
@@ -43,7 +43,8 @@ SKINNY_DTYPES = (torch.float16, torch.bfloat16)
 # and benchmarks call them one by one); the engine uses TritonOps.
 __all__ = [
     "TritonOps", "paged_attention_decode", "quantize_rows", "rms_norm", "rotary_embedding",
-    "rotary_store_kv", "silu_and_mul", "store_kv_cache", "unified_attention",
+    "rotary_store_kv", "silu_and_mul", "silu_and_mul_quant", "store_kv_cache",
+    "unified_attention",
 ]  # fmt: skip
 
 
@@ -59,6 +60,7 @@ class TritonOps:
     rotary_embedding = staticmethod(rotary_embedding)
     silu_and_mul = staticmethod(silu_and_mul)
     quantize_rows = staticmethod(quantize_rows)  # FP8 activations (layers/fp8.py)
+    silu_and_mul_quant = staticmethod(silu_and_mul_quant)
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)

@@ -23,7 +23,9 @@ Every checkpoint form (config.Fp8Format) ends in that one layout after loading
   multiplied with W: on CUDA with compute capability 8.9 or more
   through `torch._scaled_mm` with row-wise scales (per-token x per-channel); elsewhere the
   reference dequantizes both and multiplies in the activation dtype, the same product up to
-  rounding.
+  rounding. The MLP's gate_up there hands down_proj its SiLU-and-mul already quantized per
+  token (`ops.silu_and_mul_quant`, one kernel for the activation and the quantization: an
+  `Fp8Activation`), unless the checkpoint's static input scales ask for another quantization.
 
 Under tensor parallelism a scale follows its weight rows: sharded with a column-parallel
 layer's outputs, whole on every rank of a row-parallel one (its output is whole); a shard of
@@ -45,8 +47,18 @@ from llm_inference.kernels.reference import FP8, quantize_rows
 from llm_inference.layers.quantization import LinearMethodBase, register_param
 
 
+@dataclass(frozen=True)
+class Fp8Activation:
+    """An activation already quantized per token, for an FP8 layer to take in place of x:
+    `q` FP8 [T, K], `scale` float32 [T, 1] (x ~ q * scale), `dtype` the model's."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Activation,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     input_scale: torch.Tensor | None,
@@ -54,17 +66,20 @@ def fp8_linear(
     quantize: Callable = quantize_rows,
 ) -> torch.Tensor:
     """x [T, K] @ (weight [N, K] FP8 * weight_scale [N])^T, x quantized per token (or with the
-    static `input_scale`) by `quantize` (the ops' quantize_rows: on the Triton ops one kernel);
-    `scaled_mm`: through torch._scaled_mm, else the reference."""
-    q, x_scale = quantize(x, input_scale)
+    static `input_scale`) by `quantize` (the ops' quantize_rows: on the Triton ops one kernel),
+    or given quantized; `scaled_mm`: through torch._scaled_mm, else the reference."""
+    if isinstance(x, Fp8Activation):
+        q, x_scale, dtype = x.q, x.scale, x.dtype
+    else:
+        (q, x_scale), dtype = quantize(x, input_scale), x.dtype
     if scaled_mm:  # row-wise scaling takes bf16 output only
         y = torch._scaled_mm(
             q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
             out_dtype=torch.bfloat16,
         )  # fmt: skip
-        return y.to(x.dtype)
-    w = (weight.float() * weight_scale[:, None]).to(x.dtype)
-    return F.linear((q.float() * x_scale).to(x.dtype), w)
+        return y.to(dtype)
+    w = (weight.float() * weight_scale[:, None]).to(dtype)
+    return F.linear((q.float() * x_scale).to(dtype), w)
 
 
 def scaled_mm_supported(weight: torch.Tensor) -> bool:
@@ -175,9 +190,10 @@ class Fp8LinearMethod(LinearMethodBase):
         self.scaled_mm = scaled_mm_supported(weight)
 
     def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+        self, layer: nn.Module, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if self.ops.skinny_applies(x, layer.weight):  # a decode step: x quantized per tile
+        if isinstance(x, torch.Tensor) and self.ops.skinny_applies(x, layer.weight):
+            # a decode step: the skinny GEMM quantizes x per tile
             y = self.ops.linear(x, layer.weight, weight_scale=layer.weight_scale)
         else:
             y = fp8_linear(
@@ -186,7 +202,14 @@ class Fp8LinearMethod(LinearMethodBase):
             )  # fmt: skip
         return y if bias is None else y.add_(bias)
 
-    def apply_gate_up_silu(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if self.ops.skinny_applies(x, layer.weight):  # fused as the unquantized layers' are
+    def apply_gate_up_silu(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | Fp8Activation:
+        """silu(gate) * up for down_proj: where the skinny GEMM applies, fused with it as the
+        unquantized layers' is; else quantized per token with the activation, for down_proj
+        (also FP8: every decoder linear layer is) to take as it is, unless the checkpoint's
+        static input scales ask for its own quantization."""
+        if self.ops.skinny_applies(x, layer.weight):
             return self.ops.gate_up_silu(x, layer.weight, weight_scale=layer.weight_scale)
-        return super().apply_gate_up_silu(layer, x)
+        y = self.apply(layer, x)
+        if self.fmt.static_input_scale:
+            return self.ops.silu_and_mul(y)
+        return Fp8Activation(*self.ops.silu_and_mul_quant(y), y.dtype)

@@ -93,7 +93,8 @@ class MergedColumnParallelLinear(LinearBase):
 
     def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(first output) * second output, for two equal outputs (the MLP's gate and up):
-        [T, I], fused with the matmul where the linear method can."""
+        [T, I], fused with the matmul where the linear method can (FP8's may return it
+        quantized, for the down projection: layers/fp8.py)."""
         return self.quant_method.apply_gate_up_silu(self, x)
 
 

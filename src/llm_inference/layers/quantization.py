@@ -51,7 +51,8 @@ class LinearMethodBase(ABC):
 
     def apply_gate_up_silu(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of the layer's two equal outputs [gate, up]: [T, I]. By default
-        `apply`, then the ops' silu_and_mul; a method may fuse them."""
+        `apply`, then the ops' silu_and_mul; a method may fuse them, or hand it on in the form
+        its own method's `apply` takes next (FP8's: quantized, an fp8.Fp8Activation)."""
         return self.ops.silu_and_mul(self.apply(layer, x))
 
 
