@@ -63,7 +63,7 @@ SHAPES = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b")
 # distribution names (a dist-info's name up to its first '-').
 SERVE_DEPS = tuple(
     "fastapi starlette pydantic pydantic_core annotated_types typing_inspection uvicorn "
-    "annotated_doc typing_extensions anyio sniffio idna h11 click".split()
+    "annotated_doc typing_extensions anyio sniffio idna h11 click uvloop httptools".split()
 )
 SERVE_IMPORTS = "import fastapi, pydantic, starlette, uvicorn"
 PIDFILE = Path(tempfile.gettempdir()) / "serve_compare_pids.json"
@@ -992,6 +992,8 @@ def main(argv=None) -> int:
         pythonpath = None
         if "ours" in args.engine_list or args.mode != "compare":
             pythonpath = ours_pythonpath(args, s.notes)
+            fast = _imports(pythonpath, "import uvloop, httptools")  # uvicorn's "auto" choice
+            s.notes["ours_event_loop"] = "uvloop, httptools" if fast else "asyncio, h11"
         s.write()
         if args.mode in ("compare", "both"):
             for i, engine in enumerate(args.engine_list):
