@@ -16,17 +16,19 @@ floor is the weight bytes at the measured device-to-device copy bandwidth.
 
 `--fp8` (issue 31: FP8 decode): the Llama-3.1-8B shapes at M = 1, 8, 16 unless --models or
 --batches say otherwise, with two more columns on the decoder layers' weights in FP8 (one
-float32 scale per row, as layers/fp8.py keeps them): the skinny GEMM on them (Triton FP8:
-W8A16, what the engine's decode steps run) and the engine's path for larger steps (_scaled_mm:
-activations quantized per token, torch._scaled_mm, then silu_and_mul for gate_up+act). `err
-FP8` compares the Triton FP8 column with cuBLAS on the dequantized weight (bf16 rounding). The
+float32 scale per row, as layers/fp8.py keeps them): the skinny GEMM on them (Triton FP8,
+what the engine's decode steps run: the default config's dot, LLM_INFERENCE_FP8_DOT) and the
+engine's path for larger steps (_scaled_mm: activations quantized per token, torch._scaled_mm,
+then silu_and_mul for gate_up+act). `err FP8` compares the Triton FP8 column with cuBLAS on
+the dequantized weight (bf16 rounding, and with the FP8 dot the activations' FP8 rounding). The
 LM head stays bf16 (its FP8 step totals take its Triton time); the FP8 floor is the FP8 bytes
 (and scales) plus the LM head's.
 
 `--sweep` also times other configs (tiles, warps, stages, split-K) of the Triton kernel per
 shape at one batch size, to tune `default_config` (with `--fp8`, the kernel on FP8 weights:
 their tiles hold half the bytes, so the rule's BLOCK_K may not suit them); it stops after
-`--sweep-seconds`.
+`--sweep-seconds`. `--sweep-tiles` replaces the tiles swept, `--fp8-dots fp8,w8a16` sweeps
+both dots on FP8 weights (GemmConfig.fp8_dot).
 
     PYTHONPATH=src python3 benchmarks/skinny_gemm.py [--fp8] [--json PATH] [--sweep]
 """
@@ -277,7 +279,7 @@ def print_tables(rows, steps, sweep_rows) -> None:
               f"| {c['block_n']}, {c['block_k']}, {c['split']} | {r['err']:.1e} |")  # fmt: skip
     fp8_rows = [r for r in rows if "triton_fp8_us" in r]
     if fp8_rows:
-        print("\nFP8 weights: the skinny GEMM on them (Triton FP8, W8A16) and _scaled_mm (x "
+        print("\nFP8 weights: the skinny GEMM on them (Triton FP8) and _scaled_mm (x "
               "quantized per token), against bf16:\n")  # fmt: skip
         print("| model | layer | M | cuBLAS bf16 us | Triton bf16 us | Triton FP8 us "
               "| _scaled_mm us | FP8 / bf16 Triton | Triton FP8 GB/s | err FP8 |")  # fmt: skip
