@@ -52,9 +52,8 @@ def _x_as_the_dot_sees(x, config, n, k, fp8):
     config's fp8_dot), quantized to FP8 per row and BLOCK_K columns as the kernel does (scale
     = the chunk's largest magnitude / 448, in float32); else x itself."""
     from llm_inference.kernels import skinny_gemm as sg
-    from llm_inference.kernels.device import num_sms
 
-    config = config or sg.default_config(n, k, num_sms(x.device), fp8=fp8)
+    config = config or sg.launch_config(n, k, x.device, fp8)
     if not fp8 or not config.fp8_dot:
         return x.double()
     bk = config.block_k

@@ -47,6 +47,7 @@ BLOCK_K * split_k (EVEN_K). float32 inputs (the interpreter tests) use IEEE dot 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -92,18 +93,26 @@ class GemmConfig:
             raise ValueError(f"split_k must be in [1, 64], got {self.split_k}")
 
 
-def default_config(n: int, k: int, sms: int, fp8: bool = False) -> GemmConfig:
+@functools.cache
+def default_config(n: int, k: int, sms: int, fp8: bool = False, fp8_dot: bool = True) -> GemmConfig:
     """The rule: BLOCK_N 64 and BLOCK_K 128, clamped to small shapes; split-K doubled while
     the cdiv(n, BLOCK_N) column blocks times the split fill less than FILL of `sms` (twice
     that for `fp8` weights, whose tiles hold half the bytes) and each K range keeps
-    MIN_K_PER_SPLIT columns. `n` is the output width (I when fused)."""
+    MIN_K_PER_SPLIT columns. `n` is the output width (I when fused). Cached: launches without
+    a config ask for it on every call (a decode step that is not a CUDA graph's replay)."""
     block_n = min(64, max(16, triton.next_power_of_2(n)))
     block_k = min(128, max(32 if fp8 else 16, triton.next_power_of_2(k)))
     blocks, fill = triton.cdiv(n, block_n), FILL * sms * (2 if fp8 else 1)
     split = 1
     while split < MAX_SPLIT and blocks * split < fill and k // (2 * split) >= MIN_K_PER_SPLIT:
         split *= 2
-    return GemmConfig(block_n, block_k, split, fp8_dot=envs.LLM_INFERENCE_FP8_DOT)
+    return GemmConfig(block_n, block_k, split, fp8_dot=fp8_dot)
+
+
+def launch_config(n: int, k: int, device: torch.device, fp8: bool) -> GemmConfig:
+    """The config of a launch given none: the rule's for the device, the FP8 dot as
+    envs.LLM_INFERENCE_FP8_DOT says (read on FP8 weights only)."""
+    return default_config(n, k, num_sms(device), fp8, fp8 and envs.LLM_INFERENCE_FP8_DOT)
 
 
 @triton.jit
@@ -290,7 +299,7 @@ def _launch(
     x, weight, scale, out, n: int, fused: bool, config: GemmConfig | None, pdl: bool
 ) -> torch.Tensor:
     m, k = x.shape
-    cfg = config or default_config(n, k, num_sms(x.device), fp8=scale is not None)
+    cfg = config or launch_config(n, k, x.device, fp8=scale is not None)
     fp8_dot = scale is not None and cfg.fp8_dot
     if fp8_dot and cfg.block_k < 32:
         raise ValueError(f"the FP8 dot takes block_k >= 32, got {cfg.block_k}")
