@@ -16,6 +16,7 @@ from llm_inference.kernels.reference import ReferenceOps
 from llm_inference.sample.sampler import (
     Sampler,
     apply_penalties,
+    exponential_noise,
     noise_keys,
     uniform_noise,
 )
@@ -136,6 +137,50 @@ def test_uniform_noise_is_uniform_and_batch_independent():
     assert not torch.equal(alone, other_step)
     huge = noise_keys([2**80 + 5, -3], [0, 0])  # any Python int works as a seed
     assert all(0 <= k < 2**32 for k in huge)
+
+
+def key_drawing_top_bits(token: int) -> int:
+    """A noise key whose `token` draws the largest 24 bits (u = 1 - 2**-25): lowbias32 inverted
+    (xor-shifts undone, multipliers inverted mod 2**32)."""
+    m = 0xFFFFFFFF
+
+    def mix(x):
+        x ^= x >> 16
+        x = x * 0x7FEB352D & m
+        x ^= x >> 15
+        x = x * 0x846CA68B & m
+        return x ^ (x >> 16)
+
+    def unmix(x):
+        x ^= x >> 16
+        x = x * pow(0x846CA68B, -1, 1 << 32) & m
+        x ^= (x >> 15) ^ (x >> 30)
+        x = x * pow(0x7FEB352D, -1, 1 << 32) & m
+        return x ^ (x >> 16)
+
+    assert unmix(mix(12345)) == 12345
+    return (unmix(m) - mix(token)) & m
+
+
+def test_noise_near_one_never_samples_a_masked_token():
+    """The largest u rounds to 1.0 in float32; E = -log u must stay positive there (else a
+    masked token's 0 / E is NaN and argmax takes it: once in ~130 rows of a 128k vocabulary)."""
+    keys = torch.tensor([key_drawing_top_bits(0)])
+    assert uniform_noise(keys, 8)[0, 0] == 1.0  # the rounding this guards against
+    e = exponential_noise(keys, 8)
+    assert (e > 0).all() and e.isfinite().all()
+    assert e[0, 0].item() == pytest.approx(2.0**-25, rel=1e-6)
+    keys = torch.tensor(noise_keys(list(range(50)), [0] * 50))  # elsewhere: -log u
+    u = uniform_noise(keys, 4000).double()
+    fine = u < 0.999
+    assert torch.allclose(exponential_noise(keys, 4000).double()[fine], -u[fine].log(), rtol=1e-6)
+    md = dataclasses.replace(build([SamplingParams(temperature=1.0)], vocab=8),
+                             noise_keys=torch.tensor([key_drawing_top_bits(0)]))  # fmt: skip
+    logits = torch.tensor([[float("-inf"), 0.0, 0.5, 1.0, -1.0, 0.2, 0.3, 0.1]])
+    assert Sampler(ReferenceOps())(logits, md).token_ids.item() != 0
+    # where token 0 is allowed, the tiny E makes it win the race, as it should
+    logits[0, 0] = 0.0
+    assert Sampler(ReferenceOps())(logits, md).token_ids.item() == 0
 
 
 def fake_logits(seq: list[int], vocab: int) -> torch.Tensor:

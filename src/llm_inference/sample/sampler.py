@@ -46,6 +46,7 @@ __all__ = [
     "SamplingMetadata",
     "noise_keys",
     "sample_reference",
+    "exponential_noise",
     "uniform_noise",
 ]
 
@@ -71,15 +72,31 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _noise_bits(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] int64: the 24 bits of mix(mix(v) + keys[b]) that feed the noise."""
+    v = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)
+    return _mix32((_mix32(v)[None, :] + keys[:, None]) & _M32) >> 8
+
+
 def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, V] float32 uniforms in (0, 1): u[b, v] = mix(mix(v) + keys[b]) / 2**32.
+    """[B, V] float32 uniforms: u[b, v] = (mix(mix(v) + keys[b]) >> 8 + 0.5) / 2**24.
 
     Row b depends only on keys[b], so it is the same in any batch and at any row. Within a
-    row all values differ (two bijections), and 24 bits feed the float.
+    row all values differ (two bijections), and 24 bits feed the float. The largest, 1 -
+    2**-25, rounds to 1.0 in float32: the race takes its E from `exponential_noise`.
     """
-    v = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)
-    x = _mix32((_mix32(v)[None, :] + keys[:, None]) & _M32)
-    return ((x >> 8).to(torch.float32) + 0.5) * (2.0**-24)
+    return (_noise_bits(keys, vocab_size).to(torch.float32) + 0.5) * (2.0**-24)
+
+
+def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] float32 E = -log u of `uniform_noise`'s u, all positive, as the fused kernel
+    computes it: near u = 1, where float32 loses log(u) (and rounds the largest u to 1, E to
+    0, and a masked token's 0 / E to NaN, which argmax takes), from w = 1 - u, exact from the
+    bits, by -log(1 - w) = w + w^2/2 + w^3/3."""
+    bits = _noise_bits(keys, vocab_size)
+    u = (bits.to(torch.float32) + 0.5) * (2.0**-24)
+    w = ((0xFFFFFF - bits).to(torch.float32) + 0.5) * (2.0**-24)
+    return torch.where(w < 1e-3, w + w * w * (0.5 + w / 3), u.log_().neg_())
 
 
 @dataclass
@@ -179,8 +196,7 @@ def sample_reference(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor
         token_ids = logits.argmax(dim=-1)
     else:
         probs = Sampler.probs(logits, md)
-        exp = uniform_noise(md.noise_keys, md.vocab_size).log_().neg_()  # E ~ Exp(1)
-        token_ids = probs.div_(exp).argmax(dim=-1)
+        token_ids = probs.div_(exponential_noise(md.noise_keys, md.vocab_size)).argmax(dim=-1)
         if not md.all_random:
             token_ids = torch.where(md.greedy, logits.argmax(dim=-1), token_ids)
     status = torch.where(rowmax == float("-inf"), STATUS_EMPTY, STATUS_BAD)
