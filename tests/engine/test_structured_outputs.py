@@ -1,10 +1,9 @@
 """Structured outputs end to end on the tiny random model (CPU): at temperature 1 its answers
 are random, yet each kind's answer passes its validator (jsonschema, re.fullmatch, membership);
 a constrained request leaves the others' tokens alone; its answer survives preemption and
-recompute and async scheduling unchanged (with rows on the host path, preempted and refilled
-while a constrained step waits for its sampling); under async scheduling a constrained step's
-forward is launched before the step before's tokens are read, and its sampling after, once the
-step after it is prepared; an abort mid-answer
+recompute and async scheduling unchanged (with rows on the host path, preempted and refilled);
+under async scheduling a constrained step's forward
+is launched before the step before's tokens are read, and its sampling after; an abort mid-answer
 leaves the others' answers alone; a grammar that is still compiling holds up no other request and
 can be aborted; a spec xgrammar cannot take is a ValueError naming it; an answer that does not
 fit in max_tokens ends with "length"."""
@@ -168,10 +167,9 @@ def test_same_answers_under_preemption_and_recompute(tiny_ckpt, llm, async_sched
 
 
 def test_rows_on_the_host_path_through_preemption_and_refill(tiny_ckpt):
-    """Under async scheduling the step after a constrained one is prepared (requests removed,
-    preempted, admitted into freed rows) before that step samples: its sampling inputs must be
-    the ones taken at its forward. Rows on the host path (a logit bias, min_tokens), a small
-    cache that preempts and few rows that refill: the answers of steps one at a time."""
+    """Overlapped constrained steps with rows on the host path (a logit bias, min_tokens), in
+    a small cache that preempts them and few rows that refill as requests end: the answers of
+    steps one at a time, token for token."""
     prompts, params = [], []
     for i in range(8):
         kind = ("json", "regex", "choice")[i % 3]
@@ -192,9 +190,8 @@ def test_a_constrained_step_is_launched_before_the_step_before_is_read(llm, monk
     """Async scheduling: a step with constrained rows goes out as its forward, launched before
     step n's tokens are read (the host's update and bitmask overlap the device's forward), then
     its sampling, with the bitmask filled from them, and in the same call the next step's
-    launch, its inputs built before the sampling (the device waits for neither the caller nor
-    the scheduler between them). A request that step n's token finished still has its row
-    sampled there, with every token allowed."""
+    launch (the device does not wait for the caller between them). A request that step n's
+    token finished still has its row sampled there, with every token allowed."""
     core = llm.engine.core
     events, finished = [], []  # finished: the bitmask rows of requests finished since
 
@@ -213,7 +210,6 @@ def test_a_constrained_step_is_launched_before_the_step_before_is_read(llm, monk
         lambda so, sync=True, sample=True: ("step" if sample else "forward", so.step_id),
     )
     record(core.executor, "sample_tokens", lambda bitmask: ("sample", None))
-    record(core.executor, "prepare", lambda so: ("prepare", so.step_id))
     record(core.scheduler, "update_from_output", lambda so, out: ("update", so.step_id))
     fill = core.structured.fill_bitmask
 
@@ -238,18 +234,14 @@ def test_a_constrained_step_is_launched_before_the_step_before_is_read(llm, monk
     sampled = [i for i, (kind, _) in enumerate(events) if kind == "sample"]
     launched_next = [events[i + 1][0] in ("forward", "step") for i in sampled]
     assert sum(launched_next) >= len(sampled) - 1, events  # all but the last one
-    for i in sampled:  # the step launched next was prepared before the sampling
-        if events[i + 1][0] in ("forward", "step"):
-            assert events[i - 1] == ("prepare", events[i + 1][1]), events[i - 1 : i + 2]
     events = [e for e in events if e[0] != "returned"]
     overlapped = 0
     for i, (kind, step_id) in enumerate(events):
         if kind != "forward":
             continue
-        after = events[i + 1 : i + 4]
+        after = events[i + 1 : i + 3]
         if after[0][0] == "update":  # the step before, read after this one's forward
-            assert after[0][1] < step_id and after[1][0] == "prepare"
-            assert after[1][1] > step_id and after[2] == ("sample", None)
+            assert after[0][1] < step_id and after[1] == ("sample", None)
             overlapped += 1
         else:
             assert after[0] == ("sample", None)

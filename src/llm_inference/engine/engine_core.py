@@ -18,12 +18,10 @@ Structured outputs (structured_output/): a request's grammar compiles on the man
 while the scheduler passes it over. A step with constrained rows needs a token bitmask
 (`SchedulerOutput.grammar_bitmask`) that the matchers fill once they have every token before
 it, so under async scheduling such a step goes out in two parts, over two calls: one call
-launches the forward of step n+1 and returns; the next reads step n's tokens, schedules step
-n+2 and builds its inputs on the host (`Executor.prepare`, where the worker is in this
-process), advances the matchers, fills the bitmask, and launches step n+1's sampling and then
-step n+2. The host's work between calls (the caller's output processing, the scheduling, the
-fill) overlaps step n+1's forward, and the device waits between that sampling and the next
-forward only for the launch. A request that
+launches the forward of step n+1 and returns; the next reads step n's tokens, advances the
+matchers, fills the bitmask and launches step n+1's sampling, then schedules and launches step
+n+2. The device runs that sampling and the next forward back to back, and the host's work
+between calls (the caller's output processing, the fill) overlaps a forward. A request that
 step n's token finished may have a row in step n+1: every token is allowed there, and the token
 is discarded, as any finished request's in flight. Without async scheduling, or in a step
 without constrained rows, a step is one call. A grammar that fails to compile finishes its
@@ -159,27 +157,17 @@ class EngineCore:
         Overlapped (async scheduling, no synchronous request live): step n+1 is scheduled and
         launched first, then step n's tokens are awaited and applied, so the records are those
         of the step launched before. A step with constrained rows is launched without its
-        sampling, which the next call adds once step n's tokens have filled the bitmask:
-        that call reads step n, schedules the step after and builds its inputs (`prepare`),
-        fills the bitmask, launches the sampling and then the step after, so the device waits
-        for the host only for that launch (see the module docstring). Otherwise the step runs
-        to its end before returning."""
+        sampling, which the next call adds once step n's tokens have filled the bitmask,
+        before it schedules and launches the step after (see the module docstring).
+        Otherwise the step runs to its end before returning."""
         overlap = self.config.async_scheduling and not self._sync_ids
-        unsampled, outputs = None, []
-        if self._unsampled is not None and overlap:
-            unsampled, self._unsampled = self._unsampled, None
-            outputs = self._update()  # the step before it: its bitmask needs those tokens
-        elif self._unsampled is not None:
-            outputs = self._launch_sampling()
+        outputs = [] if self._unsampled is None else self._launch_sampling()
         if not overlap:  # what steps left in flight when overlapped
             outputs = one_record_each(outputs, self._update())
         if self.structured.compiling:
             outputs += self._finish_failed_grammars()
         so = self.scheduler.schedule()
-        if unsampled is not None:
-            self.executor.prepare(so)
-            self._sample(unsampled)
-        elif so.is_empty and self._pending is None and self.structured.compiling:
+        if so.is_empty and self._pending is None and self.structured.compiling:
             self.structured.wait(GRAMMAR_WAIT_S)  # nothing runs until a grammar compiles
         if not overlap:
             self._pending = self._execute(so, sync=True)
@@ -206,17 +194,12 @@ class EngineCore:
 
     def _launch_sampling(self) -> list[EngineCoreOutput]:
         """Launch the sampling of the step whose forward went out without it, once the step in
-        flight before it is read (its records returned)."""
+        flight before it is read (its records returned) and the bitmask filled."""
         so, self._unsampled = self._unsampled, None
         outputs = self._update()
-        self._sample(so)
-        return outputs
-
-    def _sample(self, so: SchedulerOutput) -> None:
-        """Fill the bitmask of a step launched without its sampling (every token before it is
-        known) and launch the sampling: the step in flight."""
         so.grammar_bitmask = self._fill_bitmask(so)
         self._pending = so, self.executor.sample_tokens(so.grammar_bitmask)
+        return outputs
 
     def _fill_bitmask(self, so: SchedulerOutput):
         """The step's grammar bitmask, from every token its requests have so far."""

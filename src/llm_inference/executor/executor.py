@@ -60,14 +60,6 @@ class Executor:
         out = self.collective_rpc("execute_model", scheduler_output, sync, sample)[0]
         return PendingOutput.done(out) if isinstance(out, ModelRunnerOutput) else out
 
-    def prepare(self, scheduler_output: SchedulerOutput) -> None:
-        """Build a step's inputs ahead of its `execute_model`, where the worker is in this
-        process: the engine core does it while a constrained step's forward runs. Worker
-        processes build them when the step comes (a call sent ahead would run before the
-        sampling it must follow)."""
-        for w in self.workers:
-            w.prepare(scheduler_output)
-
     def sample_tokens(self, grammar_bitmask):
         """Sample the step `execute_model(sample=False)` launched, on every rank, with the
         step's grammar bitmask: a handle as `execute_model(sync=False)` returns."""

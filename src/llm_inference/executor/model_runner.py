@@ -60,8 +60,6 @@ class ModelRunner:
         self.token_slots = TokenSlots(sched.max_num_seqs) if device.type == "cuda" else None
         # A step launched with execute_model(sample=False): what sample_tokens samples.
         self._unsampled: tuple | None = None
-        # A step `prepare`d ahead of its execute_model: (SchedulerOutput, its StepInputs).
-        self._prepared: tuple | None = None
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -276,6 +274,7 @@ class ModelRunner:
         every rank holds the same tensor and fills its own); rank 0 starts their copy to the
         host."""
         self.prev_tokens = out.token_ids
+        self.input_batch.set_sampled(step.sample_batch_rows)
         if get_tp_rank() != 0:
             return None
         pending = PendingOutput.launch(req_ids, step.sample_rows, out, self.token_slots)
@@ -339,16 +338,6 @@ class ModelRunner:
             rows, num_outputs, self.config.model.eos_token_ids, self.device
         )
 
-    def prepare(self, so: SchedulerOutput) -> None:
-        """Apply `so` to the input batch and write its inputs to the host buffers ahead of its
-        `execute_model`, which then only launches it: the engine core prepares the step after
-        a constrained one while that step's forward runs and its bitmask is filled
-        (engine/engine_core.py). The step before has set which rows' tokens it samples
-        (`set_sampled`, at its forward), so this step's placeholders are known."""
-        self.input_batch.apply(so)
-        step = None if so.is_empty else self.input_batch.prepare(so, self.buffers)
-        self._prepared = so, step
-
     @torch.inference_mode()
     def execute_model(
         self, so: SchedulerOutput, sync: bool = True, sample: bool = True
@@ -359,15 +348,12 @@ class ModelRunner:
 
         `sample=False` (a step with constrained sample rows, under async scheduling) launches
         the forward and the logits only and returns None: `sample_tokens` samples them once
-        the engine core has filled the grammar bitmask, which needs the step before's tokens.
-        Its sampling inputs are taken now: the next step may be `prepare`d before."""
-        prepared, self._prepared = self._prepared, None
-        if prepared is None or prepared[0] is not so:
-            self.prepare(so)
-            prepared, self._prepared = self._prepared, None
-        step, req_ids = prepared[1], so.request_ids
-        if step is None:
+        the engine core has filled the grammar bitmask, which needs the step before's tokens."""
+        self.input_batch.apply(so)
+        req_ids = so.request_ids
+        if so.is_empty:
             return PendingOutput.done(ModelRunnerOutput(req_ids, [[] for _ in req_ids]))
+        step = self.input_batch.prepare(so, self.buffers)
         hidden = self._forward(step)
         prompt_lps = None if step.prompt_logprobs is None else self._prompt_logprobs(hidden, step)
         if not step.sample_rows:
@@ -375,7 +361,6 @@ class ModelRunner:
                 req_ids, [[] for _ in req_ids], [None] * len(req_ids), prompt_lps
             )
             return PendingOutput.done(empty)
-        self.input_batch.set_sampled(step.sample_batch_rows)
         num_samples = len(step.sample_rows)
         if num_samples == step.num_tokens:  # every token samples (decodes): rows 0..n-1
             hidden_rows = hidden[:num_samples]
@@ -386,8 +371,7 @@ class ModelRunner:
         else:
             logits = self.model.compute_logits(hidden_rows)
         if not sample:
-            smd = None if get_tp_size() > 1 else self.sampling_metadata(step)
-            self._unsampled = (so, step, logits, prompt_lps, smd)
+            self._unsampled = (so, step, logits, prompt_lps)
             return None
         return self._sample(so, step, logits, prompt_lps, so.grammar_bitmask, sync)
 
@@ -396,15 +380,16 @@ class ModelRunner:
         """Sample the step `execute_model(sample=False)` launched, its constrained rows masked
         by `grammar_bitmask` (rows in the order of its `structured_output_request_ids`), as
         `execute_model(sync=False)` would have. Every rank calls it (collective at TP > 1)."""
-        (so, step, logits, prompt_lps, smd), self._unsampled = self._unsampled, None
-        return self._sample(so, step, logits, prompt_lps, grammar_bitmask, False, smd)
+        so, step, logits, prompt_lps = self._unsampled
+        self._unsampled = None
+        return self._sample(so, step, logits, prompt_lps, grammar_bitmask, sync=False)
 
     def _sample(
         self, so: SchedulerOutput, step: StepInputs, logits: torch.Tensor, prompt_lps,
-        grammar_bitmask, sync: bool, smd: SamplingMetadata | None = None,
+        grammar_bitmask, sync: bool,
     ) -> PendingOutput | None:  # fmt: skip
         """Sample a step's logits (at TP > 1 this rank's vocabulary slice) and keep the
-        tokens (`_keep_sampled`); `smd`: its sampling inputs, if taken before (TP = 1)."""
+        tokens (`_keep_sampled`)."""
         grammar = self._grammar_mask(so, step, grammar_bitmask)
         if get_tp_size() > 1:  # tensor parallel: sample across the vocabulary shards
             lm_head = self.model.lm_head
@@ -415,7 +400,7 @@ class ModelRunner:
                 lambda ks: self.sampling_metadata(step, ks), grammar,
             )  # fmt: skip
         else:
-            smd = smd or self.sampling_metadata(step)
+            smd = self.sampling_metadata(step)
             smd.grammar = grammar
             out = self.sampler(logits, smd, sync=sync)
         return self._keep_sampled(step.request_ids, step, out, prompt_lps)

@@ -61,10 +61,6 @@ class Worker:
         ranks: None. `sample=False`: the forward alone, None (`sample_tokens` follows)."""
         return self.model_runner.execute_model(scheduler_output, sync, sample)
 
-    def prepare(self, scheduler_output: SchedulerOutput) -> None:
-        """Build the step's inputs on the host ahead of its `execute_model`."""
-        self.model_runner.prepare(scheduler_output)
-
     def sample_tokens(self, grammar_bitmask):
         """Sample the step launched with `sample=False`: as `execute_model` returns."""
         return self.model_runner.sample_tokens(grammar_bitmask)
