@@ -3,9 +3,10 @@ are random, yet each kind's answer passes its validator (jsonschema, re.fullmatc
 a constrained request leaves the others' tokens alone; its answer survives preemption and
 recompute and async scheduling unchanged (with rows on the host path, preempted and refilled);
 under async scheduling a constrained step's forward is launched before the step before's tokens
-are read, and its sampling after; an abort mid-answer leaves the others' answers alone; a grammar that is still compiling holds up no other request and
-can be aborted; a spec xgrammar cannot take is a ValueError naming it; an answer that does not
-fit in max_tokens ends with "length"."""
+are read, and its sampling after; an abort mid-answer leaves the others' answers alone; a
+grammar that is still compiling holds up no other request and can be aborted; a spec xgrammar
+cannot take is a ValueError naming it; an answer that does not fit in max_tokens ends with
+"length"."""
 
 from __future__ import annotations
 
