@@ -11,7 +11,7 @@ import torch
 from sampler_checks import build
 
 from llm_inference.kernels.reference import ReferenceOps
-from llm_inference.sample.grammar import GrammarMask, allowed_tokens, apply_grammar
+from llm_inference.sample.grammar import GrammarMask, MaskStaging, allowed_tokens, apply_grammar
 from llm_inference.sample.sampler import Sampler
 from llm_inference.sampling_params import SamplingParams
 
@@ -54,6 +54,24 @@ def test_apply_grammar_masks_constrained_rows_only_and_slices_agree():
     assert torch.equal(torch.cat(slices, dim=1), out)
     with pytest.raises(ValueError, match="2 bitmask rows for 1 constrained rows"):
         GrammarMask.build(bm, [0], 4, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned staging)")
+def test_masks_packed_through_the_staging_buffer_equal_those_sent_apart():
+    """MaskStaging: one pinned buffer, reused (and grown) from step to step, gives the device
+    the same bitmask, rows and row index as three separate copies; a mask built from it stays
+    intact after the next one overwrites the buffer."""
+    staging, masks = MaskStaging(torch.device("cuda")), []
+    for m, rows, num_rows in ((2, [1, 3], 4), (5, [0, 2, 3, 6, 7], 9), (1, [0], 1)):
+        bm = random_bitmask(m, seed=m)
+        want = GrammarMask.build(bm, rows, num_rows, "cuda")
+        got = GrammarMask.build(bm, rows, num_rows, "cuda", staging)
+        masks.append((want, got))
+    torch.cuda.synchronize()
+    for want, got in masks:
+        assert torch.equal(got.bitmask, want.bitmask) and got.bitmask.shape == want.bitmask.shape
+        assert torch.equal(got.rows, want.rows) and got.rows.dtype == torch.int64
+        assert torch.equal(got.row_index, want.row_index)
 
 
 @pytest.mark.parametrize(

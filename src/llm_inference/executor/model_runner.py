@@ -20,7 +20,7 @@ from llm_inference.executor.pending import PendingOutput, TokenSlots
 from llm_inference.executor.warm_up import run_warm_up
 from llm_inference.kernels import get_ops
 from llm_inference.models.loader import load_model
-from llm_inference.sample.grammar import GrammarMask
+from llm_inference.sample.grammar import GrammarMask, MaskStaging
 from llm_inference.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
 from llm_inference.sample.tensor_parallel import sample_tensor_parallel
 from llm_inference.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -60,6 +60,8 @@ class ModelRunner:
         self.token_slots = TokenSlots(sched.max_num_seqs) if device.type == "cuda" else None
         # A step launched with execute_model(sample=False): what sample_tokens samples.
         self._unsampled: tuple | None = None
+        # Where structured outputs' bitmasks go to the device from (allocated on first use).
+        self.mask_staging = MaskStaging(device) if device.type == "cuda" else None
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -412,4 +414,5 @@ class ModelRunner:
             return None
         ids = set(so.structured_output_request_ids)
         rows = [k for k, b in enumerate(step.sample_rows) if step.request_ids[b] in ids]
-        return GrammarMask.build(bitmask, rows, len(step.sample_rows), self.device)
+        num_rows = len(step.sample_rows)
+        return GrammarMask.build(bitmask, rows, num_rows, self.device, self.mask_staging)
