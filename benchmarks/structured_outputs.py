@@ -23,21 +23,29 @@ first constrained call's extra time over the median one is reported as the compi
 then cached). A constrained answer that ended by stop must parse with `json.loads` and
 validate with `jsonschema`; answers cut by max_tokens are counted apart.
 
+`--phases` (ours only): after the rounds, one more call of each kind with the engine's host
+phases timed (`perf_counter` around the engine core's call, the scheduler, the input batch, the
+bitmask fill, the launches, the wait for a step's tokens): per phase the calls and the median ms
+per call. A kind whose step waits for its tokens is bound by the device; one that never waits,
+by the host (`structured_outputs_host_2026-12-02_h200.md`).
+
 A named shape is bench's random-weight checkpoint with another tokenizer: its word-level one
 (`w0` .. `w128255`) has no token for `{` or `"`, so every JSON grammar would mask the whole
 vocabulary (`json_checkpoint`). A folder is used as it is, its own tokenizer included.
 
-    PYTHONPATH=src python3 benchmarks/structured_outputs.py --engine ours --json OUT.json
+    PYTHONPATH=src python3 benchmarks/structured_outputs.py --engine ours --json OUT.json [--phases]
     PYTHONPATH=src:/tmp/site python3 benchmarks/structured_outputs.py --engine vllm --json OUT.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import inspect
 import json
 import random
+import statistics
 import string
 import time
 from pathlib import Path
@@ -95,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=256, help="a constrained answer's limit")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument("--phases", action="store_true", help="ours: time the host's phases too")
     p.add_argument("--device", default=None, help="ours only (default: cuda when available)")
     p.add_argument("--dtype", default="bfloat16")
     return p
@@ -229,7 +238,57 @@ def measure(llm, params, prompts: list[dict], args) -> tuple[dict, dict, list[di
     for r in range(args.rounds):
         runs += [call(kind, lengths if kind == "unconstrained" else limit)[0] | {"round": r}
                  for kind in KINDS]  # fmt: skip
-    return warm_plain, first_json, runs
+    phases = {}
+    for kind in KINDS if args.phases else ():
+        with timed_phases() as times:
+            call(kind, lengths if kind == "unconstrained" else limit)
+        phases[kind] = {name: {"calls": len(ts), "median_ms": 1e3 * statistics.median(ts)}
+                        for name, ts in times.items()}  # fmt: skip
+    return warm_plain, first_json, runs, phases
+
+
+# (module, class, method, label): what `--phases` times, per call
+PHASES = (
+    ("engine.engine_core", "EngineCore", "step", "engine core call (a step)"),
+    ("executor.pending", "PendingOutput", "result", "waiting for a step's tokens"),
+    ("structured_output.manager", "StructuredOutputManager", "fill_bitmask", "bitmask fill"),
+    ("executor.executor", "Executor", "sample_tokens", "sampling launch (constrained)"),
+    ("executor.executor", "Executor", "execute_model", "step launch"),
+    ("executor.input_batch", "InputBatch", "prepare", "inputs (input_batch.prepare)"),
+    ("executor.input_batch", "InputBatch", "apply", "input_batch.apply"),
+    ("core.scheduler", "Scheduler", "schedule", "schedule"),
+    ("core.scheduler", "Scheduler", "update_from_output", "update_from_output"),
+    ("engine.llm_engine", "LLMEngine", "process_core_outputs", "caller's output processing"),
+)
+
+
+@contextlib.contextmanager
+def timed_phases():
+    """Within: each PHASES method's call times (seconds), by label; the methods restored after."""
+    import importlib
+
+    times: dict[str, list[float]] = {label: [] for *_, label in PHASES}
+    saved = []
+    for module, cls_name, method, label in PHASES:
+        cls = getattr(importlib.import_module(f"llm_inference.{module}"), cls_name)
+        real = getattr(cls, method)
+
+        def timed(*a, _real=real, _out=times[label], **kw):
+            t = time.perf_counter()
+            try:
+                return _real(*a, **kw)
+            finally:
+                _out.append(time.perf_counter() - t)
+
+        saved.append((cls, method, real))
+        setattr(cls, method, timed)
+    try:
+        yield times
+    finally:
+        for cls, method, real in saved:
+            setattr(cls, method, real)
+    for label in [label for label, ts in times.items() if not ts]:
+        del times[label]
 
 
 def run(args) -> dict:
@@ -240,7 +299,7 @@ def run(args) -> dict:
     prompts = make_prompts(folder, args.num_requests)
     llm, version, params = start(args, folder)
     try:
-        warm_plain, first_json, runs = measure(llm, params, prompts, args)
+        warm_plain, first_json, runs, phases = measure(llm, params, prompts, args)
     finally:
         if args.engine == "ours":
             llm.close()
@@ -259,7 +318,7 @@ def run(args) -> dict:
         "json_vs_unconstrained": summary["json"]["out_tok_per_s"]
         / summary["unconstrained"]["out_tok_per_s"],
         "answers": {k: sum(x[k] for x in json_runs) for k in ("stop", "valid", "cut")},
-        "summary": summary, "runs": runs, "schema": SCHEMA,
+        "summary": summary, "runs": runs, "phases": phases, "schema": SCHEMA,
     }  # fmt: skip
 
 
@@ -277,11 +336,27 @@ def format_table(res: dict) -> str:
                  f"(median rounds of {res['rounds']}); first json call: +{res['compile_s']:.2f} s "
                  f"(compile cost); all json rounds: {a['valid']}/{a['stop']} ended by stop valid, "
                  f"{a['cut']} cut by max_tokens; xgrammar {res['xgrammar']}")  # fmt: skip
+    if res["phases"]:
+        kinds = list(res["phases"])
+        lines += ["", "host phases, median ms per call (calls):", "| phase | " +
+                  " | ".join(kinds) + " |", "|---|" + "---:|" * len(kinds)]  # fmt: skip
+        for label in dict.fromkeys(k for ph in res["phases"].values() for k in ph):
+            cells = [res["phases"][k].get(label) for k in kinds]
+            lines.append(
+                f"| {label} | "
+                + " | ".join(
+                    "-" if c is None else f"{c['median_ms']:.3f} ({c['calls']})" for c in cells
+                )
+                + " |"
+            )
     return "\n".join(lines)
 
 
 def main() -> None:
-    args = build_parser().parse_args()
+    p = build_parser()
+    args = p.parse_args()
+    if args.phases and args.engine != "ours":
+        p.error("--phases times our engine's host phases: --engine ours")
     res = run(args)
     print(format_table(res))
     if args.json:

@@ -1,7 +1,8 @@
 """benchmarks/structured_outputs.py on the CPU: its whole run for our engine on the tiny
 checkpoint (both kinds timed, each unconstrained request as long as its constrained twin,
-every answer ended by stop valid), and the JSON-capable tokenizer it gives a named shape, on
-which answers drawn at random from xgrammar's masks follow the benchmark's schema."""
+every answer ended by stop valid, the host's phases timed and the engine left as it was), and
+the JSON-capable tokenizer it gives a named shape, on which answers drawn at random from
+xgrammar's masks follow the benchmark's schema."""
 
 from __future__ import annotations
 
@@ -34,9 +35,13 @@ def test_run_ours_on_the_tiny_checkpoint(so, tiny_ckpt, monkeypatch):
     monkeypatch.setattr(so, "SCHEMA", SMALL_SCHEMA)
     args = so.build_parser().parse_args(
         ["--model", str(tiny_ckpt), "--device", "cpu", "--dtype", "float32",
-         "--num-requests", "4", "--max-tokens", "24", "--rounds", "1"]
+         "--num-requests", "4", "--max-tokens", "24", "--rounds", "1", "--phases"]
     )  # fmt: skip
+    from llm_inference.engine.engine_core import EngineCore
+
+    step = EngineCore.step
     res = so.run(args)
+    assert EngineCore.step is step  # --phases put the engine's methods back
     json.dumps(res)  # the --json file
     assert [r["kind"] for r in res["runs"]] == ["unconstrained", "json"]
     plain, constrained = res["runs"]
@@ -47,6 +52,13 @@ def test_run_ours_on_the_tiny_checkpoint(so, tiny_ckpt, monkeypatch):
     assert res["answers"] == {k: constrained[k] for k in ("stop", "valid", "cut")}
     table = so.format_table(res)
     assert "| ours 0.1.0 | json | 4 |" in table and "| ours 0.1.0 | unconstrained | 4 |" in table
+    phases = res["phases"]
+    steps = phases["json"]["engine core call (a step)"]["calls"]
+    assert steps >= 3 and phases["json"]["bitmask fill"]["calls"] >= steps - 2
+    assert phases["json"]["sampling launch (constrained)"]["calls"] > 0
+    assert "bitmask fill" not in phases["unconstrained"]
+    assert all(p["median_ms"] > 0 for kind in phases.values() for p in kind.values())
+    assert "| bitmask fill | " in table
 
 
 def test_make_prompts_end_on_the_instruction(so, tiny_ckpt):
