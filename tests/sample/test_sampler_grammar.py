@@ -56,18 +56,26 @@ def test_apply_grammar_masks_constrained_rows_only_and_slices_agree():
         GrammarMask.build(bm, [0], 4, "cpu")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned staging)")
-def test_masks_packed_through_the_staging_buffer_equal_those_sent_apart():
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                          reason="needs CUDA"))],
+)  # fmt: skip
+def test_masks_packed_through_the_staging_buffer_equal_those_sent_apart(device):
     """MaskStaging: one pinned buffer, reused (and grown) from step to step, gives the device
-    the same bitmask, rows and row index as three separate copies; a mask built from it stays
+    the same bitmask, rows and row index as three separate copies, the row index 16-byte
+    aligned whatever the bitmask's size (Triton specializes on it); a mask built from it stays
     intact after the next one overwrites the buffer."""
-    staging, masks = MaskStaging(torch.device("cuda")), []
-    for m, rows, num_rows in ((2, [1, 3], 4), (5, [0, 2, 3, 6, 7], 9), (1, [0], 1)):
-        bm = random_bitmask(m, seed=m)
-        want = GrammarMask.build(bm, rows, num_rows, "cuda")
-        got = GrammarMask.build(bm, rows, num_rows, "cuda", staging)
+    staging, masks = MaskStaging(torch.device(device)), []
+    for m, rows, num_rows, words in ((2, [1, 3], 4, 4), (5, [0, 2, 3, 6, 7], 9, 4),
+                                     (1, [0], 1, 4), (3, [0, 1, 4], 5, 5)):  # fmt: skip
+        bm = np.resize(random_bitmask(m, seed=m), (m, words))
+        want = GrammarMask.build(bm, rows, num_rows, device)
+        got = GrammarMask.build(bm, rows, num_rows, device, staging)
+        assert got.row_index.data_ptr() % 16 == 0
         masks.append((want, got))
-    torch.cuda.synchronize()
+    if device == "cuda":
+        torch.cuda.synchronize()
     for want, got in masks:
         assert torch.equal(got.bitmask, want.bitmask) and got.bitmask.shape == want.bitmask.shape
         assert torch.equal(got.rows, want.rows) and got.rows.dtype == torch.int64

@@ -51,33 +51,39 @@ class MaskStaging:
     """A pinned host buffer a step's GrammarMask is packed into (bitmask, row index, rows:
     int32), so that it goes to the device in one copy, without pinning new memory each step:
     the bitmask is 16 KB a row at a 128k vocabulary. The next packing first waits for that
-    copy (it has run long before: a step's mask is built after the step before's tokens)."""
+    copy (it has run long before: a step's mask is built after the step before's tokens).
+    On the CPU (the tests of the packing) the buffer is plain memory, the copy a copy."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.cuda = device.type == "cuda"
         self.host: torch.Tensor | None = None
         self.copied: torch.cuda.Event | None = None
 
     def build(self, bitmask: np.ndarray, rows: list[int], num_rows: int) -> GrammarMask:
         m, words = bitmask.shape
-        size = m * words + num_rows + m
+        # the row index 16-byte aligned, as a tensor of its own would be: Triton specializes
+        # a kernel on its pointers' alignment, so another would compile mid-run
+        start = -(-m * words // 4) * 4
+        size = start + num_rows + m
         if self.copied is not None:
             self.copied.synchronize()
         if self.host is None or self.host.numel() < size:
-            self.host = torch.empty(size, dtype=torch.int32, pin_memory=True)
+            self.host = torch.empty(size, dtype=torch.int32, pin_memory=self.cuda)
         flat = self.host.numpy()
         flat[: m * words] = bitmask.reshape(-1)
-        index = flat[m * words : m * words + num_rows]
+        index = flat[start : start + num_rows]
         index.fill(-1)
         index[rows] = np.arange(m, dtype=np.int32)
-        flat[m * words + num_rows : size] = rows
-        dev = self.host[:size].to(self.device, non_blocking=True)
-        self.copied = torch.cuda.Event()
-        self.copied.record()
+        flat[start + num_rows : size] = rows
+        dev = self.host[:size].to(self.device, non_blocking=True, copy=True)
+        if self.cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
         return GrammarMask(
             bitmask=dev[: m * words].view(m, words),
-            rows=dev[m * words + num_rows :].long(),
-            row_index=dev[m * words : m * words + num_rows],
+            rows=dev[start + num_rows :].long(),
+            row_index=dev[start : start + num_rows],
         )
 
 
