@@ -54,6 +54,8 @@ def test_apply_grammar_masks_constrained_rows_only_and_slices_agree():
     assert torch.equal(torch.cat(slices, dim=1), out)
     with pytest.raises(ValueError, match="2 bitmask rows for 1 constrained rows"):
         GrammarMask.build(bm, [0], 4, "cpu")
+    with pytest.raises(ValueError, match="2 bitmask rows for 1 constrained rows"):
+        MaskStaging(torch.device("cpu")).build(bm, [0], 4)
 
 
 @pytest.mark.parametrize(
@@ -71,7 +73,7 @@ def test_masks_packed_through_the_staging_buffer_equal_those_sent_apart(device):
                                      (1, [0], 1, 4), (3, [0, 1, 4], 5, 5)):  # fmt: skip
         bm = np.resize(random_bitmask(m, seed=m), (m, words))
         want = GrammarMask.build(bm, rows, num_rows, device)
-        got = GrammarMask.build(bm, rows, num_rows, device, staging)
+        got = staging.build(bm, rows, num_rows)
         assert got.row_index.data_ptr() % 16 == 0
         masks.append((want, got))
     if device == "cuda":

@@ -61,7 +61,7 @@ class ModelRunner:
         # A step launched with execute_model(sample=False): what sample_tokens samples.
         self._unsampled: tuple | None = None
         # Where structured outputs' bitmasks go to the device from (allocated on first use).
-        self.mask_staging = MaskStaging(device) if device.type == "cuda" else None
+        self.mask_staging = MaskStaging(device)
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -414,5 +414,4 @@ class ModelRunner:
             return None
         ids = set(so.structured_output_request_ids)
         rows = [k for k, b in enumerate(step.sample_rows) if step.request_ids[b] in ids]
-        num_rows = len(step.sample_rows)
-        return GrammarMask.build(bitmask, rows, num_rows, self.device, self.mask_staging)
+        return self.mask_staging.build(bitmask, rows, len(step.sample_rows))

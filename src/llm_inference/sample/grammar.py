@@ -28,16 +28,10 @@ class GrammarMask:
     row_index: torch.Tensor  # [R] int32: per sample row its bitmask row, -1 without one
 
     @classmethod
-    def build(
-        cls, bitmask: np.ndarray, rows: list[int], num_rows: int, device,
-        staging: MaskStaging | None = None,
-    ) -> GrammarMask:  # fmt: skip
-        """`bitmask` row i constrains sample row `rows[i]` of a step of `num_rows`. With
-        `staging` (CUDA), the three go to the device packed, in one copy."""
-        if len(rows) != len(bitmask):
-            raise ValueError(f"{len(bitmask)} bitmask rows for {len(rows)} constrained rows")
-        if staging is not None:
-            return staging.build(bitmask, rows, num_rows)
+    def build(cls, bitmask: np.ndarray, rows: list[int], num_rows: int, device) -> GrammarMask:
+        """`bitmask` row i constrains sample row `rows[i]` of a step of `num_rows`: three
+        copies to the device (the engine packs them into one: `MaskStaging`)."""
+        _check_rows(bitmask, rows)
         index = np.full(num_rows, -1, dtype=np.int32)
         index[rows] = np.arange(len(rows), dtype=np.int32)
         return cls(
@@ -47,12 +41,18 @@ class GrammarMask:
         )
 
 
+def _check_rows(bitmask: np.ndarray, rows: list[int]) -> None:
+    if len(rows) != len(bitmask):
+        raise ValueError(f"{len(bitmask)} bitmask rows for {len(rows)} constrained rows")
+
+
 class MaskStaging:
-    """A pinned host buffer a step's GrammarMask is packed into (bitmask, row index, rows:
-    int32), so that it goes to the device in one copy, without pinning new memory each step:
-    the bitmask is 16 KB a row at a 128k vocabulary. The next packing first waits for that
-    copy (it has run long before: a step's mask is built after the step before's tokens).
-    On the CPU (the tests of the packing) the buffer is plain memory, the copy a copy."""
+    """How the model runner builds a step's GrammarMask (`build`, as `GrammarMask.build`): the
+    bitmask, row index and rows (int32) packed into one host buffer, pinned on CUDA and reused
+    from step to step, so that they go to the device in one copy without pinning new memory
+    each step (the bitmask is 16 KB a row at a 128k vocabulary). The next packing first waits
+    for that copy (it has run long before: a step's mask is built after the step before's
+    tokens). On the CPU the buffer is plain memory and the copy a copy."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -61,6 +61,7 @@ class MaskStaging:
         self.copied: torch.cuda.Event | None = None
 
     def build(self, bitmask: np.ndarray, rows: list[int], num_rows: int) -> GrammarMask:
+        _check_rows(bitmask, rows)
         m, words = bitmask.shape
         # the row index 16-byte aligned, as a tensor of its own would be: Triton specializes
         # a kernel on its pointers' alignment, so another would compile mid-run
