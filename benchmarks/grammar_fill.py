@@ -1,7 +1,9 @@
 """The host's bitmask fill of a structured-outputs step: ms per step for N constrained rows, a
 Python loop of `GrammarMatcher.fill_next_token_bitmask` against xgrammar's
 `BatchGrammarMatcher` (one call for all rows) at 1, 2, 4 and 8 threads
-(structured_output/manager.py's FILL_THREADS).
+(structured_output/manager.py's FILL_THREADS); and the step's accepts, one new token per
+matcher: a loop of `accept_token` against one `batch_accept_token` (the manager's), on the same
+tokens (accepted, rolled back, accepted again).
 
 The JSON schema and the 128,256-id byte-level tokenizer of benchmarks/structured_outputs.py;
 N matchers walk seeded random answers (each step every matcher accepts one token its mask
@@ -53,11 +55,14 @@ def measure(grammar, rows: int, steps: int, seed: int = 0) -> dict[str, float]:
     matchers = [xgr.GrammarMatcher(grammar) for _ in range(rows)]
     batch = {t: xgr.BatchGrammarMatcher(max_threads=t) for t in THREADS}
     words = -(-VOCAB // 32)
-    times: dict[str, list[float]] = {"loop": [], **{f"batch_{t}": [] for t in THREADS}}
+    times: dict[str, list[float]] = {"loop": [], **{f"batch_{t}": [] for t in THREADS},
+                                     "accept_loop": [], "accept_batch": []}  # fmt: skip
     rng = random.Random(seed)
     for _ in range(steps):
         masks = {}
         for name in times:
+            if name.startswith("accept"):
+                continue
             bitmask = np.empty((rows, words), dtype=np.int32)
             t0 = time.perf_counter()
             if name == "loop":
@@ -70,6 +75,7 @@ def measure(grammar, rows: int, steps: int, seed: int = 0) -> dict[str, float]:
         for name, bitmask in masks.items():
             if not np.array_equal(bitmask, masks["loop"]):
                 raise AssertionError(f"{name} filled other bits than the loop")
+        accepting, tokens = [], []
         for i, m in enumerate(matchers):  # one allowed token each, EOS only once it must end
             bits = np.unpackbits(masks["loop"][i].view(np.uint8), bitorder="little")[:VOCAB]
             allowed = bits.nonzero()[0]
@@ -77,7 +83,19 @@ def measure(grammar, rows: int, steps: int, seed: int = 0) -> dict[str, float]:
                 m.reset()  # a finished answer makes room for a new one
                 continue
             choice = [int(t) for t in allowed if t != EOS] or [EOS]
-            m.accept_token(rng.choice(choice))
+            accepting.append(m)
+            tokens.append(rng.choice(choice))
+        # the same tokens accepted one call each, rolled back, then in one batch call
+        t0 = time.perf_counter()
+        accepted = [m.accept_token(t) for m, t in zip(accepting, tokens)]
+        times["accept_loop"].append(time.perf_counter() - t0)
+        for m in accepting:
+            m.rollback(1)
+        t0 = time.perf_counter()
+        accepted += xgr.BatchGrammarMatcher.batch_accept_token(accepting, tokens)
+        times["accept_batch"].append(time.perf_counter() - t0)
+        if not all(accepted):
+            raise AssertionError("a matcher rejected a token of its own mask")
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
@@ -90,8 +108,9 @@ def main() -> None:
     grammar = compiled_schema()
     res = {"cpus": os.cpu_count(), "rows": {}}
     print(f"ms per step to fill the bitmask ({os.cpu_count()} CPUs), medians of {args.steps}")
-    print("| rows | loop | " + " | ".join(f"batch, {t} thr" for t in THREADS) + " |")
-    print("|---:|---:|" + "---:|" * len(THREADS))
+    print("| rows | loop | " + " | ".join(f"batch, {t} thr" for t in THREADS)
+          + " | accept: loop | accept: batch |")  # fmt: skip
+    print("|---:|---:|" + "---:|" * (len(THREADS) + 2))
     for rows in map(int, args.rows.split(",")):
         ms = res["rows"][rows] = measure(grammar, rows, args.steps)
         print(f"| {rows} | " + " | ".join(f"{v:.3f}" for v in ms.values()) + " |")

@@ -7,9 +7,10 @@ n completions of a request, or requests with one schema, compile once). The sche
 the request only once `grammar.ready`, so a compile never holds up other requests' steps. For
 each step, `fill_bitmask` writes the bitmask for the requests the scheduler listed (those with
 a grammar that sample in it): each one's matcher first accepts the output tokens it has not
-seen, then xgrammar fills all their rows in one call. The engine core calls it once every token
-before the step is known (under async scheduling, after the step's forward is launched and the
-step before's tokens are read: engine/engine_core.py). A listed request that has finished since
+seen (the usual one new token each: in one batch call), then xgrammar fills all their rows
+in one call. The engine core calls it once every token before the step is known (under async
+scheduling, after the step's forward is launched and the step before's tokens are read:
+engine/engine_core.py). A listed request that has finished since
 (the step before's token ended it) gets a row allowing every token: its sample is discarded,
 and its matcher, perhaps terminated, sees nothing more. The matcher follows the request's
 output tokens alone; preemption keeps them (the request recomputes them), so no matcher ever
@@ -60,21 +61,30 @@ class RequestGrammar:
         """The compile's error, once it failed."""
         return self.compiled.exception() if self.compiled.done() else None
 
+    def matcher(self):
+        """The request's matcher, made on first use (once compiled)."""
+        if self._matcher is None:
+            import xgrammar as xgr
+
+            self._matcher = xgr.GrammarMatcher(
+                self.compiled.result(), override_stop_tokens=self._stop_token_ids
+            )
+        return self._matcher
+
     def advance(self, output_token_ids: list[int]):
         """Accept the output tokens not yet seen; return the matcher, for the step's bitmask
         fill. A token the grammar rejects raises: the sampler draws only tokens of the mask, so
         that would be a bug, not the model's doing."""
-        import xgrammar as xgr
-
-        if self._matcher is None:
-            self._matcher = xgr.GrammarMatcher(
-                self.compiled.result(), override_stop_tokens=self._stop_token_ids
-            )
+        matcher = self.matcher()
         for token in output_token_ids[self.num_accepted :]:
-            if not self._matcher.accept_token(token):
-                raise RuntimeError(f"the grammar rejected token {token} of its own mask")
+            _check_accepted(matcher.accept_token(token), token)
             self.num_accepted += 1
-        return self._matcher
+        return matcher
+
+
+def _check_accepted(accepted: bool, token: int) -> None:
+    if not accepted:
+        raise RuntimeError(f"the grammar rejected token {token} of its own mask")
 
 
 class StructuredOutputManager:
@@ -143,19 +153,30 @@ class StructuredOutputManager:
         """The token bitmask of a step: row i for request `request_ids[i]` (`requests`: the
         scheduler's unfinished ones, by id; a request not there gets every token),
         int32 [len(request_ids), ceil(vocab_size / 32)]."""
+        import xgrammar as xgr
+
         bitmask = np.empty((len(request_ids), -(-self.vocab_size // 32)), dtype=np.int32)
-        matchers, rows = [], []
+        matchers, rows, accepting, tokens = [], [], [], []
         for row, rid in enumerate(request_ids):
             request = requests.get(rid)
             if request is None:  # finished since it was scheduled: its sample is discarded
                 bitmask[row] = -1
+                continue
+            grammar, outputs = request.grammar, request.output_token_ids
+            if len(outputs) == grammar.num_accepted + 1:  # the usual one new token
+                accepting.append(grammar.matcher())
+                tokens.append(outputs[-1])
+                grammar.num_accepted += 1
+                matchers.append(accepting[-1])
             else:
-                matchers.append(request.grammar.advance(request.output_token_ids))
-                rows.append(row)
+                matchers.append(grammar.advance(outputs))
+            rows.append(row)
+        if accepting:  # one C++ call for every one-token advance
+            for ok, token in zip(xgr.BatchGrammarMatcher.batch_accept_token(accepting, tokens),
+                                 tokens):  # fmt: skip
+                _check_accepted(ok, token)
         if matchers:
             if self._filler is None:
-                import xgrammar as xgr
-
                 self._filler = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
             self._filler.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         return bitmask
