@@ -118,9 +118,9 @@ def test_choice_grammar_is_exactly_the_choices(compiler):
 
 
 def test_bitmask_rows_follow_each_answer(compiler):
-    """The manager's rows: each matcher first accepts the output tokens it has not seen, then
-    allows exactly the tokens that continue its answer, and only the stop tokens at its end;
-    a token its grammar rejects raises."""
+    """The manager's rows: each matcher first accepts the output tokens it has not seen (one
+    new token, or several), then allows exactly the tokens that continue its answer, and only
+    the stop tokens at its end; a token its grammar rejects raises."""
     tok = _tokenizer_template()
     V = len(tok)
     so = S(choice=["yes", "no"])
@@ -153,6 +153,15 @@ def test_bitmask_rows_follow_each_answer(compiler):
     other_stop.grammar = grammar(stop=(7, 9))
     mask = manager.fill_bitmask(["c"], {"c": other_stop})
     assert {v for v in range(V) if mask[0, v // 32] >> (v % 32) & 1} == {7, 9}
+    # one new token a step (accepted in one batch call) and several at once (one at a time)
+    # leave the same matcher state
+    steps = {"c": Req([]), "d": Req([])}
+    for t in range(len(yes)):
+        steps["c"].output_token_ids = list(yes[: t + 1])
+        one_by_one = manager.fill_bitmask(["c"], steps)
+    steps["d"].output_token_ids = list(yes)
+    assert (manager.fill_bitmask(["d"], steps) == one_by_one).all()
+    assert steps["c"].grammar.num_accepted == steps["d"].grammar.num_accepted == len(yes)
     # a request finished since it was scheduled (async scheduling): every token, no matcher
     mask = manager.fill_bitmask(["gone", "c"], {"c": other_stop})
     assert (mask[0] == -1).all() and (
