@@ -10,9 +10,9 @@ a grammar that sample in it): each one's matcher first accepts the output tokens
 seen (the usual one new token each: in one batch call), then xgrammar fills all their rows
 in one call. The engine core calls it once every token before the step is known (under async
 scheduling, after the step's forward is launched and the step before's tokens are read:
-engine/engine_core.py). A listed request that has finished since
-(the step before's token ended it) gets a row allowing every token: its sample is discarded,
-and its matcher, perhaps terminated, sees nothing more. The matcher follows the request's
+engine/engine_core.py). A listed request that has finished since (the step before's token
+ended it) gets a row allowing every token: its sample is discarded, and its matcher, perhaps
+terminated, sees nothing more. The matcher follows the request's
 output tokens alone; preemption keeps them (the request recomputes them), so no matcher ever
 goes back.
 
