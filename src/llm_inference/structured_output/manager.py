@@ -12,9 +12,8 @@ in one call. The engine core calls it once every token before the step is known 
 scheduling, after the step's forward is launched and the step before's tokens are read:
 engine/engine_core.py). A listed request that has finished since (the step before's token
 ended it) gets a row allowing every token: its sample is discarded, and its matcher, perhaps
-terminated, sees nothing more. The matcher follows the request's
-output tokens alone; preemption keeps them (the request recomputes them), so no matcher ever
-goes back.
+terminated, sees nothing more. The matcher follows the request's output tokens alone;
+preemption keeps them (the request recomputes them), so no matcher ever goes back.
 
 A grammar that fails to compile (the front end's `check_spec` lets through only specs that
 parse, so this is xgrammar failing) is reported by `take_failed`: the core finishes such a
