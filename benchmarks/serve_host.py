@@ -12,10 +12,14 @@ The server runs in a subprocess (`--serve`, internal) and stays up for all runs;
 one `bench serve` (entrypoints/bench_serve.py) in this process: `--num-prompts` streamed
 /v1/completions of `--input-len` random tokens and `--output-len` new tokens (greedy,
 ignore_eos, usage), all at once (rate inf), over `--num-workers` client processes. Reported
-per run: output tok/s, mean ITL, mean TTFT, and the engine's steps per second and mean batch
-(from the server's step counter); then medians and spreads over `--runs` runs after one
-warm-up run. `--profile PATH` runs the server under yappi (CPU time, every thread) during the
-measured runs and writes the top functions per thread (engine thread, event loop) to PATH.
+per run: output tok/s, mean ITL, mean TTFT, the engine's steps per second and mean batch
+(from the server's step counter), and the server process's CPU time per output token (every
+thread of it: the event loop and the front end's output thread; the engine core's process
+apart, unless `--engine-thread`), without a profiler; then medians and spreads over `--runs`
+runs after one warm-up run. `--profile PATH` runs the server under yappi (CPU time, every
+thread) during the measured runs and writes the top functions per thread (engine thread, event
+loop) to PATH; yappi's overhead inflates small calls (DECISIONS.md), so read its shares, not
+its microseconds.
 
     PYTHONPATH=src python3 benchmarks/serve_host.py [--runs 3] [--num-prompts 256]
         [--output-len 256] [--num-workers 2] [--profile /tmp/serve_profile.txt]
@@ -84,8 +88,8 @@ def serve(ckpt: str, port: int, profile: str | None, engine_process: bool, no_fr
         freeze_startup_heap()  # as run_server does
 
     @app.get("/_host/stats")
-    async def stats():
-        return {"time": time.monotonic(), **llm.stats()}
+    async def stats():  # process_time: the CPU of every thread of this (the front end's) process
+        return {"time": time.monotonic(), "cpu": time.process_time(), **llm.stats()}
 
     @app.post("/_host/profile/{action}")
     async def prof(action: str):
@@ -170,6 +174,8 @@ def bench(url: str, ckpt: Path, args, seed: int) -> dict:
     steps = after["num_steps"] - before["num_steps"]
     report["steps_per_s"] = steps / (after["time"] - before["time"])
     report["tokens_per_step"] = report["total_output_tokens"] / max(steps, 1)
+    tokens = max(report["total_output_tokens"], 1)
+    report["server_cpu_us_per_token"] = 1e6 * (after["cpu"] - before["cpu"]) / tokens
     return report
 
 
@@ -261,7 +267,8 @@ def main() -> None:
                   f"{r['output_throughput']:.0f} out tok/s, mean ITL {r['mean_itl_ms']:.2f} ms, "
                   f"p99 ITL {r['p99_itl_ms']:.1f} ms, p99 TPOT {r['p99_tpot_ms']:.1f} ms, "
                   f"mean TTFT {r['mean_ttft_ms']:.0f} ms, {r['steps_per_s']:.1f} steps/s, "
-                  f"{r['tokens_per_step']:.0f} tok/step", flush=True)  # fmt: skip
+                  f"{r['tokens_per_step']:.0f} tok/step, front end "
+                  f"{r['server_cpu_us_per_token']:.1f} us CPU/token", flush=True)  # fmt: skip
         if args.profile:
             import httpx
 
@@ -281,6 +288,7 @@ def main() -> None:
         "mean_ttft_ms",
         "steps_per_s",
         "tokens_per_step",
+        "server_cpu_us_per_token",
     )
     summary = {}
     for k in keys:
