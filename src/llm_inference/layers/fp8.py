@@ -209,7 +209,7 @@ class Fp8LinearMethod(LinearMethodBase):
         static input scales ask for its own quantization."""
         if self.ops.skinny_applies(x, layer.weight):
             return self.ops.gate_up_silu(x, layer.weight, weight_scale=layer.weight_scale)
-        y = self.apply(layer, x)
         if self.fmt.static_input_scale:
-            return self.ops.silu_and_mul(y)
+            return super().apply_gate_up_silu(layer, x)
+        y = self.apply(layer, x)
         return Fp8Activation(*self.ops.silu_and_mul_quant(y), y.dtype)

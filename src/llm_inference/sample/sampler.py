@@ -78,6 +78,11 @@ def _noise_bits(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return _mix32((_mix32(v)[None, :] + keys[:, None]) & _M32) >> 8
 
 
+def _uniform(bits: torch.Tensor) -> torch.Tensor:
+    """(bits + 0.5) / 2**24 in float32: the uniform of `_noise_bits`' 24 bits."""
+    return (bits.to(torch.float32) + 0.5) * (2.0**-24)
+
+
 def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[B, V] float32 uniforms: u[b, v] = (mix(mix(v) + keys[b]) >> 8 + 0.5) / 2**24.
 
@@ -85,7 +90,7 @@ def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     row all values differ (two bijections), and 24 bits feed the float. The largest, 1 -
     2**-25, rounds to 1.0 in float32: the race takes its E from `exponential_noise`.
     """
-    return (_noise_bits(keys, vocab_size).to(torch.float32) + 0.5) * (2.0**-24)
+    return _uniform(_noise_bits(keys, vocab_size))
 
 
 def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -94,9 +99,8 @@ def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     0, and a masked token's 0 / E to NaN, which argmax takes), from w = 1 - u, exact from the
     bits, by -log(1 - w) = w + w^2/2 + w^3/3."""
     bits = _noise_bits(keys, vocab_size)
-    u = (bits.to(torch.float32) + 0.5) * (2.0**-24)
-    w = ((0xFFFFFF - bits).to(torch.float32) + 0.5) * (2.0**-24)
-    return torch.where(w < 1e-3, w + w * w * (0.5 + w / 3), u.log_().neg_())
+    w = _uniform(0xFFFFFF - bits)
+    return torch.where(w < 1e-3, w + w * w * (0.5 + w / 3), _uniform(bits).log_().neg_())
 
 
 @dataclass
