@@ -122,6 +122,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-detailed", action="store_true",
                    help="each run's chunk times into detailed_ENGINE_RATE.json "
                         "(for benchmarks/serve_stalls.py)")  # fmt: skip
+    p.add_argument("--py-spy", action="store_true",
+                   help="record which thread holds each server process's GIL during each run "
+                        "(py-spy on PATH or in --vllm-site/bin): pyspy_ENGINE_RATE.txt and its "
+                        "summary by benchmarks/gil_profile.py, .md")  # fmt: skip
     p.add_argument("--vllm-args", default="", help="more arguments for vLLM's server")
     p.add_argument("--vllm-site", default="/tmp/site", help="where vLLM is installed")
     p.add_argument(
@@ -549,6 +553,39 @@ def measured(server: Server, args, ckpt: Path, **options) -> dict:
     return report
 
 
+PY_SPY_RATE = 200  # samples a second
+
+
+def start_py_spy(server: Server, path: Path, site: str) -> subprocess.Popen | None:
+    """py-spy recording the GIL holders of the server's processes into `path` (gil_profile.py)."""
+    exe = shutil.which("py-spy") or shutil.which("py-spy", path=f"{site}/bin")
+    if exe is None or server.proc is None:
+        print("py-spy not found: no GIL record", flush=True)
+        return None
+    cmd = [exe, "record", "--pid", str(server.proc.pid), "--subprocesses", "--gil",
+           "--threads", "--nonblocking", "--rate", str(PY_SPY_RATE), "--format", "raw",
+           "-o", str(path)]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def stop_py_spy(recorder: subprocess.Popen, path: Path, seconds: float) -> None:
+    """Stop the recording (py-spy writes its file on SIGINT) and write its summary beside it."""
+    recorder.send_signal(signal.SIGINT)
+    try:
+        recorder.wait(60)
+    except subprocess.TimeoutExpired:
+        recorder.kill()
+    if not path.exists():
+        print(f"py-spy wrote no {path.name}", flush=True)
+        return
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gil_profile import summarize
+
+    text = summarize(str(path), seconds, PY_SPY_RATE, top=25)
+    path.with_suffix(".md").write_text(text + "\n")
+    print("\n".join(line for line in text.splitlines() if "GIL held" in line), flush=True)
+
+
 def prompts_for(args, rate: float) -> int:
     if args.num_prompts:
         return args.num_prompts
@@ -689,9 +726,14 @@ def run_engine(
                 continue
             # Seed i + 1: every rate its own prompts (no prefix cache hits across runs), the
             # same for both engines.
+            spy = s.out / f"pyspy_{engine}_{rate_label(rate)}.txt"
+            recorder = start_py_spy(server, spy, args.vllm_site) if args.py_spy else None
+            t = time.monotonic()
             r = measured(server, args, ckpt, request_rate=rate, num_prompts=n, seed=i + 1,
                          input_len=args.input_len, output_len=args.output_len,
                          **({"save_detailed": True} if args.save_detailed else {}))  # fmt: skip
+            if recorder is not None:
+                stop_py_spy(recorder, spy, time.monotonic() - t)
             if "requests" in r:  # each request's chunk times: a file of their own
                 detailed = s.out / f"detailed_{engine}_{rate_label(rate)}.json"
                 detailed.write_text(json.dumps({"requests": r.pop("requests")}))

@@ -114,3 +114,14 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def __reduce__(self):
+        """Pickled as the arguments of its constructor: a running request's record (most of
+        a step's) as two values. A slots dataclass pickles its fields by name by default,
+        which takes twice the time each way for the core's sender and the front end's
+        reader, every step (benchmarks/DECISIONS.md, the server's per-token work)."""
+        rest = (self.finish_reason, self.stop_reason, self.new_logprobs, self.prompt_logprobs,
+                self.output_token_ids)  # fmt: skip
+        if rest == (None, None, None, None, None):
+            return EngineCoreOutput, (self.request_id, self.new_token_ids)
+        return EngineCoreOutput, (self.request_id, self.new_token_ids, *rest)

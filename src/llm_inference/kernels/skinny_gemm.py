@@ -57,6 +57,10 @@ import triton.language as tl
 from llm_inference import envs
 from llm_inference.kernels.device import num_sms
 from llm_inference.kernels.pdl import launch_kwargs, wait_then_release
+from llm_inference.kernels.reference import FP8_MAX, MIN_AMAX
+
+_FP8_MAX = tl.constexpr(FP8_MAX)  # the per-tile FP8 activations, as fp8_quant.py scales them
+_MIN_AMAX = tl.constexpr(MIN_AMAX)
 
 MAX_ROWS = 16  # the most rows (decode batch) a launch takes; also the dot's padded M
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -122,7 +126,7 @@ def _x_operand(xt, FP8_DOT: tl.constexpr):
     itself, scale 1."""
     if FP8_DOT:
         x32 = xt.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x32), axis=0), 1e-12) / 448.0
+        scale = tl.maximum(tl.max(tl.abs(x32), axis=0), _MIN_AMAX) / _FP8_MAX
         return (x32 / scale[None, :]).to(tl.float8e4nv), scale
     else:  # both returns under the constexpr branch: Triton compiles only the one taken
         return xt, tl.full((xt.shape[1],), 1.0, tl.float32)
