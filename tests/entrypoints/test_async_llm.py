@@ -202,6 +202,11 @@ def test_pause_log_names_a_silent_core(tiny_ckpt, tmp_path, monkeypatch):
     steps = [line.split() for line in log.read_text().splitlines() if " core_step " in line]
     assert len(steps) >= 3 and all(float(ms) >= 80 for _, _, _, ms, _ in steps)
     assert {line[1] for line in steps}.isdisjoint(line[1] for line in silent)  # the core's pid
+    # with each silence, the core's own gap between step starts: here the slow steps (not a
+    # delivery held up), at least their 80 ms; not the first silence's (the first step
+    # started at once, under the log's minimum, and took the time)
+    gaps = [line.split() for line in log.read_text().splitlines() if " core_gap " in line]
+    assert len(gaps) == len(silent) - 1 and all(float(g[3]) >= 80 for g in gaps)
 
 
 def _joined(deltas, n=1):

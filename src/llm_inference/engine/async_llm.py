@@ -133,6 +133,7 @@ class AsyncLLM:
         self._error: BaseException | None = None
         self._streams: dict[str, _Stream] = {}  # running requests; changed by the thread only
         self._progress_at = time.monotonic()  # the last step received, or an idle spell's end
+        self._last_start = self._progress_at  # the start of the last step received (pause log)
         # of those, not yet scheduled, by the core id of their first completion
         self._unscheduled: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # orders "add" against the thread's final drain
@@ -337,7 +338,13 @@ class AsyncLLM:
                 now = time.monotonic()
                 if log is not None and streams and now - self._progress_at >= CORE_SILENT_S:
                     log.write("core_silent", (now - self._progress_at) * 1e3)
+                    # the core's own gap: between the starts of the steps before and in it
+                    starts = [self._last_start, *(step[2] for step in steps)]
+                    gap = max((b - a for a, b in zip(starts, starts[1:])), default=0.0)
+                    log.write("core_gap", gap * 1e3)
                 self._progress_at = now
+                if steps:
+                    self._last_start = steps[-1][2]
                 for records, scheduled, start, _ in steps:
                     outputs = self.engine.process_core_outputs(records)
                     self._note_scheduled(start, scheduled)
@@ -373,7 +380,7 @@ class AsyncLLM:
             streams[stream.request_id] = stream
             raise
         if not streams:  # the stall clock of health() starts now
-            self._progress_at = time.monotonic()
+            self._progress_at = self._last_start = time.monotonic()
         streams[stream.request_id] = stream
         self._unscheduled[core_ids[0]] = stream
 
