@@ -40,8 +40,6 @@ import os
 import pickle
 import queue
 import signal
-import socket
-import struct
 import threading
 import time
 import traceback
@@ -85,31 +83,6 @@ def _sender(conn: Connection, items: queue.SimpleQueue, kind: str) -> None:
             conn.send((kind, batch))
         except (OSError, EOFError):  # the other side is gone: its reader hears of it there
             return
-
-
-def recv_message(sock: socket.socket) -> Any:
-    """The next object that the peer's `Connection.send` wrote on this socket (its framing: a
-    4-byte size, or -1 and an 8-byte one), read as the header, then the body, each in one
-    blocking MSG_WAITALL read. `Connection.recv` reads a long message in as many pieces as the
-    socket hands over, and after each piece the reading thread waits for the GIL again: up to
-    the switch interval (5 ms) while another thread runs Python. The front end's reader, beside
-    an event loop at work, then took hundreds of ms for a message of many steps while the core
-    stepped on (benchmarks/DECISIONS.md, the server's stalls)."""
-    (size,) = struct.unpack("!i", _recv_exactly(sock, 4))
-    if size == -1:
-        (size,) = struct.unpack("!Q", _recv_exactly(sock, 8))
-    return pickle.loads(_recv_exactly(sock, size))
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:  # one read, unless a signal cuts it short
-        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
-        if k == 0:
-            raise EOFError("the engine core's end of the pipe closed")
-        got += k
-    return buf
 
 
 def _portable(e: BaseException) -> Exception | None:
@@ -208,19 +181,16 @@ def _apply(core, commands: list[tuple], unscheduled: set[str]) -> bool:
 # ---- the parent -----------------------------------------------------------------------------
 
 
-def _stop(proc, conn: Connection, sock: socket.socket, commands: queue.SimpleQueue,
-          sender: threading.Thread) -> None:  # fmt: skip
-    """Ask the child to stop (after the commands before), then close the pipe (both of our
-    descriptors of it), join, terminate, kill. A child that reads nothing for JOIN_TIMEOUT_S
-    (stuck in a step) is killed first, which fails the sender's write: the pipe is not closed
-    under it."""
+def _stop(proc, conn: Connection, commands: queue.SimpleQueue, sender: threading.Thread) -> None:
+    """Ask the child to stop (after the commands before), then close the pipe, join,
+    terminate, kill. A child that reads nothing for JOIN_TIMEOUT_S (stuck in a step) is killed
+    first, which fails the sender's write: the pipe is not closed under it."""
     commands.put(("stop",))
     commands.put(None)
     sender.join(JOIN_TIMEOUT_S)
     if sender.is_alive():
         proc.kill()
         sender.join(JOIN_TIMEOUT_S)
-    sock.close()
     from llm_inference.executor.multiproc import stop_processes
 
     stop_processes([proc], [conn], JOIN_TIMEOUT_S)
@@ -232,8 +202,7 @@ class CoreClient:
 
     def __init__(self, config: EngineConfig, setup=None) -> None:
         ctx = multiprocessing.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe(duplex=True)  # a socket pair
-        self._sock = socket.socket(fileno=os.dup(self._conn.fileno()))  # read by recv_message
+        self._conn, child_conn = ctx.Pipe(duplex=True)
         # Not a daemon: with tensor parallelism the core starts the worker processes.
         self._proc = ctx.Process(
             target=_core_main,
@@ -248,7 +217,7 @@ class CoreClient:
                                         "commands"), name="llm_inference-core-sender",
                                         daemon=True)  # fmt: skip
         self._sender.start()
-        stop_args = (self._proc, self._conn, self._sock, self._commands, self._sender)
+        stop_args = (self._proc, self._conn, self._commands, self._sender)
         self._finalizer = mp_util.Finalize(self, _stop, stop_args, exitpriority=50)
         try:
             kind, payload = self._recv_message()
@@ -276,7 +245,7 @@ class CoreClient:
             if deadline is not None and time.monotonic() >= deadline:
                 return None
         try:
-            message = recv_message(self._sock)
+            message = self._conn.recv()
         except (EOFError, OSError):
             raise EngineCoreError(f"the engine core process exited ({self._exit_text()})") from None
         if message[0] == "error":  # the child's own exception when it pickled, its traceback
