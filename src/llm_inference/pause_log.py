@@ -7,7 +7,9 @@ gc0, gc1 or gc2 (a cyclic GC collection), compile:KERNEL (a Triton compile, a ke
 first met mid-run), core_silent (the server's front end got no step from the engine core for
 that long while requests ran: a long step, or the core held up; logged with core_gap, the
 longest time between the starts of the core's steps across that silence: near it, the core
-did not step; far below it, its steps were late on their way), core_step and core_commands
+did not step; far below it, its steps were late on their way; and with reader_idle, how much
+of the silence the front end's reading thread waited for data once done with the last steps:
+near it, they were late to come; far below it, the thread was busy), core_step and core_commands
 (the engine core process took that long, at least core_process.SLOW_MS, for one step or to
 apply one message of commands: which of them a core_silent waited for) or loop_lag (the
 server's event loop ran that late: the front end held up). benchmarks/serve_stalls.py

@@ -207,6 +207,10 @@ def test_pause_log_names_a_silent_core(tiny_ckpt, tmp_path, monkeypatch):
     # started at once, under the log's minimum, and took the time)
     gaps = [line.split() for line in log.read_text().splitlines() if " core_gap " in line]
     assert len(gaps) == len(silent) - 1 and all(float(g[3]) >= 80 for g in gaps)
+    # and the reading thread spent the silences waiting for those steps, not at work
+    idle = [line.split() for line in log.read_text().splitlines() if " reader_idle " in line]
+    assert len(idle) == len(silent)
+    assert all(float(i[3]) > 0.5 * float(s[3]) for i, s in zip(idle, silent))
 
 
 def _joined(deltas, n=1):

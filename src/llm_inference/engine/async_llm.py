@@ -134,6 +134,7 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}  # running requests; changed by the thread only
         self._progress_at = time.monotonic()  # the last step received, or an idle spell's end
         self._last_start = self._progress_at  # the start of the last step received (pause log)
+        self._done_at = self._progress_at  # when the thread was done with the last steps received
         # of those, not yet scheduled, by the core id of their first completion
         self._unscheduled: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # orders "add" against the thread's final drain
@@ -342,6 +343,8 @@ class AsyncLLM:
                     starts = [self._last_start, *(step[2] for step in steps)]
                     gap = max((b - a for a, b in zip(starts, starts[1:])), default=0.0)
                     log.write("core_gap", gap * 1e3)
+                    # and how much of it this thread waited for data, its last message done
+                    log.write("reader_idle", (now - max(self._done_at, self._progress_at)) * 1e3)
                 self._progress_at = now
                 if steps:
                     self._last_start = steps[-1][2]
@@ -350,6 +353,7 @@ class AsyncLLM:
                     self._note_scheduled(start, scheduled)
                     self._dispatch(streams, outputs, time.monotonic())
                 self._refresh_stats()
+                self._done_at = time.monotonic()
 
     def _take_commands(self, streams: dict[str, _Stream], block: bool) -> bool:
         """Apply every pending command (waiting for one if `block`); False on stop."""
