@@ -3,7 +3,7 @@
 # tree against another on one machine start, the check that a change made nothing slower.
 #   RUN_TESTS=1 (default): pytest on TESTS (default: the folders that hold CUDA tests, their
 #     CPU tests included; -k "not interpreter", whose cases need the CPU machine's Triton) into
-#     $OUT/pytest_cuda.log. About 8 minutes on one H200; the TP=2 tests skip on one GPU.
+#     $OUT/pytest_cuda.log. About 9 minutes on one H200; the TP=2 tests skip on one GPU.
 #   BENCH=1: for each shape in SHAPES, `bench latency` (decode ms per step at BATCHES) and
 #     `bench throughput` (the 256-request run, token ids only as vLLM's is measured), of this
 #     tree and, when OLD_SRC names another checkout's src/ (for example
@@ -23,7 +23,7 @@ if [ "${RUN_TESTS:-1}" = 1 ]; then
   # tests that failed, printed below with the last lines.
   timeout -s INT "${TEST_TIMEOUT:-560}" python3 -m pytest -v -rf --tb=short -p no:cacheprovider \
     ${TESTS:-tests/engine tests/sample tests/kernels tests/layers tests/executor \
-    tests/distributed tests/entrypoints/test_llm.py} -k "${TESTS_K:-not interpreter}" \
+    tests/distributed tests/models tests/entrypoints/test_llm.py} -k "${TESTS_K:-not interpreter}" \
     > "$OUT/pytest_cuda.log" 2>&1
   grep -E "^tests/.* (FAILED|ERROR)" "$OUT/pytest_cuda.log" | head -40
   echo "$(grep -cE "^tests/.* PASSED" "$OUT/pytest_cuda.log") passed (counted as they ended)"

@@ -203,10 +203,11 @@ def test_pause_log_names_a_silent_core(tiny_ckpt, tmp_path, monkeypatch):
     assert len(steps) >= 3 and all(float(ms) >= 80 for _, _, _, ms, _ in steps)
     assert {line[1] for line in steps}.isdisjoint(line[1] for line in silent)  # the core's pid
     # with each silence, the core's own gap between step starts: here the slow steps (not a
-    # delivery held up), at least their 80 ms; not the first silence's (the first step
-    # started at once, under the log's minimum, and took the time)
-    gaps = [line.split() for line in log.read_text().splitlines() if " core_gap " in line]
-    assert len(gaps) == len(silent) - 1 and all(float(g[3]) >= 80 for g in gaps)
+    # delivery held up), at least their 80 ms; but the first silence's (the first step started
+    # at once, mostly under the log's 1 ms minimum, and took the time)
+    gaps = [float(line.split()[3]) for line in log.read_text().splitlines() if " core_gap " in line]
+    assert len(silent) - 1 <= len(gaps) <= len(silent)
+    assert sum(g >= 80 for g in gaps) >= len(silent) - 1
     # and the reading thread spent the silences waiting for those steps, not at work
     idle = [line.split() for line in log.read_text().splitlines() if " reader_idle " in line]
     assert len(idle) == len(silent)
