@@ -9,7 +9,10 @@ that long while requests ran: a long step, or the core held up; logged with core
 longest time between the starts of the core's steps across that silence: near it, the core
 did not step; far below it, its steps were late on their way; and with reader_idle, how much
 of the silence the front end's reading thread waited for data once done with the last steps:
-near it, they were late to come; far below it, the thread was busy), core_step and core_commands
+near it, they were late to come (or the thread waited for the GIL once woken); far below it,
+the thread was busy; and with core_sent, how long before the thread took the steps the core
+had sent them: near 0, the core sent them late; large, they waited in the pipe or for the
+thread), core_step and core_commands
 (the engine core process took that long, at least core_process.SLOW_MS, for one step or to
 apply one message of commands: which of them a core_silent waited for) or loop_lag (the
 server's event loop ran that late: the front end held up). benchmarks/serve_stalls.py

@@ -195,7 +195,10 @@ def test_pause_log_names_a_silent_core(tiny_ckpt, tmp_path, monkeypatch):
     monkeypatch.setenv("LLM_INFERENCE_PAUSE_LOG", str(log))
     with AsyncLLM(str(tiny_ckpt), core_setup=slow_steps, **ENGINE_ARGS) as llm:
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        started = time.monotonic()
         asyncio.run(_final(llm, PROMPTS[0], params))
+        # the core stamps each message of steps when it sends it (core_sent's clock)
+        assert started < llm.core_process.sent_at <= time.monotonic()
     silent = [line.split() for line in log.read_text().splitlines() if " core_silent " in line]
     assert len(silent) >= 3  # a step of prompt, then one per token
     assert all(float(ms) >= 50 and name == "MainProcess" for _, _, _, ms, name in silent)
@@ -212,6 +215,8 @@ def test_pause_log_names_a_silent_core(tiny_ckpt, tmp_path, monkeypatch):
     idle = [line.split() for line in log.read_text().splitlines() if " reader_idle " in line]
     assert len(idle) == len(silent)
     assert all(float(i[3]) > 0.5 * float(s[3]) for i, s in zip(idle, silent))
+    # core_sent: the steps were taken as soon as sent, mostly under the log's 1 ms minimum
+    assert sum(" core_sent " in line for line in log.read_text().splitlines()) <= len(silent)
 
 
 def _joined(deltas, n=1):

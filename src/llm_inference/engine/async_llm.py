@@ -345,6 +345,8 @@ class AsyncLLM:
                     log.write("core_gap", gap * 1e3)
                     # and how much of it this thread waited for data, its last message done
                     log.write("reader_idle", (now - max(self._done_at, self._progress_at)) * 1e3)
+                    if (sent := getattr(core, "sent_at", None)) is not None:  # one core
+                        log.write("core_sent", (now - sent) * 1e3)  # how long ago the core sent
                 self._progress_at = now
                 if steps:
                     self._last_start = steps[-1][2]

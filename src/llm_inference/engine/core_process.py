@@ -67,7 +67,8 @@ class EngineCoreError(RuntimeError):
 
 def _sender(conn: Connection, items: queue.SimpleQueue, kind: str) -> None:
     """A sender thread: everything waiting in `items` goes out as one message `(kind, [item,
-    ...])`, until None. The threads that queue never wait on the pipe (module docstring)."""
+    ...], sent_at)` (its `time.monotonic()`, for the pause log), until None. The threads that
+    queue never wait on the pipe (module docstring)."""
     while (item := items.get()) is not None:
         batch = [item]
         while True:
@@ -80,7 +81,7 @@ def _sender(conn: Connection, items: queue.SimpleQueue, kind: str) -> None:
                 break
             batch.append(item)
         try:
-            conn.send((kind, batch))
+            conn.send((kind, batch, time.monotonic()))
         except (OSError, EOFError):  # the other side is gone: its reader hears of it there
             return
 
@@ -122,7 +123,7 @@ def _core_main(config: EngineConfig, conn: Connection, parent_pid: int, setup) -
             block = not core.has_unfinished_requests()
             while running and (block or conn.poll()):
                 block = False
-                _, commands = conn.recv()  # EOFError: the parent closed the pipe
+                commands = conn.recv()[1]  # EOFError: the parent closed the pipe
                 start = time.monotonic()
                 running = _apply(core, commands, unscheduled)
                 _log_slow(log, "core_commands", start)
@@ -227,6 +228,7 @@ class CoreClient:
             self.shutdown()
             raise
         self.config, self._stats = payload
+        self.sent_at = 0.0  # when the core sent the last results received (time.monotonic())
 
     @property
     def pid(self) -> int:
@@ -293,7 +295,7 @@ class CoreClient:
         message = self._recv_message(timeout)
         if message is None:
             return []
-        steps = message[1]
+        steps, self.sent_at = message[1], message[2]
         self._stats = steps[-1][3]
         return steps
 
