@@ -125,3 +125,27 @@ class EngineCoreOutput:
         if rest == (None, None, None, None, None):
             return EngineCoreOutput, (self.request_id, self.new_token_ids)
         return EngineCoreOutput, (self.request_id, self.new_token_ids, *rest)
+
+
+def merge_steps(steps: list[list[EngineCoreOutput]]) -> list[EngineCoreOutput]:
+    """Consecutive steps' records as one step's: a record per request (in order of first
+    appearance) with the steps' new tokens and logprobs concatenated, its first prompt
+    logprobs and its last finish. A front end that finds several steps waiting processes them
+    at once (one output per request, not one per request and step). Records are not changed."""
+    if len(steps) == 1:
+        return steps[0]
+    merged: dict[str, EngineCoreOutput] = {}
+    for records in steps:
+        for r in records:
+            m = merged.get(r.request_id)
+            merged[r.request_id] = r if m is None else EngineCoreOutput(
+                r.request_id, m.new_token_ids + r.new_token_ids, r.finish_reason,
+                r.stop_reason, _joined(m.new_logprobs, r.new_logprobs),
+                m.prompt_logprobs if m.prompt_logprobs is not None else r.prompt_logprobs,
+                r.output_token_ids,
+            )  # fmt: skip
+    return list(merged.values())
+
+
+def _joined(a: list | None, b: list | None) -> list | None:
+    return b if a is None else a if b is None else a + b

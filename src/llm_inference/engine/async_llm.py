@@ -10,7 +10,9 @@ Invariants:
 - The engine makes DELTA outputs (only what each step added; no per-step copies of a request's
   tokens or text). A consumer that lags finds several pending and gets them merged into one
   (`outputs.merge_deltas`): fewer, larger outputs under load, nothing dropped. `generate`
-  hands them out as deltas, or folds them into cumulative outputs, as the caller asks.
+  hands them out as deltas, or folds them into cumulative outputs, as the caller asks. So
+  does the front end of a core process that finds several steps waiting: their records are
+  joined per request (`core.outputs.merge_steps`) and processed once.
 - Requests join the running batch at the next step: the thread takes every pending command
   between steps, and blocks on the inbox only when the engine has nothing to run.
 - A request ends when its stream yields a finished output or an exception. A consumer that goes
@@ -43,6 +45,7 @@ from multiprocessing.connection import wait as wait_for
 
 from llm_inference import pause_log
 from llm_inference.config import EngineConfig
+from llm_inference.core.outputs import merge_steps
 from llm_inference.engine.arg_utils import EngineArgs
 from llm_inference.engine.core_process import CoreClient
 from llm_inference.engine.data_parallel import DataParallelCore
@@ -348,11 +351,12 @@ class AsyncLLM:
                     if (sent := getattr(core, "sent_at", None)) is not None:  # one core
                         log.write("core_sent", (now - sent) * 1e3)  # how long ago the core sent
                 self._progress_at = now
-                if steps:
-                    self._last_start = steps[-1][2]
-                for records, scheduled, start, _ in steps:
-                    outputs = self.engine.process_core_outputs(records)
+                for _, scheduled, start, _ in steps:
                     self._note_scheduled(start, scheduled)
+                if steps:  # several waiting (this thread lagged): one output per request
+                    self._last_start = steps[-1][2]
+                    records = merge_steps([step[0] for step in steps])
+                    outputs = self.engine.process_core_outputs(records)
                     self._dispatch(streams, outputs, time.monotonic())
                 self._refresh_stats()
                 self._done_at = time.monotonic()
