@@ -377,7 +377,7 @@ def check_grammar_through_the_sampler(sampler):
     with the bitmask, give what the PyTorch path gives on the masked float32 logits."""
     import numpy as np
 
-    from llm_inference.sample.grammar import GrammarMask, apply_grammar
+    from llm_inference.sample.grammar import MaskStaging, apply_grammar
 
     n = 12
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9),
@@ -388,7 +388,7 @@ def check_grammar_through_the_sampler(sampler):
     half = (torch.randn(n, V, generator=gen) * 3).to(torch.float16)
     rng = np.random.default_rng(0)
     bm = rng.integers(-(2**31), 2**31, size=(8, -(-V // 32)), dtype=np.int64).astype(np.int32)
-    mask = GrammarMask.build(bm, [0, 1, 2, 4, 5, 7, 9, 11], n, "cpu")
+    mask = MaskStaging(torch.device("cpu")).build(bm, [0, 1, 2, 4, 5, 7, 9, 11], n)
     md = staged_metadata(params, not sampler.fused)
     md.grammar = mask
     got = sampler(half if sampler.fused else half.float(), md).token_ids

@@ -28,6 +28,22 @@ def bit(bitmask: np.ndarray, r: int, v: int) -> bool:
     return bool((int(bitmask[r, v // 32]) >> (v % 32)) & 1)
 
 
+def mask(bitmask: np.ndarray, rows: list[int], num_rows: int) -> GrammarMask:
+    """A step's mask on the CPU, as the model runner builds it."""
+    return MaskStaging(torch.device("cpu")).build(bitmask, rows, num_rows)
+
+
+def sent_apart(bitmask: np.ndarray, rows: list[int], num_rows: int, device) -> GrammarMask:
+    """The same mask made of three tensors, each copied to the device on its own."""
+    index = np.full(num_rows, -1, dtype=np.int32)
+    index[rows] = np.arange(len(rows), dtype=np.int32)
+    return GrammarMask(
+        bitmask=torch.from_numpy(bitmask).to(device),
+        rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        row_index=torch.from_numpy(index).to(device),
+    )
+
+
 def test_allowed_tokens_unpacks_xgrammars_layout():
     """Bit v % 32 of word v // 32, for a whole row and for vocabulary slices, one running past
     the bitmask (those tokens are not allowed)."""
@@ -41,19 +57,17 @@ def test_allowed_tokens_unpacks_xgrammars_layout():
 
 def test_apply_grammar_masks_constrained_rows_only_and_slices_agree():
     bm = random_bitmask(2, seed=1)
-    mask = GrammarMask.build(bm, [1, 3], 4, "cpu")
-    assert mask.row_index.tolist() == [-1, 0, -1, 1]
+    m = mask(bm, [1, 3], 4)
+    assert m.row_index.tolist() == [-1, 0, -1, 1]
     logits = torch.randn(4, V)
-    out = apply_grammar(logits.clone(), mask)
+    out = apply_grammar(logits.clone(), m)
     assert torch.equal(out[[0, 2]], logits[[0, 2]])
     for k, r in enumerate((1, 3)):
         keep = torch.tensor([bit(bm, k, v) for v in range(V)])
         assert torch.equal(out[r], logits[r].masked_fill(~keep, float("-inf")))
     # under tensor parallelism each rank masks its slice: the slices make up the whole row
-    slices = [apply_grammar(logits[:, s : s + 34].clone(), mask, s) for s in (0, 34, 68)]
+    slices = [apply_grammar(logits[:, s : s + 34].clone(), m, s) for s in (0, 34, 68)]
     assert torch.equal(torch.cat(slices, dim=1), out)
-    with pytest.raises(ValueError, match="2 bitmask rows for 1 constrained rows"):
-        GrammarMask.build(bm, [0], 4, "cpu")
     with pytest.raises(ValueError, match="2 bitmask rows for 1 constrained rows"):
         MaskStaging(torch.device("cpu")).build(bm, [0], 4)
 
@@ -72,7 +86,7 @@ def test_masks_packed_through_the_staging_buffer_equal_those_sent_apart(device):
     for m, rows, num_rows, words in ((2, [1, 3], 4, 4), (5, [0, 2, 3, 6, 7], 9, 4),
                                      (1, [0], 1, 4), (3, [0, 1, 4], 5, 5)):  # fmt: skip
         bm = np.resize(random_bitmask(m, seed=m), (m, words))
-        want = GrammarMask.build(bm, rows, num_rows, device)
+        want = sent_apart(bm, rows, num_rows, device)
         got = staging.build(bm, rows, num_rows)
         assert got.row_index.data_ptr() % 16 == 0
         masks.append((want, got))
@@ -102,7 +116,7 @@ def test_constrained_rows_sample_from_the_grammars_tokens(params):
     rows = [0, 2, 5]
     md = build([params] * n, V, seeds=list(range(10, 10 + n)))
     free = sampler(logits, md)
-    md.grammar = GrammarMask.build(bm, rows, n, "cpu")
+    md.grammar = mask(bm, rows, n)
     got = sampler(logits, md)
     assert torch.equal(logits, before)
     masked = apply_grammar(logits.clone(), md.grammar)
@@ -128,6 +142,6 @@ def test_an_emptied_constrained_row_falls_back_inside_its_grammar():
     bm[0, 0] = 1 << 20  # only token 20
     params = SamplingParams(temperature=0.0, bad_words=["x"]).replace(bad_words_token_ids=((20,),))
     md = build([params], V)
-    md.grammar = GrammarMask.build(bm, [0], 1, "cpu")
+    md.grammar = mask(bm, [0], 1)
     with pytest.warns(RuntimeWarning, match=r"rows \[0\]"):
         assert Sampler(ReferenceOps())(logits, md).token_ids.tolist() == [20]

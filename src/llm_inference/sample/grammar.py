@@ -18,8 +18,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llm_inference.sample.metadata import to_device
-
 
 @dataclass
 class GrammarMask:
@@ -27,30 +25,13 @@ class GrammarMask:
     rows: torch.Tensor  # [M] int64: those sample rows, rising
     row_index: torch.Tensor  # [R] int32: per sample row its bitmask row, -1 without one
 
-    @classmethod
-    def build(cls, bitmask: np.ndarray, rows: list[int], num_rows: int, device) -> GrammarMask:
-        """`bitmask` row i constrains sample row `rows[i]` of a step of `num_rows`: three
-        copies to the device (the engine packs them into one: `MaskStaging`)."""
-        _check_rows(bitmask, rows)
-        index = np.full(num_rows, -1, dtype=np.int32)
-        index[rows] = np.arange(len(rows), dtype=np.int32)
-        return cls(
-            bitmask=to_device(torch.from_numpy(bitmask), device),
-            rows=to_device(torch.tensor(rows, dtype=torch.int64), device),
-            row_index=to_device(torch.from_numpy(index), device),
-        )
-
-
-def _check_rows(bitmask: np.ndarray, rows: list[int]) -> None:
-    if len(rows) != len(bitmask):
-        raise ValueError(f"{len(bitmask)} bitmask rows for {len(rows)} constrained rows")
-
 
 class MaskStaging:
-    """How the model runner builds a step's GrammarMask (`build`, as `GrammarMask.build`): the
-    bitmask, row index and rows (int32) packed into one host buffer, pinned on CUDA and reused
-    from step to step, so that they go to the device in one copy without pinning new memory
-    each step (the bitmask is 16 KB a row at a 128k vocabulary). The next packing first waits
+    """How the model runner builds a step's GrammarMask (`build`): `bitmask` row i constrains
+    sample row `rows[i]` of a step of `num_rows`. The bitmask, row index and rows (int32) are
+    packed into one host buffer, pinned on CUDA and reused from step to step, so that they go
+    to the device in one copy without pinning new memory each step (the bitmask is 16 KB a row
+    at a 128k vocabulary). The next packing first waits
     for that copy (it has run long before: a step's mask is built after the step before's
     tokens). On the CPU the buffer is plain memory and the copy a copy."""
 
@@ -61,7 +42,8 @@ class MaskStaging:
         self.copied: torch.cuda.Event | None = None
 
     def build(self, bitmask: np.ndarray, rows: list[int], num_rows: int) -> GrammarMask:
-        _check_rows(bitmask, rows)
+        if len(rows) != len(bitmask):
+            raise ValueError(f"{len(bitmask)} bitmask rows for {len(rows)} constrained rows")
         m, words = bitmask.shape
         # the row index 16-byte aligned, as a tensor of its own would be: Triton specializes
         # a kernel on its pointers' alignment, so another would compile mid-run
