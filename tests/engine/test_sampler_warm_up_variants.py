@@ -20,6 +20,6 @@ sys.path.insert(0, str(HERE.parent))
 from interpreter import run_checks  # noqa: E402
 
 
-def test_sampler_warm_up_covers_the_requests_variants():
+def test_sampler_warm_up_covers_the_requests_variants_under_the_interpreter():
     status, log = run_checks(HERE / "sampler_warm_up_checks.py", timeout=600, OMP_NUM_THREADS="1")
     assert status.get("covered") == "ok", log[-8000:]

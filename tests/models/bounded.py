@@ -6,26 +6,31 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import select
 import subprocess
 import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-# A load of the tiny checkpoints needs between 0.5 and 0.6 GB of address space (measured: the
-# worker cannot start under 0.5 GB, loads under 0.6 GB; mostly torch's libraries, mapped at
-# import); 2 GB leaves a wide margin and still stops a runaway allocation early.
-ADDRESS_SPACE_LIMIT = 2 << 30
+# The address space a load may take beyond what the subprocess's imports mapped (torch's
+# libraries: about 0.5 GB with the CPU build, several GB with a CUDA build, so the limit is set
+# after them): a load of the tiny checkpoints needs under 0.1 GB more; 1.5 GB leaves a wide
+# margin and still stops a runaway allocation early.
+LOAD_ADDRESS_SPACE = 3 << 29
 
 _SCRIPT = r"""
-import json, sys, time, traceback
+import json, os, resource, sys, time, traceback
 import torch
 torch.set_num_threads(1)
 from llm_inference.config import CheckpointError
 from llm_inference.kernels import reference
 from llm_inference.models.model_config import expected_shapes
 from llm_inference.models import loader
+
+with open("/proc/self/status") as f:
+    mapped = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
+limit = mapped + int(os.environ["LOAD_ADDRESS_SPACE"])
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 seen = []
 real_load_weights = loader.load_weights
@@ -75,12 +80,17 @@ else:  # a worker: one [kind, path] per line on stdin
 """
 
 
-def _limit() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE_LIMIT, ADDRESS_SPACE_LIMIT))
-
-
-def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+def subprocess_env(load_address_space: int = LOAD_ADDRESS_SPACE) -> dict:
+    """The environment of a test's subprocess: this checkout's package first, no hub, one
+    thread, and the address space a bounded load may take beyond its imports."""
+    path = os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))
+    return {
+        **os.environ,
+        "PYTHONPATH": path,
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "LOAD_ADDRESS_SPACE": str(load_address_space),
+    }
 
 
 def run_bounded(cases: list[tuple[str, str]], timeout: float) -> list[dict]:
@@ -90,7 +100,7 @@ def run_bounded(cases: list[tuple[str, str]], timeout: float) -> list[dict]:
     args = [sys.executable, "-c", _SCRIPT, json.dumps([[k, str(p)] for k, p in cases])]
     try:
         proc = subprocess.run(
-            args, env=_env(), preexec_fn=_limit, capture_output=True, text=True, timeout=timeout
+            args, env=subprocess_env(), capture_output=True, text=True, timeout=timeout
         )
         stdout, ended = proc.stdout, f"crash (exit {proc.returncode}): {proc.stderr[-2000:]}"
     except subprocess.TimeoutExpired as e:
@@ -105,18 +115,14 @@ class LoadWorker:
     """A long-lived bounded subprocess doing one load at a time (torch is imported once); a
     load that crashes it or runs past its timeout is reported and the worker restarted."""
 
-    def __init__(self, limit: int = ADDRESS_SPACE_LIMIT):
-        self.limit = limit
+    def __init__(self, load_address_space: int = LOAD_ADDRESS_SPACE):
+        self.load_address_space = load_address_space
         self.proc: subprocess.Popen | None = None
 
     def _start(self) -> None:
-        def limit() -> None:
-            resource.setrlimit(resource.RLIMIT_AS, (self.limit, self.limit))
-
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _SCRIPT],
-            env=_env(),
-            preexec_fn=limit,
+            env=subprocess_env(self.load_address_space),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

@@ -1,7 +1,8 @@
 """Fuzzing of checkpoint loading: mutated GGUF headers, safetensors headers and config.json
 files of small checkpoints. Every case must end, within 10 s and under an address-space limit
-(bounded.ADDRESS_SPACE_LIMIT), in either a model whose every tensor was loaded with exactly the
-expected shape, or one CheckpointError whose message names the file or folder.
+(bounded.LOAD_ADDRESS_SPACE beyond the worker's imports), in either a model whose every tensor
+was loaded with exactly the expected shape, or one CheckpointError whose message names the file
+or folder.
 
 Loads run in a long-lived bounded subprocess (bounded.LoadWorker): a crash, a timeout or a
 MemoryError fails the example, and hypothesis shrinks it."""

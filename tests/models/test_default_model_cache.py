@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from bounded import SRC
+from bounded import subprocess_env
 from gguf_testfiles import write_llama_gguf
 
 from llm_inference.config import CheckpointError
@@ -112,7 +112,7 @@ print(json.dumps(seen))
 
 
 def test_concurrent_conversions_in_two_environments(tmp_path, gguf_file):
-    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = subprocess_env()
     env["LLM_INFERENCE_CACHE"] = str(tmp_path / "shared")
     procs = [
         subprocess.Popen(

@@ -306,8 +306,14 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     from transformers import AutoTokenizer  # heavy: only the front end needs a tokenizer
 
     p = Path(path)
-    _open(p)
-    return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    reader, _ = _open(p)
+    tokenizer = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    # The special tokens from the file's ids: transformers 5.17 takes the BOS token for EOS.
+    for role in ("bos", "eos"):
+        i = metadata_value(reader, f"tokenizer.ggml.{role}_token_id", None)
+        if i is not None and 0 <= i < len(tokenizer):
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(i))
+    return tokenizer
 
 
 def convert_gguf_to_hf(
