@@ -19,7 +19,7 @@ model's tokenizer and cut into windows of `--window` tokens, each one prompt (ma
 every position but a window's first is scored, at least `--positions` in all. The model is a
 Hugging Face folder, e.g. the default model converted on the GPU machine:
 `llm-inference convert SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smollm2 --dtype bfloat16`
-(scripts/carry_default_model.sh brings the GGUF there).
+(scripts/default_model_carry.sh brings it there and converts it).
 
     PYTHONPATH=src python3 benchmarks/fp8_accuracy_engines.py --engine ours|vllm \
         --model /tmp/smollm2 [--positions 4096] [--json OUT.json]

@@ -6,7 +6,10 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=src
 # Wheels the machine lacks (scripts/README.md lists them), carried in .whl/ (`carry: [".whl"]`).
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=src:/tmp/site
+    --target /tmp/site .whl/*.whl
 fi
+# /tmp/site stays while the machine is warm: what an earlier call put there (the wheels, the
+# default model from scripts/default_model_carry.sh) serves later calls too.
+if [ -d /tmp/site ]; then export PYTHONPATH=src:/tmp/site; fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 B="python3 src/llm_inference/entrypoints/bench.py"
