@@ -201,6 +201,14 @@ def test_silu_and_mul_quant_gpu(dtype):
     checks.check_silu_and_mul_quant("cuda", dtype, 64, 14336, seed=2)
 
 
+@needs_fp8
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rms_norm_quant_gpu(dtype):
+    """Llama 3 8B's hidden size (4,096): a prompt-sized step and a decode batch."""
+    checks.check_rms_norm_quant("cuda", dtype, 2048, 4096, seed=1)
+    checks.check_rms_norm_quant("cuda", dtype, 64, 4096, seed=2)
+
+
 @cuda
 @pytest.mark.parametrize("shape", LLAMA_SHAPES)
 def test_rotary_gpu_bf16(shape):

@@ -246,6 +246,40 @@ def check_silu_and_mul_quant(device, dtype, num_tokens, inter, seed):
         assert not q[1].float().any()
 
 
+def check_rms_norm_quant(device, dtype, num_tokens, hidden, seed):
+    """RMSNorm quantized per token, with and without the residual add (x and residual rows that
+    are slices of wider buffers, an all-zero row among them), against the reference: the new
+    residual bit for bit, the scales to float32 rounding (the row's sum of squares is added in
+    another order); on the GPU each value within one e4m3 step of the reference's. The
+    interpreter rounds some float32 values to the wrong e4m3 value, so there only the scales
+    and the residual count."""
+    reference, triton_ops = _ops()
+    gen = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(num_tokens, hidden + 8, generator=gen))[:, :hidden]
+    res = torch.randn(num_tokens, hidden + 4, generator=gen)[:, :hidden]
+    x[1], res[1] = 0.0, 0.0
+    x, res = x.to(device, dtype), res.to(device, dtype)
+    weight = (1 + torch.randn(hidden, generator=gen)).to(device, dtype)
+    for residual in (None, res):
+        want_q, want, want_res = reference.rms_norm_quant(
+            x, weight, 1e-5, None if residual is None else residual.clone()
+        )
+        got_res = None if residual is None else residual.clone()
+        q, scale, new_res = triton_ops.rms_norm_quant(x, weight, 1e-5, got_res)
+        assert q.shape == (num_tokens, hidden) and q.dtype == reference.FP8
+        assert scale.shape == (num_tokens, 1) and scale.dtype == torch.float32
+        torch.testing.assert_close(scale, want, rtol=1e-5, atol=0)
+        if residual is None:
+            assert new_res is None
+        else:  # written in place, as rms_norm's
+            assert new_res is got_res and torch.equal(new_res, want_res)
+        if device == "cuda":
+            got, ref = q.float() * scale, want_q.float() * want
+            step = 2.0**-3 * ref.abs() + 2.0**-9 * want  # one e4m3 step (subnormals: 2^-9)
+            assert ((got - ref).abs() <= step * 1.001).all(), f"max diff {(got - ref).abs().max()}"
+            assert not q[1].float().any()
+
+
 def check_store_kv_cache(device, dtype, num_tokens, num_kv_heads, head_dim, block_size, seed,
                          fp8=False, representable=False):  # fmt: skip
     """`fp8`: FP8 caches, with FP8_SCALES; `representable`: inputs of `fp8_representable` and
@@ -408,7 +442,8 @@ def check_all_reduce_norm_ranks(dtype, world, seed, calls=4, rows=3, hidden=40):
 
 INTERPRETER_KERNELS = ("paged_attention", "paged_attention_fp8", "rms_norm", "silu_and_mul",
                        "rotary", "store_kv_cache", "store_kv_cache_fp8", "rotary_store_kv",
-                       "all_reduce_norm", "quantize_rows", "silu_and_mul_quant")  # fmt: skip
+                       "all_reduce_norm", "quantize_rows", "silu_and_mul_quant",
+                       "rms_norm_quant")  # fmt: skip
 
 
 def run_interpreter(kernel: str) -> None:
@@ -443,6 +478,8 @@ def run_interpreter(kernel: str) -> None:
             check_quantize_rows("cpu", dtype, 5, 1100, seed=i, representable=True)
         elif kernel == "silu_and_mul_quant":  # 1,100 columns: two steps of each loop
             check_silu_and_mul_quant("cpu", dtype, 5, 1100, seed=i)
+        elif kernel == "rms_norm_quant":
+            check_rms_norm_quant("cpu", dtype, 5, 48, seed=i)
         elif kernel == "all_reduce_norm":
             check_all_reduce_norm(dtype, world=2, rank=1, seed=i)
             check_all_reduce_norm(dtype, world=4, rank=2, seed=i)

@@ -24,6 +24,7 @@ from llm_inference.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from llm_inference.layers.norm import RMSNorm
 
 EPS, SUBNORMAL = 2.0**-4, 2.0**-10
 
@@ -230,3 +231,60 @@ def test_scaled_mm_matches_the_reference(tokens, n, k):
     torch.testing.assert_close(
         fast.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().std().item()
     )
+
+
+def test_rms_norm_quant_is_rms_norm_then_quantize_rows_in_float32():
+    x, res = torch.randn(6, 40, dtype=torch.bfloat16) * 3, torch.randn(6, 40, dtype=torch.bfloat16)
+    x[2], res[2] = 0, 0  # an all-zero row: the smallest scale, zeros
+    weight = torch.rand(40) + 0.5
+    q, scale, new_res = ReferenceOps().rms_norm_quant(x, weight, 1e-5, res.clone())
+    summed = (x.float() + res.float()).to(torch.bfloat16)
+    rows = summed.float() * torch.rsqrt(summed.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    want_q, want = quantize_rows(rows * weight)
+    assert torch.equal(new_res, summed)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scale, want) and not q[2].float().any()
+
+
+def test_norms_hand_qkv_and_gate_up_their_input_quantized():
+    """A decoder's RMSNorm before an FP8 layer quantizes its output in the same op
+    (`rms_norm_quant`) where the layer would quantize its input (float32 here: the same
+    product as norm, then the layer's own quantization); not before a decode step's skinny
+    GEMM, nor where a static input scale is the layer's to apply."""
+    calls = []
+
+    class Spy(ReferenceOps):
+        skinny = False
+
+        def quantize_rows(self, x, scale=None):
+            calls.append("quantize_rows")
+            return quantize_rows(x, scale)
+
+        def skinny_applies(self, x, weight):
+            return self.skinny
+
+    ops = Spy()
+    torch.manual_seed(0)
+    layer = QKVParallelLinear(64, 16, 4, 2, ops, Fp8Config(ONLINE))
+    layer.weight_loader(layer.weight, torch.randn(64, 64) * 0.1, "q")
+    layer.weight_loader(layer.weight, torch.randn(32, 64) * 0.1, "k")
+    layer.weight_loader(layer.weight, torch.randn(32, 64) * 0.1, "v")
+    layer.quant_method.process_weights_after_loading(layer)
+    norm = RMSNorm(64, 1e-5, ops)
+    norm.weight.data = torch.rand(64) + 0.5
+    x, res = torch.randn(20, 64), torch.randn(20, 64)
+    want_h, want_res = norm(x, res.clone())  # no next_linear: the norm alone
+    want = layer(want_h)
+    assert calls == ["quantize_rows"]
+    norm.next_linear = layer
+    h, new_res = norm(x, res.clone())
+    assert isinstance(h, Fp8Activation) and h.dtype == x.dtype and torch.equal(new_res, want_res)
+    assert torch.equal(layer(h), want) and calls == ["quantize_rows"]  # none more
+    ops.skinny = True  # a decode step: the skinny GEMM quantizes its own tiles
+    assert not layer.quant_method.takes_quantized(layer, x)
+    assert isinstance(norm(x), torch.Tensor)
+    static = QKVParallelLinear(
+        64, 16, 4, 2, ops, Fp8Config(Fp8Format("tensor", static_input_scale=True))
+    )
+    ops.skinny = False
+    assert not static.quant_method.takes_quantized(static, x)

@@ -69,6 +69,11 @@ class KernelOps(Protocol):
 
     def silu_and_mul_quant(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def rms_norm_quant(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...  # fmt: skip
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
 
     def gate_up_silu(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...

@@ -213,13 +213,18 @@ def rms_norm(
     With `residual`, first `residual = x + residual`, then normalize it; returns
     (normed, new_residual), as the fused residual-add kernel does.
     """
+    normed, residual = _rms_norm_float(x, weight, eps, residual)
+    out = normed.to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
+def _rms_norm_float(x, weight, eps, residual):
+    """rms_norm's normalized rows in float32, and the new residual (None without one)."""
     if residual is not None:
         x = (x.float() + residual.float()).to(x.dtype)
         residual = x
     xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    out = (normed * weight.float()).to(x.dtype)
-    return out if residual is None else (out, residual)
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float(), residual
 
 
 def rotary_embedding(
@@ -290,6 +295,19 @@ def silu_and_mul_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows(F.silu(gate.float()) * up.float())
 
 
+def rms_norm_quant(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`rms_norm` then `quantize_rows` per token in one op, the normalized rows kept in
+    float32 between: x [T, H] -> (FP8 [T, H], float32 scales [T, 1], the new residual or None),
+    the next FP8 layer's input (layers/fp8.py)."""
+    normed, residual = _rms_norm_float(x, weight, eps, residual)
+    return *quantize_rows(normed), residual
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, K] @ weight [N, K]^T -> [T, N] (nn.Linear's layout, no bias)."""
     return F.linear(x, weight)
@@ -311,6 +329,7 @@ class ReferenceOps:
     silu_and_mul = staticmethod(silu_and_mul)
     quantize_rows = staticmethod(quantize_rows)
     silu_and_mul_quant = staticmethod(silu_and_mul_quant)
+    rms_norm_quant = staticmethod(rms_norm_quant)
     rotary_store_kv = staticmethod(rotary_store_kv)
     linear = staticmethod(linear)
     gate_up_silu = staticmethod(gate_up_silu)

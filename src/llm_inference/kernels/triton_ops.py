@@ -32,7 +32,7 @@ from llm_inference.kernels.device import num_sms
 from llm_inference.kernels.fp8_quant import quantize_rows, silu_and_mul_quant
 from llm_inference.kernels.kv_cache import store_kv_cache
 from llm_inference.kernels.paged_attention import paged_attention_decode
-from llm_inference.kernels.rms_norm import rms_norm
+from llm_inference.kernels.rms_norm import rms_norm, rms_norm_quant
 from llm_inference.kernels.rotary import rotary_embedding, rotary_store_kv
 from llm_inference.kernels.unified_attention import unified_attention
 from llm_inference.kernels.warm_up import StepShape, warm_up_shapes
@@ -42,9 +42,9 @@ SKINNY_DTYPES = (torch.float16, torch.bfloat16)
 # The module is also the Triton launchers' namespace, with the names of reference.py (tests
 # and benchmarks call them one by one); the engine uses TritonOps.
 __all__ = [
-    "TritonOps", "paged_attention_decode", "quantize_rows", "rms_norm", "rotary_embedding",
-    "rotary_store_kv", "silu_and_mul", "silu_and_mul_quant", "store_kv_cache",
-    "unified_attention",
+    "TritonOps", "paged_attention_decode", "quantize_rows", "rms_norm", "rms_norm_quant",
+    "rotary_embedding", "rotary_store_kv", "silu_and_mul", "silu_and_mul_quant",
+    "store_kv_cache", "unified_attention",
 ]  # fmt: skip
 
 
@@ -108,6 +108,9 @@ class TritonOps:
 
     def rms_norm(self, x, weight, eps: float, residual=None, *, out=None):
         return rms_norm(x, weight, eps, residual, out=out, pdl=self.pdl)
+
+    def rms_norm_quant(self, x, weight, eps: float, residual=None):
+        return rms_norm_quant(x, weight, eps, residual, pdl=self.pdl)
 
     def rotary_store_kv(
         self, positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,

@@ -26,6 +26,8 @@ Every checkpoint form (config.Fp8Format) ends in that one layout after loading
   rounding. The MLP's gate_up there hands down_proj its SiLU-and-mul already quantized per
   token (`ops.silu_and_mul_quant`, one kernel for the activation and the quantization: an
   `Fp8Activation`), unless the checkpoint's static input scales ask for another quantization.
+  The RMSNorms before qkv_proj and gate_up_proj hand them their input quantized so too
+  (`takes_quantized`, `ops.rms_norm_quant`).
 
 Under tensor parallelism a scale follows its weight rows: sharded with a column-parallel
 layer's outputs, whole on every rank of a row-parallel one (its output is whole); a shard of
@@ -202,12 +204,17 @@ class Fp8LinearMethod(LinearMethodBase):
             )  # fmt: skip
         return y if bias is None else y.add_(bias)
 
-    def apply_gate_up_silu(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | Fp8Activation:
+    def takes_quantized(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        return not self.fmt.static_input_scale and not self.ops.skinny_applies(x, layer.weight)
+
+    def apply_gate_up_silu(
+        self, layer: nn.Module, x: torch.Tensor | Fp8Activation
+    ) -> torch.Tensor | Fp8Activation:
         """silu(gate) * up for down_proj: where the skinny GEMM applies, fused with it as the
         unquantized layers' is; else quantized per token with the activation, for down_proj
         (also FP8: every decoder linear layer is) to take as it is, unless the checkpoint's
         static input scales ask for its own quantization."""
-        if self.ops.skinny_applies(x, layer.weight):
+        if isinstance(x, torch.Tensor) and self.ops.skinny_applies(x, layer.weight):
             return self.ops.gate_up_silu(x, layer.weight, weight_scale=layer.weight_scale)
         if self.fmt.static_input_scale:
             return super().apply_gate_up_silu(layer, x)

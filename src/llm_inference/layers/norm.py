@@ -3,7 +3,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llm_inference.distributed.parallel_state import all_reduce_add_rms_norm
+from llm_inference.distributed.parallel_state import all_reduce, all_reduce_add_rms_norm
+from llm_inference.layers.fp8 import Fp8Activation
 
 
 class RMSNorm(nn.Module):
@@ -12,7 +13,11 @@ class RMSNorm(nn.Module):
     With `partial=True`, `x` is a row-parallel layer's per-rank partial output: it is summed
     over the ranks first, in the same kernel where the custom all-reduce allows
     (parallel_state.all_reduce_add_rms_norm). `fuse_index` numbers such norms in a forward
-    pass (the model sets it), so that consecutive fused calls alternate buffers."""
+    pass (the model sets it), so that consecutive fused calls alternate buffers.
+
+    `next_linear` (the model sets it): the linear layer that takes the output. Where its method
+    takes its input quantized (`takes_quantized`: FP8 off the skinny GEMM), the norm quantizes
+    in the same kernel (`ops.rms_norm_quant`) and returns an fp8.Fp8Activation."""
 
     def __init__(self, hidden_size: int, eps: float, ops) -> None:
         super().__init__()
@@ -20,8 +25,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.ops = ops
         self.fuse_index = 0
+        self.next_linear: nn.Module | None = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, partial: bool = False):
+        nxt = self.next_linear
+        if nxt is not None and nxt.quant_method.takes_quantized(nxt, x):
+            if partial:  # summed apart: the fused all-reduce's steps are the skinny GEMM's
+                x = all_reduce(x)
+            q, scale, residual = self.ops.rms_norm_quant(x, self.weight, self.eps, residual)
+            out = Fp8Activation(q, scale, x.dtype)
+            return out if residual is None else (out, residual)
         if partial:
             return all_reduce_add_rms_norm(
                 x, residual, self.weight, self.eps, self.ops, self.fuse_index

@@ -49,6 +49,12 @@ class LinearMethodBase(ABC):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor: ...
 
+    def takes_quantized(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """Whether `apply` would quantize x per token first: then the kernel producing x may
+        hand it on quantized instead (FP8's: an fp8.Fp8Activation; the RMSNorm does). No by
+        default."""
+        return False
+
     def apply_gate_up_silu(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of the layer's two equal outputs [gate, up]: [T, I]. By default
         `apply`, then the ops' silu_and_mul; a method may fuse them, or hand it on in the form
@@ -90,6 +96,12 @@ class UnquantizedLinearMethod(LinearMethodBase):
     ) -> torch.Tensor:
         y = self.ops.linear(x, layer.weight)
         return y if bias is None else y.add_(bias)
+
+    def takes_quantized(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """Whether `apply` would quantize x per token first: then the kernel producing x may
+        hand it on quantized instead (FP8's: an fp8.Fp8Activation; the RMSNorm does). No by
+        default."""
+        return False
 
     def apply_gate_up_silu(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return self.ops.gate_up_silu(x, layer.weight)

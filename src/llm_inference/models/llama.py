@@ -109,6 +109,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, ops, quant_config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        # FP8: the norms hand these their input quantized (layers/norm.py)
+        self.input_layernorm.next_linear = self.self_attn.qkv_proj
+        self.post_attention_layernorm.next_linear = self.mlp.gate_up_proj
 
     def forward(self, positions, x, residual, md):
         """x: the embeddings (first layer, `residual` None) or the previous layer's MLP output,
