@@ -152,3 +152,18 @@ def test_a_token_without_text_still_arrives():
     result = asyncio.run(run())
     assert result.success and not result.error and result.ttft > 0 and len(result.itl) == 1
     assert (result.prompt_len, result.output_len, result.text) == (3, 2, "")
+
+
+def test_arrivals_interleave_client_processes_at_an_infinite_rate():
+    """All at once from one process; spaced in request order over several, so that the server
+    admits the processes' requests interleaved; a Poisson process at a finite rate."""
+    import random
+
+    from llm_inference.entrypoints.bench_serve import INF_SPACING_S, arrivals
+
+    inf = float("inf")
+    assert arrivals(5, inf, 1, random.Random(0)) == [0.0] * 5
+    assert arrivals(5, inf, 4, random.Random(0)) == [i * INF_SPACING_S for i in range(5)]
+    poisson = arrivals(2000, 100.0, 4, random.Random(0))
+    gaps = [b - a for a, b in zip(poisson, poisson[1:])]
+    assert poisson[0] == 0.0 and min(gaps) > 0 and abs(sum(gaps) / len(gaps) - 0.01) < 0.001

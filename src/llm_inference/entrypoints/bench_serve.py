@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -272,6 +273,22 @@ def _run_workers(jobs: list[_Job], s: _Settings, n: int) -> tuple[list, float, f
     return done, start, max(end for _, end in parts)
 
 
+# At an infinite rate, client processes that each sent all their requests at once would have
+# them admitted one process's after another's (as they reached the server), and at the end one
+# process would read the last wave's streams alone, slower than they come (benchmarks/
+# DECISIONS.md): request i leaves i * INF_SPACING_S after the start, so that the processes'
+# requests interleave, about as fast as they send them.
+INF_SPACING_S = 2e-4
+
+
+def arrivals(n: int, rate: float, workers: int, rng: random.Random) -> list[float]:
+    """Each request's send time after the start: a Poisson process of `rate` per second; at
+    an infinite rate all at once, or INF_SPACING_S apart over several client processes."""
+    if rate != float("inf"):
+        return list(itertools.accumulate(rng.expovariate(rate) if i else 0.0 for i in range(n)))
+    return [i * INF_SPACING_S if workers > 1 else 0.0 for i in range(n)]
+
+
 def run_benchmark(args) -> dict:
     """Send every request (Poisson arrivals, bounded concurrency) and summarize them."""
     rng = random.Random(args.seed)
@@ -285,11 +302,14 @@ def run_benchmark(args) -> dict:
     prompts, later = prompts[: args.num_prompts], prompts[args.num_prompts :]
     n_prefix = args.shared_prefix_len
     prefix = decode([rng.randrange(size) for _ in range(n_prefix)]) + "\n" if n_prefix else ""
-    arrival, jobs = 0.0, []
-    for i, p in enumerate(prompts):
-        if i and args.request_rate != float("inf"):
-            arrival += rng.expovariate(args.request_rate)
-        jobs.append(_Job(arrival, [p, *later[i * (turns - 1) : (i + 1) * (turns - 1)]]))
+    workers = min(
+        getattr(args, "num_workers", 1), len(prompts), args.max_concurrency or len(prompts)
+    )
+    times = arrivals(len(prompts), args.request_rate, workers, rng)
+    jobs = [
+        _Job(times[i], [p, *later[i * (turns - 1) : (i + 1) * (turns - 1)]])
+        for i, p in enumerate(prompts)
+    ]
     base = args.base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = args.model or _model_name(base, headers, args.timeout)
@@ -298,7 +318,6 @@ def run_benchmark(args) -> dict:
         sampling["top_k"] = workload.top_k
     settings = _Settings(base + args.endpoint, headers, model, prefix, args.timeout,
                          args.max_concurrency, turns > 1, sampling)  # fmt: skip
-    workers = min(getattr(args, "num_workers", 1), len(jobs), args.max_concurrency or len(jobs))
     if workers > 1:
         done, start, end = _run_workers(jobs, settings, workers)
     else:
