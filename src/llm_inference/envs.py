@@ -11,6 +11,9 @@ LLM_INFERENCE_SKINNY_GEMM
     "1" (default): matmuls of at most 16 half-precision rows on CUDA (decode steps) run the
     Triton skinny GEMM, the MLP's gate_up fused with SiLU-and-mul (kernels/skinny_gemm.py);
     "0": always F.linear (cuBLAS).
+LLM_INFERENCE_SKINNY_ROWS
+    "16" (default), "32" or "64": the most rows (decode batch) the skinny GEMM takes; a launch
+    pads its rows to 16, 32 or 64 for the dot (kernels/skinny_gemm.py).
 LLM_INFERENCE_PDL
     "auto" (default): programmatic dependent launch for the decode step's Triton kernels
     wherever it is supported (compute capability 9.0+ and a Triton with gdc_wait;
@@ -90,8 +93,16 @@ def _positive_int(name: str) -> int | None:
     return int(value)
 
 
+def _skinny_rows() -> int:
+    value = os.environ.get("LLM_INFERENCE_SKINNY_ROWS", "16")
+    if value not in ("16", "32", "64"):
+        raise ValueError(f"LLM_INFERENCE_SKINNY_ROWS must be 16, 32 or 64, got {value!r}")
+    return int(value)
+
+
 environment_variables: dict[str, Callable[[], Any]] = {
     "LLM_INFERENCE_SKINNY_GEMM": lambda: _flag("LLM_INFERENCE_SKINNY_GEMM", True),
+    "LLM_INFERENCE_SKINNY_ROWS": _skinny_rows,
     "LLM_INFERENCE_PDL": _pdl,
     "LLM_INFERENCE_FP8_DOT": lambda: _flag("LLM_INFERENCE_FP8_DOT", True),
     "LLM_INFERENCE_FUSED_ALL_REDUCE_NORM": lambda: _flag(

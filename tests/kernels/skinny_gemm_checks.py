@@ -6,7 +6,8 @@ with `fp8`, W is FP8 with a float32 scale per row (rows of magnitudes over two d
 scale on the wrong row shows) and the float64 math uses the value it stands for.
 The CPU tests run this file in child processes under TRITON_INTERPRET=1 (`python
 skinny_gemm_checks.py [CHECK ...]`, one `RESULT <check> ok|FAIL` line each): the kernels at
-small sizes that are not multiples of the blocks, split-K on and off, and the engine's wiring:
+small sizes that are not multiples of the blocks, split-K on and off, 1 to 64 rows, and the
+engine's wiring:
 where the Triton ops' linear takes the kernels, the model at one rank and the parallel layers
 at two gloo ranks, on the Triton ops in float16; the same for FP8 weights (FP8_CHECKS: every
 M of 1 to 16, the FP8 linear method and an FP8 model). The interpreter's bfloat16 dot products
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.6e-2}
 FP8_CHECKS = ("fp8_exact", "fp8_gemm", "fp8_silu", "fp8_linear", "fp8_model")
 INTERPRETER_CHECKS = (
-    "gemm", "gemm_split", "silu", "silu_split", "prefetch", "ops_linear", "model",
+    "gemm", "gemm_split", "silu", "silu_split", "prefetch", "rows", "ops_linear", "model",
     "tensor_parallel", *FP8_CHECKS,
 )  # fmt: skip
 FP8 = torch.float8_e4m3fn
@@ -130,19 +131,21 @@ def counting() -> dict[str, int]:
     return calls
 
 
-def triton_ops(skinny: bool = True):
-    """The Triton ops on the CPU (the interpreter runs them), the skinny GEMM switch set."""
+def triton_ops(skinny: bool = True, rows: int = 16):
+    """The Triton ops on the CPU (the interpreter runs them), the skinny GEMM switch and its
+    rows set."""
     from llm_inference.kernels.triton_ops import TritonOps
 
     os.environ["LLM_INFERENCE_SKINNY_GEMM"] = "1" if skinny else "0"
+    os.environ["LLM_INFERENCE_SKINNY_ROWS"] = str(rows)
     return TritonOps("cpu")
 
 
 def check_ops_linear() -> None:
     """TritonOps' linear and gate_up_silu take the skinny GEMM exactly where it applies (1 to
-    16 rows of float16 or bfloat16 on its device type, the weight of the same dtype, both
-    contiguous in their last dim, the switch on), else F.linear (then silu_and_mul): the same
-    values either way."""
+    16 rows, or as many as envs.LLM_INFERENCE_SKINNY_ROWS says, of float16 or bfloat16 on its
+    device type, the weight of the same dtype, both contiguous in their last dim, the switch
+    on), else F.linear (then silu_and_mul): the same values either way."""
     from llm_inference.kernels import reference
     from llm_inference.kernels.triton_ops import TritonOps
 
@@ -163,6 +166,8 @@ def check_ops_linear() -> None:
     ]
     ops, off = triton_ops(), triton_ops(skinny=False)
     assert not TritonOps("meta").skinny_applies(x(2), w.half())  # another device type
+    more = triton_ops(rows=64)  # envs.LLM_INFERENCE_SKINNY_ROWS, to measure them
+    assert more.skinny_applies(x(64), w.half()) and not more.skinny_applies(x(65), w.half())
     # bfloat16 too (the interpreter's bfloat16 dot products are wrong: checked on the GPU)
     assert ops.skinny_applies(x(5, torch.bfloat16), w.bfloat16())
     assert not ops.skinny_applies(x(5, torch.bfloat16), w.half())  # the weight's dtype differs
@@ -436,6 +441,12 @@ def run_interpreter(check: str) -> None:
     from llm_inference.kernels.skinny_gemm import GemmConfig
 
     small = GemmConfig(block_n=32, block_k=32)
+    if check == "rows":  # 17 to 64 rows: the dot's M padded to 32 and 64, split and not
+        for m in (17, 32, 40, 64):
+            check_gemm("cpu", torch.float16, m, 100, 300, small, m, want_split=1)
+            check_gemm("cpu", torch.float32, m, 70, 200, GemmConfig(16, 32, 3), m, want_split=3)
+            check_silu("cpu", torch.float16, m, 24, 1100, None, m, want_split=2)
+        return
     for i, dtype in enumerate((torch.float32, torch.float16)):
         for m in (1, 3, 8, 16):
             seed = 10 * i + m

@@ -107,7 +107,7 @@ def test_split_plan_never_makes_empty_ranges():
 def test_launchers_reject_bad_inputs():
     x, w = torch.randn(3, 32), torch.randn(48, 32)
     with pytest.raises(ValueError, match="rows"):
-        sg.skinny_gemm(torch.randn(17, 32), w)
+        sg.skinny_gemm(torch.randn(65, 32), w)
     with pytest.raises(ValueError, match="rows"):
         sg.skinny_gemm(torch.randn(0, 32), w)
     with pytest.raises(ValueError, match=r"\[N, K\]"):
@@ -150,12 +150,16 @@ def test_the_cuda_ops_take_the_kernel_only_on_cuda_half_and_few_rows(monkeypatch
     fp8_ok = torch.cuda.get_device_capability() >= (8, 9)
     x16 = torch.randn(16, 4, dtype=torch.bfloat16, device="cuda")
     assert ops.skinny_applies(x16, wc.to(sg.FP8)) == ops.skinny_fp8 == fp8_ok
+    monkeypatch.setenv("LLM_INFERENCE_SKINNY_ROWS", "64")  # to measure more rows
+    ops = TritonOps("cuda")
+    assert ops.skinny_applies(torch.randn(64, 4, dtype=torch.bfloat16, device="cuda"), wc)
+    assert not ops.skinny_applies(torch.randn(65, 4, dtype=torch.bfloat16, device="cuda"), wc)
 
 
 @cuda
 @pytest.mark.parametrize("case,n,k", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_skinny_gemm_gpu_bf16(case, n, k):
-    for m in (1, 3, 8, 16):
+    for m in (1, 3, 8, 16, 17, 40, 64):
         if "gate_up" in case:
             checks.check_silu("cuda", torch.bfloat16, m, n // 2, k, seed=m)
             if m in (1, 16):
@@ -181,7 +185,7 @@ def test_skinny_gemm_gpu_fp16_and_forced_splits():
 def test_skinny_gemm_gpu_fp8(layer):
     """FP8 weights, bfloat16 activations, the default configs (float16 at one size)."""
     n, k = SHAPES_8B[layer]
-    for m in (1, 3, 8, 16):
+    for m in (1, 3, 8, 16, 17, 40, 64):
         if layer == "gate_up":
             checks.check_silu("cuda", torch.bfloat16, m, n // 2, k, seed=m, fp8=True)
         else:

@@ -23,28 +23,28 @@ SHAPES = [
 ]
 
 
-def _keys(num_seqs, tokens, max_query_len, max_seq_len, shape):
+def _keys(num_seqs, tokens, max_query_len, max_seq_len, shape, rows):
     kv, group, head_dim, block_size, *_, sms = shape
-    return step_keys(kv, group, head_dim, block_size, sms, sg.MAX_ROWS, num_seqs, tokens,
+    return step_keys(kv, group, head_dim, block_size, sms, rows, num_seqs, tokens,
                      max_query_len, max_seq_len)  # fmt: skip
 
 
+@pytest.mark.parametrize("rows", [16, 64], ids=lambda r: f"skinny{r}")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"kv{s[0]}g{s[1]}d{s[2]}s{s[4]}")
-def test_steps_reach_every_variant(shape):
+def test_steps_reach_every_variant(shape, rows):
     """Against every decode (batch, context in whole tiles) and mixed steps of every query
-    length, at several sequence counts and longest contexts (their decodes split by those)."""
+    length, at several sequence counts and longest contexts (their decodes split by those);
+    the skinny GEMM up to 16 rows (the engine's) and up to 64 (envs.LLM_INFERENCE_SKINNY_ROWS)."""
     kv, group, head_dim, block_size, max_seqs, max_len, budget, sms = shape
-    steps = warm_up_shapes(
-        kv, group, head_dim, block_size, max_seqs, max_len, budget, sms, sg.MAX_ROWS
-    )
+    steps = warm_up_shapes(kv, group, head_dim, block_size, max_seqs, max_len, budget, sms, rows)
     warmed = set()
     for s in steps:  # each step brings a variant the ones before it did not
-        keys = _keys(s.num_seqs, s.num_tokens, s.max_query_len, s.max_seq_len, shape)
+        keys = _keys(s.num_seqs, s.num_tokens, s.max_query_len, s.max_seq_len, shape, rows)
         assert not keys <= warmed, s
         warmed |= keys
     block_n = pa.default_block_n(head_dim, block_size)
     contexts = range(block_n, max_len + block_n, block_n)
-    every = set().union(*(_keys(b, b, 1, min(n, max_len), shape)
+    every = set().union(*(_keys(b, b, 1, min(n, max_len), shape, rows)
                           for b in range(1, max_seqs + 1) for n in contexts))  # fmt: skip
     # A mixed step's tile follows its longest query; its decodes' split, its sequences and
     # longest context; its linear layers, all its tokens.
@@ -52,20 +52,27 @@ def test_steps_reach_every_variant(shape):
         for query in {2, tokens // 2, tokens} - {0, 1}:
             for seqs in {1, 2, max_seqs // 2, max_seqs} - {0}:
                 for n in (block_n, max_len // 3, max_len):
-                    every |= _keys(seqs, tokens, query, max(n, 1), shape)
+                    every |= _keys(seqs, tokens, query, max(n, 1), shape, rows)
     assert every <= warmed, f"not warmed up: {sorted(every - warmed, key=str)}"
     decode_keys = {k for k in warmed if k[0] == "decode"}
     assert {k[1] for k in decode_keys} == {False, True}  # these limits split and do not
-    # Each linear path where a step can take it (more rows than the skinny GEMM's: cuBLAS).
-    assert ("cublas" in warmed) == (max(budget, max_seqs) > sg.MAX_ROWS)
-    assert "skinny" in warmed and any(k[0] == "tiled" for k in warmed)
+    # Each linear path where a step can take it (more rows than the skinny GEMM's: cuBLAS),
+    # the skinny GEMM at each padded row count up to the most rows a step has.
+    assert (("cublas",) in warmed) == (max(budget, max_seqs) > rows)
+    most = min(max(budget, max_seqs), rows)
+    padded = {k[1] for k in warmed if k[0] == "skinny"}
+    assert padded == {sg.block_m(m) for m in range(1, most + 1)}
+    assert any(k[0] == "tiled" for k in warmed)
 
 
 def test_the_ops_objects_list_them(monkeypatch):
     limits = (2, 1, 64, 16, 8, 1024, 64)
     assert ReferenceOps().warm_up_shapes(*limits) == []
     monkeypatch.delenv("LLM_INFERENCE_SKINNY_GEMM", raising=False)
+    monkeypatch.delenv("LLM_INFERENCE_SKINNY_ROWS", raising=False)
     with_skinny = TritonOps("cpu").warm_up_shapes(*limits)
-    assert with_skinny == warm_up_shapes(*limits, 4, sg.MAX_ROWS)
+    assert with_skinny == warm_up_shapes(*limits, 4, 16)
+    monkeypatch.setenv("LLM_INFERENCE_SKINNY_ROWS", "64")
+    assert TritonOps("cpu").warm_up_shapes(*limits) == warm_up_shapes(*limits, 4, 64)
     monkeypatch.setenv("LLM_INFERENCE_SKINNY_GEMM", "0")
     assert TritonOps("cpu").warm_up_shapes(*limits) == warm_up_shapes(*limits, 4, 0)

@@ -1,4 +1,4 @@
-"""Skinny GEMM for decode steps: out[M, N] = x[M, K] @ W[N, K]^T for 1 <= M <= 16, W in
+"""Skinny GEMM for decode steps: out[M, N] = x[M, K] @ W[N, K]^T for 1 <= M <= 64, W in
 nn.Linear's layout, float32 accumulation; and the gate_up projection fused with SiLU-and-mul:
 out[M, I] = silu(x @ Wg^T) * (x @ Wu^T), where W = [Wg; Wu] is [2I, K]. W is in x's dtype, or
 FP8 (float8_e4m3fn) with a float32 scale per row (layers/fp8.py's layout).
@@ -7,10 +7,11 @@ At decode the weights are nearly all the bytes a step reads, so the kernel's job
 W once at the memory bandwidth:
 
 - Blocking. A program owns BLOCK_N output columns (rows of W) for all M rows and walks K in
-  BLOCK_K tiles: per step one [BLOCK_N, BLOCK_K] tile of W and one [BLOCK_K, 16] tile of x^T
-  (loaded once, used for all BLOCK_N rows), one `tl.dot` into a [BLOCK_N, 16] float32
+  BLOCK_K tiles: per step one [BLOCK_N, BLOCK_K] tile of W and one [BLOCK_K, BLOCK_M] tile of
+  x^T (loaded once, used for all BLOCK_N rows), one `tl.dot` into a [BLOCK_N, BLOCK_M] float32
   accumulator. W is the left operand, so the long side (BLOCK_N >= 64) is the MMA's M and the
-  batch, padded to 16 rows of zeros, its N; the padding costs tensor-core work, never bytes.
+  batch, padded with rows of zeros to BLOCK_M (16, 32 or 64: `block_m`), its N; the padding
+  costs tensor-core work, never bytes.
   The fused variant loads the gate tile (rows n) and the up tile (rows I + n) of the same
   columns, keeps two accumulators and applies the activation in registers: no [M, 2I]
   intermediate, one launch fewer.
@@ -39,10 +40,12 @@ W once at the memory bandwidth:
   target: their tiles hold half the bytes, and twice the programs keep as many in flight
   (benchmarks/skinny_gemm.py --fp8 --sweep: larger BLOCK_K or more warps did not help them).
 
-M, the batch, is not specialized (`do_not_specialize`): one compiled kernel per config serves
-every decode bucket of 1..16 rows. Rows beyond M are masked, W's rows beyond N are clamped
-(read in bounds, never stored), and K needs masks only when it is not a multiple of
-BLOCK_K * split_k (EVEN_K). float32 inputs (the interpreter tests) use IEEE dot products.
+M, the batch, is not specialized (`do_not_specialize`): one compiled kernel per config and BLOCK_M
+serves every decode bucket of its rows (1..16, 17..32, 33..64). The engine takes the skinny GEMM up
+to 16 rows (envs.LLM_INFERENCE_SKINNY_ROWS: 32 or 64, to measure them). Rows beyond M are masked,
+W's rows beyond N are clamped (read in bounds, never stored), and K needs masks only when it is not
+a multiple of BLOCK_K * split_k (EVEN_K). float32 inputs (the interpreter tests) use IEEE dot
+products.
 """
 
 from __future__ import annotations
@@ -62,13 +65,18 @@ from llm_inference.kernels.reference import FP8_MAX, MIN_AMAX
 _FP8_MAX = tl.constexpr(FP8_MAX)  # the per-tile FP8 activations, as fp8_quant.py scales them
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
 
-MAX_ROWS = 16  # the most rows (decode batch) a launch takes; also the dot's padded M
+MAX_ROWS = 64  # the most rows (decode batch) a launch takes
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8 = torch.float8_e4m3fn  # weights with a float32 scale per row (layers/fp8.py's layout)
 FILL = 0.8  # split K while the programs fill less than this fraction of the SMs
 MIN_K_PER_SPLIT = 512  # ... and each K range keeps at least this many columns
 MAX_SPLIT = 16
 REDUCE_BLOCK = 512
+
+
+def block_m(m: int) -> int:
+    """The dot's padded M for a launch of m rows: 16, 32 or 64."""
+    return max(16, triton.next_power_of_2(m))
 
 
 @dataclass(frozen=True)
@@ -315,7 +323,7 @@ def _launch(
     stride_om, stride_os = (width, m * width) if partial else (out.stride(0), 0)
     _skinny_gemm_kernel[(blocks, split)](
         x, weight, scale, dest, m, n, k, x.stride(0), weight.stride(0), stride_om, stride_os,
-        k_per_split, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FUSED=fused,
+        k_per_split, BLOCK_M=block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FUSED=fused,
         PARTIAL=partial, EVEN_K=split * k_per_split == k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl,
         PREFETCH=cfg.prefetch or pdl, FP8_DOT=fp8_dot,

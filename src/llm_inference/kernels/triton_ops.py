@@ -7,8 +7,9 @@ without a host sync) and keyword `out=` buffers for rms_norm and silu_and_mul. u
 (mixed prefill chunks and decodes in one launch) takes the same bounds as its reference.
 
 Decided once, for the device: `pdl` (programmatic dependent launch for every launcher that
-takes it; kernels/pdl.py, envs.LLM_INFERENCE_PDL), `skinny_gemm` (whether `linear` and
-`gate_up_silu` may take the skinny GEMM; envs.LLM_INFERENCE_SKINNY_GEMM) and `skinny_fp8`
+takes it; kernels/pdl.py, envs.LLM_INFERENCE_PDL), `skinny_rows` (up to how many rows
+`linear` and `gate_up_silu` take the skinny GEMM, 0: never; envs.LLM_INFERENCE_SKINNY_GEMM
+and LLM_INFERENCE_SKINNY_ROWS) and `skinny_fp8`
 (whether it may read FP8 weights: Triton converts e4m3 from compute capability 8.9).
 Decided per call, from the shapes: the skinny GEMM where it applies (`skinny_applies`: decode
 batches; inside a CUDA graph, once per graph), else F.linear (cuBLAS); the attention kernel's
@@ -65,21 +66,20 @@ class TritonOps:
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self.pdl = pdl.resolve(envs.LLM_INFERENCE_PDL, self.device)
-        self.skinny_gemm = envs.LLM_INFERENCE_SKINNY_GEMM
+        self.skinny_rows = envs.LLM_INFERENCE_SKINNY_ROWS if envs.LLM_INFERENCE_SKINNY_GEMM else 0
         cuda = self.device.type == "cuda"
         self.skinny_fp8 = not cuda or torch.cuda.get_device_capability(self.device) >= (8, 9)
 
     # ---- linear layers --------------------------------------------------------------------
 
     def skinny_applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether the skinny GEMM computes x @ weight^T: on (`skinny_gemm`), 2-D x of 1 to
-        skinny_gemm.MAX_ROWS rows on this device type, float16 or bfloat16, the weight of the
-        same dtype or FP8 (`skinny_fp8`), both contiguous in their last dim."""
+        """Whether the skinny GEMM computes x @ weight^T: 2-D x of 1 to `skinny_rows` rows on this
+        device type, float16 or bfloat16, the weight of the same dtype or FP8 (`skinny_fp8`), both
+        contiguous in their last dim."""
         return (
-            self.skinny_gemm
-            and x.device.type == self.device.type
+            x.device.type == self.device.type
             and x.dim() == 2
-            and 1 <= x.shape[0] <= sg.MAX_ROWS
+            and 1 <= x.shape[0] <= self.skinny_rows
             and x.dtype in SKINNY_DTYPES
             and (weight.dtype == x.dtype or (weight.dtype == sg.FP8 and self.skinny_fp8))
             and x.stride(-1) == 1
@@ -137,5 +137,5 @@ class TritonOps:
     ) -> list[StepShape]:  # fmt: skip
         return warm_up_shapes(
             num_kv_heads, group, head_dim, block_size, max_num_seqs, max_model_len,
-            max_num_batched_tokens, num_sms(self.device), sg.MAX_ROWS if self.skinny_gemm else 0,
+            max_num_batched_tokens, num_sms(self.device), self.skinny_rows,
         )  # fmt: skip

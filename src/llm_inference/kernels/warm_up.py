@@ -8,14 +8,14 @@ list one step shape per variant (`TritonOps.warm_up_shapes`, from `warm_up_shape
 the executor runs each as an all-padding forward when it starts without graphs
 (executor/warm_up.py); the sampler has its own warm-up.
 
-Only the attention picks its variants from a step's sizes (`unified_attention.compile_keys`,
-one per launch): the decode kernel's split count follows the batch and the longest context
-(and whether it is dispatched in `seq_order`, `unified_attention.ordered`), a mixed step's
-tile its longest query. The linear layers take the skinny GEMM up to `skinny_rows` rows (one
-variant for all of them) and cuBLAS above. Every other kernel compiles once for all sizes: the
+Only the attention picks its variants from a step's sizes (`unified_attention.compile_keys`, one per
+launch): the decode kernel's split count follows the batch and the longest context (and whether it
+is dispatched in `seq_order`, `unified_attention.ordered`), a mixed step's tile its longest query.
+The linear layers take the skinny GEMM up to `skinny_rows` rows (a variant per padded row count,
+`skinny_gemm.block_m`) and cuBLAS above. Every other kernel compiles once for all sizes: the
 integers that change from step to step are not specialized (`do_not_specialize`). So
-`warm_up_shapes` lists step shapes until every attention variant that the scheduler's limits
-allow, and each of the two linear paths, are in one of them.
+`warm_up_shapes` lists step shapes until every attention variant that the scheduler's limits allow,
+and each linear variant, are in one of them.
 
 Finding the decode variants: the split count grows with the context and falls with the batch,
 so every context length in whole tiles at one sequence, and every batch size at power-of-two
@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llm_inference.kernels import paged_attention as pa
+from llm_inference.kernels import skinny_gemm as sg
 from llm_inference.kernels import unified_attention as ua
 
 
@@ -81,11 +82,12 @@ def step_keys(
     skinny_rows: int, num_seqs: int, num_tokens: int, max_query_len: int, max_seq_len: int,
 ) -> set[tuple]:  # fmt: skip
     """The attention compile keys a step of these sizes launches, and its linear layers'
-    path: "skinny" (the skinny GEMM) or "cublas" (F.linear, then the Triton SiLU-and-mul)."""
+    path: ("skinny", its padded rows) (the skinny GEMM) or ("cublas",) (F.linear, then the
+    Triton SiLU-and-mul)."""
     ordered = ua.ordered(num_seqs, max_query_len)
     plan = ua.plan(
         num_seqs, num_kv_heads, group, head_dim, block_size, max_query_len, max_seq_len,
         num_sms, ordered,
     )  # fmt: skip
-    linear = "skinny" if num_tokens <= skinny_rows else "cublas"
+    linear = ("skinny", sg.block_m(num_tokens)) if num_tokens <= skinny_rows else ("cublas",)
     return {*ua.compile_keys(plan, ordered), linear}
