@@ -40,6 +40,18 @@ def test_pdl_is_auto_off_or_required(monkeypatch):
             getattr(envs, name)
 
 
+def test_skinny_rows_16_32_or_64(monkeypatch):
+    name = "LLM_INFERENCE_SKINNY_ROWS"
+    assert envs.LLM_INFERENCE_SKINNY_ROWS == 16
+    for value in ("16", "32", "64"):
+        monkeypatch.setenv(name, value)
+        assert envs.LLM_INFERENCE_SKINNY_ROWS == int(value)
+    for bad in ("", "8", "48", "128", "0x20"):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name):
+            getattr(envs, name)
+
+
 def test_mixed_graph_sizes_list_or_none(monkeypatch):
     name = "LLM_INFERENCE_MIXED_CUDA_GRAPH_SIZES"
     assert envs.LLM_INFERENCE_MIXED_CUDA_GRAPH_SIZES is None  # the default ladder
