@@ -97,12 +97,6 @@ class UnquantizedLinearMethod(LinearMethodBase):
         y = self.ops.linear(x, layer.weight)
         return y if bias is None else y.add_(bias)
 
-    def takes_quantized(self, layer: nn.Module, x: torch.Tensor) -> bool:
-        """Whether `apply` would quantize x per token first: then the kernel producing x may
-        hand it on quantized instead (FP8's: an fp8.Fp8Activation; the RMSNorm does). No by
-        default."""
-        return False
-
     def apply_gate_up_silu(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return self.ops.gate_up_silu(x, layer.weight)
 
