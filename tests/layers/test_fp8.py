@@ -273,18 +273,18 @@ def test_norms_hand_qkv_and_gate_up_their_input_quantized():
     norm = RMSNorm(64, 1e-5, ops)
     norm.weight.data = torch.rand(64) + 0.5
     x, res = torch.randn(20, 64), torch.randn(20, 64)
-    want_h, want_res = norm(x, res.clone())  # no next_linear: the norm alone
+    want_h, want_res = norm(x, res.clone())  # the norm alone
     want = layer(want_h)
     assert calls == ["quantize_rows"]
-    norm.next_linear = layer
-    h, new_res = norm(x, res.clone())
+    assert layer.takes_quantized(x)
+    h, new_res = norm(x, res.clone(), quantize=True)
     assert isinstance(h, Fp8Activation) and h.dtype == x.dtype and torch.equal(new_res, want_res)
     assert torch.equal(layer(h), want) and calls == ["quantize_rows"]  # none more
     ops.skinny = True  # a decode step: the skinny GEMM quantizes its own tiles
-    assert not layer.quant_method.takes_quantized(layer, x)
-    assert isinstance(norm(x), torch.Tensor)
+    assert not layer.takes_quantized(x)
     static = QKVParallelLinear(
         64, 16, 4, 2, ops, Fp8Config(Fp8Format("tensor", static_input_scale=True))
     )
     ops.skinny = False
-    assert not static.quant_method.takes_quantized(static, x)
+    assert not static.takes_quantized(x)
+    assert not QKVParallelLinear(64, 16, 4, 2, ops).takes_quantized(x)  # unquantized

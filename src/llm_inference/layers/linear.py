@@ -59,6 +59,11 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
 
+    def takes_quantized(self, x: torch.Tensor) -> bool:
+        """Whether the layer would quantize x per token first (FP8 off the skinny GEMM): the
+        kernel producing x may then quantize it instead (layers/fp8.py, Fp8Activation)."""
+        return self.quant_method.takes_quantized(self, x)
+
 
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks (dim 0 of the weight)."""

@@ -15,9 +15,9 @@ class RMSNorm(nn.Module):
     (parallel_state.all_reduce_add_rms_norm). `fuse_index` numbers such norms in a forward
     pass (the model sets it), so that consecutive fused calls alternate buffers.
 
-    `next_linear` (the model sets it): the linear layer that takes the output. Where its method
-    takes its input quantized (`takes_quantized`: FP8 off the skinny GEMM), the norm quantizes
-    in the same kernel (`ops.rms_norm_quant`) and returns an fp8.Fp8Activation."""
+    With `quantize=True` (where the FP8 layer that takes the output would quantize it: its
+    `takes_quantized`), the output is quantized per token in the same kernel
+    (`ops.rms_norm_quant`): an fp8.Fp8Activation."""
 
     def __init__(self, hidden_size: int, eps: float, ops) -> None:
         super().__init__()
@@ -25,11 +25,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.ops = ops
         self.fuse_index = 0
-        self.next_linear: nn.Module | None = None
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, partial: bool = False):
-        nxt = self.next_linear
-        if nxt is not None and nxt.quant_method.takes_quantized(nxt, x):
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, partial: bool = False,
+        quantize: bool = False,
+    ):  # fmt: skip
+        if quantize:
             if partial:  # summed apart: the fused all-reduce's steps are the skinny GEMM's
                 x = all_reduce(x)
             q, scale, residual = self.ops.rms_norm_quant(x, self.weight, self.eps, residual)

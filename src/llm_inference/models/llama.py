@@ -109,20 +109,20 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, ops, quant_config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        # FP8: the norms hand these their input quantized (layers/norm.py)
-        self.input_layernorm.next_linear = self.self_attn.qkv_proj
-        self.post_attention_layernorm.next_linear = self.mlp.gate_up_proj
 
     def forward(self, positions, x, residual, md):
         """x: the embeddings (first layer, `residual` None) or the previous layer's MLP output,
-        a per-rank partial sum; returns this layer's partial MLP output and the residual."""
+        a per-rank partial sum; returns this layer's partial MLP output and the residual. Each
+        norm quantizes its output where the FP8 layer after it would (`quantize`)."""
+        quantize = self.self_attn.qkv_proj.takes_quantized(x)
         if residual is None:
             residual = x
-            x = self.input_layernorm(x)
+            x = self.input_layernorm(x, quantize=quantize)
         else:
-            x, residual = self.input_layernorm(x, residual, partial=True)
+            x, residual = self.input_layernorm(x, residual, partial=True, quantize=quantize)
         x = self.self_attn(positions, x, md)
-        x, residual = self.post_attention_layernorm(x, residual, partial=True)
+        quantize = self.mlp.gate_up_proj.takes_quantized(x)
+        x, residual = self.post_attention_layernorm(x, residual, partial=True, quantize=quantize)
         return self.mlp(x), residual
 
 
