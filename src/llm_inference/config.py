@@ -260,6 +260,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 2048
+    # The most prompt tokens one request computes in a step (0: as many as the budget leaves),
+    # so that a long prompt's chunks leave room for the other requests (vLLM's name).
+    long_prefill_token_threshold: int = 0
     # True when max_model_len came from the model, not the user: the engine may then lower it
     # to what the KV cache holds.
     max_model_len_is_default: bool = False

@@ -224,3 +224,22 @@ def test_prompt_logprobs_are_reported_once_with_the_first_token():
     assert first.new_token_ids == [7] and first.prompt_logprobs == [None, *lps]
     (second,) = run((19, []))
     assert second.new_token_ids == [7] and second.prompt_logprobs is None
+
+
+def test_long_prefill_token_threshold_caps_each_prompt_chunk():
+    """A prompt computes at most `long_prefill_token_threshold` tokens a step (vLLM's option),
+    running or newly admitted, and the budget it leaves goes to the next requests; decodes and
+    short prompts are not affected."""
+    config = SchedulerConfig(max_num_batched_tokens=32, max_model_len=256,
+                             long_prefill_token_threshold=10)  # fmt: skip
+    sched = Scheduler(config, num_blocks=64, block_size=4, enable_prefix_caching=False)
+    add(sched, "a", 25)
+    add(sched, "b", 6)
+    add(sched, "c", 30)
+    out = step(sched)
+    assert plan(out) == [("a", 0, 10), ("b", 0, 6), ("c", 0, 10)]
+    out = step(sched)
+    assert plan(out) == [("a", 10, 10), ("b", 6, 1), ("c", 10, 10)]
+    out = step(sched)
+    assert plan(out) == [("a", 20, 5), ("b", 7, 1), ("c", 20, 10)]
+    assert plan(step(sched)) == [("a", 25, 1), ("b", 8, 1), ("c", 30, 1)]

@@ -52,8 +52,9 @@ SMALL_CACHE = dict(kv_cache_memory_bytes=8 * 8192, max_model_len=80)
         SMALL_CACHE,
         dict(max_num_seqs=2),
         dict(max_num_batched_tokens=16, kv_cache_memory_bytes=12 * 8192, max_model_len=80),
+        dict(long_prefill_token_threshold=3),  # every prompt in chunks of 3, side by side
     ],
-    ids=["default", "preempting", "max_num_seqs_2", "chunked_prefill"],
+    ids=["default", "preempting", "max_num_seqs_2", "chunked_prefill", "long_prefill_chunks"],
 )
 def test_greedy_matches_transformers(tiny_ckpt, hf_greedy, device, engine_kw):
     _skip_without(device)

@@ -41,6 +41,8 @@ BAD_ENGINE_ARGS = [
     ("block_size", 12),
     ("max_model_len", 0),
     ("max_model_len", -5),
+    ("long_prefill_token_threshold", -1),
+    ("long_prefill_token_threshold", 2.5),
     ("gpu_memory_utilization", 0.0),
     ("gpu_memory_utilization", 1.5),
     ("gpu_memory_utilization", -0.1),

@@ -5,7 +5,8 @@ There is no prefill phase and no decode phase. Each request needs
 decoding, prompt + outputs when readmitted after preemption); `schedule()` hands out the
 step's budget of `max_num_batched_tokens`:
 
-1. RUNNING requests, oldest first, each get `min(needed, budget left)` tokens. When the KV
+1. RUNNING requests, oldest first, each get `min(needed, budget left)` tokens (and at most
+   `long_prefill_token_threshold` where that is set: a long prompt's chunk). When the KV
    cache has no room, the newest running request is preempted (blocks freed, progress
    reset, put at the front of the waiting queue) and allocation is retried; if the request
    being scheduled is itself the newest, it is preempted and the step stops there.
@@ -88,6 +89,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         block_size = kv.block_size
         max_model_len = self.config.max_model_len
+        # the most tokens one request computes in a step
+        chunk = self.config.long_prefill_token_threshold or max_model_len
         running = self.running
         index = 0
         while index < len(running) and budget > 0:
@@ -95,6 +98,8 @@ class Scheduler:
             in_flight = request.num_output_placeholders
             num_tokens = request.num_tokens
             num_new = num_tokens + in_flight - request.num_computed_tokens
+            if num_new > chunk:
+                num_new = chunk
             if num_new > budget:
                 num_new = budget
             # With samples in flight that will reach max_tokens or max_model_len, the request
@@ -141,6 +146,8 @@ class Scheduler:
                 continue
             hit = self.kv_cache_manager.get_computed_blocks(request)
             num_new = min(request.num_tokens - hit.num_tokens, budget)
+            if self.config.long_prefill_token_threshold:
+                num_new = min(num_new, self.config.long_prefill_token_threshold)
             self._check_fits(request, hit.num_tokens + num_new)
             if not self.kv_cache_manager.allocate_slots(request, num_new, hit):
                 break

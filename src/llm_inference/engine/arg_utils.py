@@ -75,6 +75,11 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _option(
         None, "most tokens in one step", "max(8192, --max-num-seqs)"
     )
+    long_prefill_token_threshold: int = _option(
+        0,
+        "most prompt tokens of one request in a step (0: no limit but the step's): a long "
+        "prompt's chunks leave the rest of each step to other requests",
+    )
     block_size: int = _option(16, "tokens per KV cache block (a power of two)")
     kv_cache_dtype: str = _option(
         "auto",
@@ -163,6 +168,9 @@ class EngineArgs:
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
         _positive_int("max_model_len", self.max_model_len, allow_none=True)
+        if not is_int(self.long_prefill_token_threshold) or self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be an integer >= 0, got "
+                             f"{self.long_prefill_token_threshold!r}")  # fmt: skip
         _positive_int("block_size", self.block_size)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
@@ -218,6 +226,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens or max(8192, self.max_num_seqs),
                 max_model_len=self.max_model_len or limit,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
                 max_model_len_is_default=self.max_model_len is None,
             ),
             parallel=ParallelConfig(
