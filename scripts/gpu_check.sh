@@ -3,8 +3,10 @@
 # tree against another on one machine start, the check that a change made nothing slower.
 #   RUN_TESTS=1 (default): pytest on TESTS (default: the folders that hold CUDA tests, their
 #     CPU tests included; -k "not interpreter", whose cases need the CPU machine's Triton) into
-#     $OUT/pytest_cuda.log. About 8 minutes on one H200 before tests/models joined (not timed
-#     since); the TP=2 tests skip on one GPU.
+#     $OUT/pytest_cuda.log. On one H200 (2026-12-02) tests/engine, tests/sample and
+#     tests/kernels took 518 s and the rest 415 s: more than one call's 10 minutes, so give
+#     TESTS in two calls. The TP=2 tests skip on one GPU; the SmolLM2 tests need the default
+#     model (scripts/default_model_carry.sh).
 #   BENCH=1: for each shape in SHAPES, `bench latency` (decode ms per step at BATCHES) and
 #     `bench throughput` (the 256-request run, token ids only as vLLM's is measured), of this
 #     tree and, when OLD_SRC names another checkout's src/ (for example
