@@ -72,7 +72,7 @@ ENGINE_FLAGS = [
     "--block-size", "32", "--tensor-parallel-size", "2", "--kernel-backend", "reference",
     "--enforce-eager", "--seed", "11", "--no-async-scheduling", "--disable-custom-all-reduce",
     "--data-parallel-size", "3", "--distributed-executor-backend", "ray", "--quantization", "fp8",
-    "--kv-cache-dtype", "fp8",
+    "--kv-cache-dtype", "fp8", "--long-prefill-token-threshold", "64",
 ]  # fmt: skip
 ENGINE_KWARGS = dict(
     model="m", device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_bytes=123456,
@@ -80,7 +80,7 @@ ENGINE_KWARGS = dict(
     max_num_batched_tokens=99, block_size=32, tensor_parallel_size=2,
     kernel_backend="reference", enforce_eager=True, seed=11, async_scheduling=False,
     disable_custom_all_reduce=True, data_parallel_size=3, distributed_executor_backend="ray",
-    quantization="fp8", kv_cache_dtype="fp8",
+    quantization="fp8", kv_cache_dtype="fp8", long_prefill_token_threshold=64,
 )  # fmt: skip
 
 
