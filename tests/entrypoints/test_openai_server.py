@@ -69,6 +69,29 @@ def test_chat_stream_equals_non_stream_and_usage(client, offline_llm):
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client, endpoint):
+    """vLLM's stream_options.continuous_usage_stats: with include_usage, each chunk carries the
+    prompt's tokens and the completion tokens so far; the last usage chunk the totals."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    if endpoint == "completions":
+        create, kw = client.completions.create, dict(prompt="The quick brown fox")
+    else:
+        messages = [{"role": "user", "content": "Hi"}]
+        create, kw = client.chat.completions.create, dict(messages=messages)
+    chunks = list(create(stream=True, stream_options=options, **kw, **_extra(GREEDY)))
+    final = chunks[-1]
+    assert final.choices == [] and final.usage.completion_tokens == 12
+    counts = [c.usage.completion_tokens for c in chunks[:-1]]
+    assert all(c.usage.prompt_tokens == final.usage.prompt_tokens for c in chunks[:-1])
+    assert counts == sorted(counts) and counts[-1] == 12 and counts[0] <= 1
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + n for c, n in zip(chunks, counts))
+    # without include_usage the option changes nothing: no usage anywhere
+    plain = list(create(stream=True, stream_options={"continuous_usage_stats": True}, **kw,
+                        **_extra(GREEDY)))  # fmt: skip
+    assert all(c.usage is None for c in plain)
+
+
 def test_logprobs_zero_gives_the_sampled_token(client):
     """logprobs=0 (the sampled token's logprob only): each top_logprobs entry is that token,
     as OpenAI's completions and vLLM give it; before, empty dicts."""

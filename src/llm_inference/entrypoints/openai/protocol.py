@@ -63,6 +63,8 @@ class _NullIsDefault(BaseModel):
 
 class StreamOptions(_NullIsDefault):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far too
+    continuous_usage_stats: bool = False
 
 
 # Fields of OpenAI's or vLLM's API that this server does not implement: a request that sets
@@ -155,6 +157,10 @@ class _SamplingFields(_NullIsDefault):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def unsupported(self) -> str | None:
         """The first UNSUPPORTED field this request sets, or None."""

@@ -226,7 +226,9 @@ class OpenAIServing:
         else:
             streams = await self._start(raw, prompts, params, builder.id)
         if req.stream:
-            return SSEResponse(self._stream(streams, builder, req.include_usage))
+            return SSEResponse(
+                self._stream(streams, builder, req.include_usage, req.continuous_usage)
+            )
         finals = await until_disconnected(raw, _collect(streams, params.n))
         return builder.response(finals)
 
@@ -280,11 +282,17 @@ class OpenAIServing:
             raise _api_error(e, len(prompts)) from e
         return [_once(out) for out in finals]
 
-    async def _stream(self, streams, builder: ResponseBuilder, include_usage: bool):
+    async def _stream(
+        self, streams, builder: ResponseBuilder, include_usage: bool, continuous_usage: bool
+    ):
+        """The chunks, then with `include_usage` a usage chunk; with `continuous_usage` every
+        chunk carries the usage so far too (vLLM's continuous_usage_stats)."""
         tracker = DeltaTracker(builder)
         try:
             async for i, out in merge(streams):
                 for chunk in tracker.chunks(i, out):
+                    if continuous_usage:
+                        chunk["usage"] = tracker.usage()
                     yield sse(chunk)
             if include_usage:
                 yield sse(builder.usage_chunk(tracker.usage()))
