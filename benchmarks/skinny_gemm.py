@@ -15,7 +15,7 @@ Step totals sum one decode step's matmuls: layers x (qkv + o + gate_up+act + dow
 floor is the weight bytes at the measured device-to-device copy bandwidth.
 
 `--fp8` (issue 31: FP8 decode): the Llama-3.1-8B shapes at M = 1, 8, 16 unless --models or
---batches say otherwise, with two more columns on the decoder layers' weights in FP8 (one
+--batches say otherwise (the kernel takes up to 64 rows), with two more columns on the decoder layers' weights in FP8 (one
 float32 scale per row, as layers/fp8.py keeps them): the skinny GEMM on them (Triton FP8,
 what the engine's decode steps run: the default config's dot, LLM_INFERENCE_FP8_DOT) and the
 engine's path for larger steps (_scaled_mm: activations quantized per token, torch._scaled_mm,
