@@ -15,14 +15,14 @@ Step totals sum one decode step's matmuls: layers x (qkv + o + gate_up+act + dow
 floor is the weight bytes at the measured device-to-device copy bandwidth.
 
 `--fp8` (issue 31: FP8 decode): the Llama-3.1-8B shapes at M = 1, 8, 16 unless --models or
---batches say otherwise (the kernel takes up to 64 rows), with two more columns on the decoder layers' weights in FP8 (one
-float32 scale per row, as layers/fp8.py keeps them): the skinny GEMM on them (Triton FP8,
-what the engine's decode steps run: the default config's dot, LLM_INFERENCE_FP8_DOT) and the
-engine's path for larger steps (_scaled_mm: activations quantized per token, torch._scaled_mm,
-then silu_and_mul for gate_up+act). `err FP8` compares the Triton FP8 column with cuBLAS on
-the dequantized weight (bf16 rounding, and with the FP8 dot the activations' FP8 rounding). The
-LM head stays bf16 (its FP8 step totals take its Triton time); the FP8 floor is the FP8 bytes
-(and scales) plus the LM head's.
+--batches say otherwise (the kernel takes up to 64 rows), with two more columns on the decoder
+layers' weights in FP8 (one float32 scale per row, as layers/fp8.py keeps them): the skinny GEMM
+on them (Triton FP8, what the engine's decode steps run: the default config's dot,
+LLM_INFERENCE_FP8_DOT) and the engine's path for larger steps (_scaled_mm: activations quantized
+per token, torch._scaled_mm, then silu_and_mul for gate_up+act). `err FP8` compares the Triton
+FP8 column with cuBLAS on the dequantized weight (bf16 rounding, and with the FP8 dot the
+activations' FP8 rounding). The LM head stays bf16 (its FP8 step totals take its Triton time);
+the FP8 floor is the FP8 bytes (and scales) plus the LM head's.
 
 `--sweep` also times other configs (tiles, warps, stages, split-K) of the Triton kernel per
 shape at one batch size, to tune `default_config` (with `--fp8`, the kernel on FP8 weights:
