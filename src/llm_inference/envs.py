@@ -8,9 +8,9 @@ it is used (`envs.LLM_INFERENCE_PDL`, through the module `__getattr__`), so a te
 raises ValueError naming the variable.
 
 LLM_INFERENCE_SKINNY_GEMM
-    "1" (default): matmuls of at most 16 half-precision rows on CUDA (decode steps) run the
-    Triton skinny GEMM, the MLP's gate_up fused with SiLU-and-mul (kernels/skinny_gemm.py);
-    "0": always F.linear (cuBLAS).
+    "1" (default): matmuls of at most 16 (LLM_INFERENCE_SKINNY_ROWS) half-precision rows on
+    CUDA (decode steps) run the Triton skinny GEMM, the MLP's gate_up fused with SiLU-and-mul
+    (kernels/skinny_gemm.py); "0": always F.linear (cuBLAS).
 LLM_INFERENCE_SKINNY_ROWS
     "16" (default), "32" or "64": the most rows (decode batch) the skinny GEMM takes; a launch
     pads its rows to 16, 32 or 64 for the dot (kernels/skinny_gemm.py).
