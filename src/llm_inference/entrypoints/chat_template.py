@@ -4,7 +4,24 @@ prompt for the same conversation)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """A chat template given by the user (vLLM's `--chat-template`): a file's path, read, or
+    the Jinja template itself (it has a `{{` or `{%`). ValueError for anything else, naming
+    the option: a mistyped path must not pass for a template."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(
+        f"chat_template: {value!r} is neither a file nor a Jinja template ({{{{ or {{%)"
+    )
 
 
 def content_text(content: str | list[dict[str, Any]] | None) -> str:
@@ -39,16 +56,19 @@ def render_chat(
     continue_final_message: bool = False,
     tools: list[dict] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    chat_template: str | None = None,
 ) -> str:
     """The prompt text of one conversation: each message's content flattened to its text
     (`content_text`; its other keys, such as a tool turn's tool_calls, kept for the template),
-    then the tokenizer's chat template. ValueError for content that is not text and for
-    `continue_final_message` with `add_generation_prompt`; a template's own errors pass."""
+    then the chat template (`chat_template`, else the tokenizer's). ValueError for content
+    that is not text and for `continue_final_message` with `add_generation_prompt`; a
+    template's own errors pass."""
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message needs add_generation_prompt=False")
     flat = [{**m, "content": content_text(m.get("content"))} for m in messages]
     return tokenizer.apply_chat_template(
         flat, add_generation_prompt=add_generation_prompt, tokenize=False,
         continue_final_message=continue_final_message, tools=tools,
+        **({} if chat_template is None else {"chat_template": chat_template}),
         **(chat_template_kwargs or {}),
     )  # fmt: skip

@@ -96,7 +96,7 @@ def cmd_serve(args) -> int:
     run_server(host=args.host, port=args.port, api_key=args.api_key,
                served_model_name=args.served_model_name, log_level=args.log_level,
                tool_call_parser=args.tool_call_parser, engine_process=args.engine_process,
-               **_engine_kwargs(args))  # fmt: skip
+               chat_template=args.chat_template, **_engine_kwargs(args))  # fmt: skip
     return 0
 
 
@@ -129,6 +129,12 @@ def _add_serve_parsers(sub) -> None:
         help="the model's name in the API (default: --model, or the default model's folder)",
     )
     s.add_argument("--log-level", default="info", help="uvicorn's log level")
+    s.add_argument(
+        "--chat-template",
+        default=None,
+        help="a chat template for chat completions: a Jinja file, or the template itself "
+        "(default: the tokenizer's)",
+    )
     s.add_argument(
         "--tool-call-parser",
         default="llama3_json",

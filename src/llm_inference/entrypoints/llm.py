@@ -15,7 +15,7 @@ from llm_inference.config import EngineConfig
 from llm_inference.engine.arg_utils import EngineArgs
 from llm_inference.engine.data_parallel import DataParallelCore
 from llm_inference.engine.llm_engine import LLMEngine
-from llm_inference.entrypoints.chat_template import render_chat
+from llm_inference.entrypoints.chat_template import load_chat_template, render_chat
 from llm_inference.gc_heap import freeze_startup_heap, thaw_heap
 from llm_inference.models.loader import load_tokenizer
 from llm_inference.outputs import RequestOutput
@@ -187,13 +187,16 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, as the server does
         (`chat_template.render_chat`: what messages hold, ValueError naming what is refused),
         then generate. `continue_final_message`: the last (assistant) message is left open for
         the model to continue (as vLLM's); `chat_template_kwargs`: extra template variables
-        (e.g. Llama 3's `date_string`); `tools`: OpenAI-format tool definitions."""
+        (e.g. Llama 3's `date_string`); `tools`: OpenAI-format tool definitions;
+        `chat_template`: a Jinja template (or a file of one) instead of the tokenizer's."""
         self._engine()
+        template = load_chat_template(chat_template)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for i, conv in enumerate(conversations):
@@ -201,7 +204,7 @@ class LLM:
                 prompts.append(render_chat(
                     self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message, tools=tools,
-                    chat_template_kwargs=chat_template_kwargs,
+                    chat_template_kwargs=chat_template_kwargs, chat_template=template,
                 ))  # fmt: skip
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}") from e

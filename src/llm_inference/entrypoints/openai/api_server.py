@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 
 from llm_inference import pause_log
 from llm_inference.engine.async_llm import AsyncLLM
+from llm_inference.entrypoints.chat_template import load_chat_template
 from llm_inference.entrypoints.openai import metrics
 from llm_inference.entrypoints.openai.protocol import (
     APIError,
@@ -161,9 +162,11 @@ def build_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     shutdown_llm: bool = False,
     tool_call_parser: str = "llama3_json",
+    chat_template: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `llm` as `served_model_name` (shut down with the app if
-    `shutdown_llm`); chat tool calls found by `tool_call_parser` (tool_parser.py)."""
+    `shutdown_llm`); chat tool calls found by `tool_call_parser` (tool_parser.py); chats
+    rendered by `chat_template` (a template's text), else the tokenizer's."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -175,7 +178,7 @@ def build_app(
     app = FastAPI(title="llm_inference OpenAI-compatible server", lifespan=lifespan)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
     _add_error_handlers(app)
-    serving = OpenAIServing(llm, served_model_name, tool_call_parser)
+    serving = OpenAIServing(llm, served_model_name, tool_call_parser, chat_template)
     app.state.llm, app.state.serving = llm, serving
     created = int(time.time())
 
@@ -273,6 +276,7 @@ def run_server(
     served_model_name: str | None = None,
     log_level: str = "info",
     tool_call_parser: str = "llama3_json",
+    chat_template: str | None = None,
     **engine_args,
 ) -> None:
     """Load the engine, then serve until SIGINT/SIGTERM, which aborts the running requests
@@ -280,11 +284,12 @@ def run_server(
     import uvicorn
 
     get_tool_parser(tool_call_parser)  # an unknown name fails before the model loads
+    template = load_chat_template(chat_template)  # so does a missing template file
     llm = AsyncLLM(model, **engine_args)
     name = served_name(served_model_name, model)
     print(startup_summary(llm, name, f"http://{host}:{port}", api_key is not None), flush=True)
     app = build_app(llm, name, api_key=api_key, shutdown_llm=True,
-                    tool_call_parser=tool_call_parser)  # fmt: skip
+                    tool_call_parser=tool_call_parser, chat_template=template)  # fmt: skip
     freeze_startup_heap()
     log = pause_log.get()
 

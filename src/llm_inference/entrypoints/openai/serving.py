@@ -64,9 +64,15 @@ TEMPLATE_ARGUMENTS = frozenset({
 
 
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, model_name: str, tool_call_parser: str = "llama3_json"):
+    def __init__(
+        self, llm: AsyncLLM, model_name: str, tool_call_parser: str = "llama3_json",
+        chat_template: str | None = None,
+    ):  # fmt: skip
+        """`chat_template`: the operator's template (load_chat_template's), else the
+        tokenizer's."""
         self.llm = llm
         self.model_name = model_name
+        self.chat_template = chat_template
         self.tool_parser = get_tool_parser(tool_call_parser)  # for chat requests with tools
         self.tokenizer = llm.tokenizer
         # and whatever named arguments this tokenizer's apply_chat_template has besides
@@ -133,7 +139,7 @@ class OpenAIServing:
             text = render_chat(
                 self.tokenizer, messages, add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message, tools=tools,
-                chat_template_kwargs=kwargs,
+                chat_template_kwargs=kwargs, chat_template=self.chat_template,
             )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - a template error is the request's problem
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
