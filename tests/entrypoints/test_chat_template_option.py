@@ -74,6 +74,10 @@ def test_the_server_renders_chats_with_it(templated_server, live_server):
     r = httpx.post(f"{templated_server}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    # a request's own template is refused, not ignored
+    r = httpx.post(f"{templated_server}/v1/chat/completions",
+                   json={**body, "chat_template": "{{ messages }}"}, timeout=60)  # fmt: skip
+    assert r.status_code == 400 and "chat_template is not supported" in r.text
 
 
 def test_serve_refuses_a_missing_template_file_before_loading(tmp_path, capsys, monkeypatch):

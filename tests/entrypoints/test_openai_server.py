@@ -84,7 +84,7 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client, endp
     assert final.choices == [] and final.usage.completion_tokens == 12
     counts = [c.usage.completion_tokens for c in chunks[:-1]]
     assert all(c.usage.prompt_tokens == final.usage.prompt_tokens for c in chunks[:-1])
-    assert counts == sorted(counts) and counts[-1] == 12 and counts[0] <= 1
+    assert counts == sorted(counts) and counts[-1] == 12  # (how many a chunk adds: timing)
     assert all(c.usage.total_tokens == c.usage.prompt_tokens + n for c, n in zip(chunks, counts))
     # without include_usage the option changes nothing: no usage anywhere
     plain = list(create(stream=True, stream_options={"continuous_usage_stats": True}, **kw,

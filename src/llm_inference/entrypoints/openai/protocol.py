@@ -68,8 +68,12 @@ class StreamOptions(_NullIsDefault):
 
 
 # Fields of OpenAI's or vLLM's API that this server does not implement: a request that sets
-# one (to anything but an off value) gets a 400 naming it, not an answer that ignored it.
-UNSUPPORTED = ("functions", "function_call", "best_of", "suffix", "logits_processors")
+# one (to anything but an off value) gets a 400 naming it, not an answer that ignored it. A
+# request's own `chat_template` too: the operator's (serve --chat-template) or the tokenizer's
+# renders every chat, as vLLM does unless told to trust the requests' templates.
+UNSUPPORTED = (
+    "functions", "function_call", "best_of", "suffix", "logits_processors", "chat_template",
+)  # fmt: skip
 
 
 def _is_off(field: str, value: Any) -> bool:
