@@ -28,6 +28,8 @@ def test_a_file_or_the_template_itself(tmp_path):
     path.write_text(TEMPLATE, encoding="utf-8")
     assert load_chat_template(str(path)) == TEMPLATE
     assert load_chat_template(TEMPLATE) == TEMPLATE
+    long = TEMPLATE + "{# " + "x" * 5000 + " #}"  # longer than a file name may be
+    assert load_chat_template(long) == long
     assert load_chat_template(None) is None
     with pytest.raises(ValueError, match="chat_template: .*neither a file nor a Jinja template"):
         load_chat_template(str(tmp_path / "missing.jinja"))

@@ -14,11 +14,11 @@ def load_chat_template(value: str | None) -> str | None:
     the option: a mistyped path must not pass for a template."""
     if value is None:
         return None
+    if "{{" in value or "{%" in value:  # (a long template is no valid path to try first)
+        return value
     path = Path(value).expanduser()
     if path.is_file():
         return path.read_text(encoding="utf-8")
-    if "{{" in value or "{%" in value:
-        return value
     raise ValueError(
         f"chat_template: {value!r} is neither a file nor a Jinja template ({{{{ or {{%)"
     )
