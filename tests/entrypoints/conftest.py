@@ -3,6 +3,7 @@ tiny checkpoint, shared by the module's tests."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -95,3 +96,22 @@ def wait_all_blocks_free(llm, timeout: float = 10.0) -> dict:
         if time.monotonic() > deadline:
             return stats
         time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def serving(app):
+    """`app` (api_server.build_app's) served by uvicorn in a thread on a port of its own: its
+    base URL; stopped on exit."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive()
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

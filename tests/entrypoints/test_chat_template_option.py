@@ -6,11 +6,9 @@ loads."""
 
 from __future__ import annotations
 
-import threading
-import time
-
 import httpx
 import pytest
+from conftest import serving
 
 from llm_inference.entrypoints.chat_template import load_chat_template
 from llm_inference.entrypoints.cli import main
@@ -51,20 +49,10 @@ def test_llm_chat_renders_with_the_given_template(offline_llm, tmp_path):
 def templated_server(live_server):
     """What `serve --chat-template TEMPLATE` builds, over the module's engine, on a port of
     its own."""
-    import uvicorn
-
     from llm_inference.entrypoints.openai.api_server import build_app
 
-    app = build_app(live_server.llm, "tiny", chat_template=TEMPLATE)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        assert thread.is_alive()
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serving(build_app(live_server.llm, "tiny", chat_template=TEMPLATE)) as url:
+        yield url
 
 
 def test_the_server_renders_chats_with_it(templated_server, live_server):

@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 import random
 import re
-import threading
-import time
 
 import pytest
+from conftest import serving
 
 from llm_inference.entrypoints.openai.tool_parser import (
     get_tool_parser,
@@ -197,22 +196,13 @@ def hermes_client(live_server):
     """What `serve --tool-call-parser hermes` builds (api_server.build_app), over the engine
     of the module's live server (conftest.py), on a port of its own."""
     import openai
-    import uvicorn
 
     from llm_inference.entrypoints.openai.api_server import build_app
 
     app = build_app(live_server.llm, "tiny", tool_call_parser="hermes")
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        assert thread.is_alive()
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0) as c:
+    with serving(app) as url, openai.OpenAI(base_url=f"{url}/v1", api_key="x",
+                                             max_retries=0) as c:  # fmt: skip
         yield c
-    server.should_exit = True
-    thread.join(timeout=30)
 
 
 def test_hermes_tool_calls_through_the_server(hermes_client):
