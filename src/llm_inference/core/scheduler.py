@@ -48,6 +48,10 @@ class Scheduler:
         enable_prefix_caching: bool = True,
     ) -> None:
         self.config = scheduler_config
+        # The most tokens one request computes in a step (long_prefill_token_threshold).
+        self.max_chunk = (
+            scheduler_config.long_prefill_token_threshold or scheduler_config.max_model_len
+        )
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -89,8 +93,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         block_size = kv.block_size
         max_model_len = self.config.max_model_len
-        # the most tokens one request computes in a step
-        chunk = self.config.long_prefill_token_threshold or max_model_len
+        chunk = self.max_chunk
         running = self.running
         index = 0
         while index < len(running) and budget > 0:
@@ -145,9 +148,7 @@ class Scheduler:
                 compiling.append(self.waiting.popleft())
                 continue
             hit = self.kv_cache_manager.get_computed_blocks(request)
-            num_new = min(request.num_tokens - hit.num_tokens, budget)
-            if self.config.long_prefill_token_threshold:
-                num_new = min(num_new, self.config.long_prefill_token_threshold)
+            num_new = min(request.num_tokens - hit.num_tokens, budget, self.max_chunk)
             self._check_fits(request, hit.num_tokens + num_new)
             if not self.kv_cache_manager.allocate_slots(request, num_new, hit):
                 break
