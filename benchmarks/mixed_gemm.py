@@ -5,7 +5,7 @@ heuristics, split-K, tile choice)" among the suspects for the 8B chat-like mix, 
 hold a few hundred tokens (256 decodes beside a prompt chunk). For one decoder layer's linear
 shapes (qkv, o, gate_up, down; bfloat16, nn.Linear's layout) at M tokens, this times:
 
-- `cublas`: F.linear, what the engine runs above the skinny GEMM's 16 rows;
+- `cublas`: F.linear, what the engine runs above the skinny GEMM's 32 rows;
 - `cublas_pad`: F.linear on M rounded up to a multiple of 128 (cuBLAS may pick a better kernel
   for an aligned M; the padding rows are wasted work);
 - `triton`: a plain tiled Triton GEMM (`gemm` below: grouped tile order, fp32 accumulation)

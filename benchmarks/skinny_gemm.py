@@ -331,7 +331,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The options; `models` and `batches` as lists, --fp8's defaults applied."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", help="comma-separated (default: all; with --fp8, the 8B)")
-    p.add_argument("--batches", help="rows, <= 16 (default: 1,2,4,8,16; with --fp8, 1,8,16)")
+    p.add_argument("--batches", help="rows, <= 64 (default: 1,2,4,8,16; with --fp8, 1,8,16)")
     p.add_argument("--fp8", action="store_true", help="also the decoder layers on FP8 weights")
     p.add_argument("--sweep", action="store_true", help="also time other Triton configs")
     p.add_argument("--sweep-batch", type=int, default=1, help="rows of the sweep")

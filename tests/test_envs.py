@@ -42,7 +42,7 @@ def test_pdl_is_auto_off_or_required(monkeypatch):
 
 def test_skinny_rows_16_32_or_64(monkeypatch):
     name = "LLM_INFERENCE_SKINNY_ROWS"
-    assert envs.LLM_INFERENCE_SKINNY_ROWS == 16
+    assert envs.LLM_INFERENCE_SKINNY_ROWS == 32
     for value in ("16", "32", "64"):
         monkeypatch.setenv(name, value)
         assert envs.LLM_INFERENCE_SKINNY_ROWS == int(value)

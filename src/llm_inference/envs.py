@@ -8,12 +8,13 @@ it is used (`envs.LLM_INFERENCE_PDL`, through the module `__getattr__`), so a te
 raises ValueError naming the variable.
 
 LLM_INFERENCE_SKINNY_GEMM
-    "1" (default): matmuls of at most 16 (LLM_INFERENCE_SKINNY_ROWS) half-precision rows on
+    "1" (default): matmuls of at most 32 (LLM_INFERENCE_SKINNY_ROWS) half-precision rows on
     CUDA (decode steps) run the Triton skinny GEMM, the MLP's gate_up fused with SiLU-and-mul
     (kernels/skinny_gemm.py); "0": always F.linear (cuBLAS).
 LLM_INFERENCE_SKINNY_ROWS
-    "16" (default), "32" or "64": the most rows (decode batch) the skinny GEMM takes; a launch
-    pads its rows to 16, 32 or 64 for the dot (kernels/skinny_gemm.py).
+    "32" (default), "16" or "64": the most rows (decode batch) the skinny GEMM takes; a launch
+    pads its rows to 16, 32 or 64 for the dot (kernels/skinny_gemm.py). At 64 rows it lost to
+    cuBLAS and _scaled_mm (benchmarks/results/skinny_rows_2026-12-02_h200.md).
 LLM_INFERENCE_PDL
     "auto" (default): programmatic dependent launch for the decode step's Triton kernels
     wherever it is supported (compute capability 9.0+ and a Triton with gdc_wait;
@@ -94,7 +95,7 @@ def _positive_int(name: str) -> int | None:
 
 
 def _skinny_rows() -> int:
-    value = os.environ.get("LLM_INFERENCE_SKINNY_ROWS", "16")
+    value = os.environ.get("LLM_INFERENCE_SKINNY_ROWS", "32")
     if value not in ("16", "32", "64"):
         raise ValueError(f"LLM_INFERENCE_SKINNY_ROWS must be 16, 32 or 64, got {value!r}")
     return int(value)

@@ -133,7 +133,7 @@ def counting() -> dict[str, int]:
 
 def triton_ops(skinny: bool = True, rows: int = 16):
     """The Triton ops on the CPU (the interpreter runs them), the skinny GEMM switch and its
-    rows set."""
+    rows set (16 unless given: the checks below test that boundary, whatever the engine's)."""
     from llm_inference.kernels.triton_ops import TritonOps
 
     os.environ["LLM_INFERENCE_SKINNY_GEMM"] = "1" if skinny else "0"

@@ -29,12 +29,12 @@ def _keys(num_seqs, tokens, max_query_len, max_seq_len, shape, rows):
                      max_query_len, max_seq_len)  # fmt: skip
 
 
-@pytest.mark.parametrize("rows", [16, 64], ids=lambda r: f"skinny{r}")
+@pytest.mark.parametrize("rows", [16, 32, 64], ids=lambda r: f"skinny{r}")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"kv{s[0]}g{s[1]}d{s[2]}s{s[4]}")
 def test_steps_reach_every_variant(shape, rows):
     """Against every decode (batch, context in whole tiles) and mixed steps of every query
     length, at several sequence counts and longest contexts (their decodes split by those);
-    the skinny GEMM up to 16 rows (the engine's) and up to 64 (envs.LLM_INFERENCE_SKINNY_ROWS)."""
+    the skinny GEMM up to 16, 32 (the engine's) and 64 rows (envs.LLM_INFERENCE_SKINNY_ROWS)."""
     kv, group, head_dim, block_size, max_seqs, max_len, budget, sms = shape
     steps = warm_up_shapes(kv, group, head_dim, block_size, max_seqs, max_len, budget, sms, rows)
     warmed = set()
@@ -71,7 +71,7 @@ def test_the_ops_objects_list_them(monkeypatch):
     monkeypatch.delenv("LLM_INFERENCE_SKINNY_GEMM", raising=False)
     monkeypatch.delenv("LLM_INFERENCE_SKINNY_ROWS", raising=False)
     with_skinny = TritonOps("cpu").warm_up_shapes(*limits)
-    assert with_skinny == warm_up_shapes(*limits, 4, 16)
+    assert with_skinny == warm_up_shapes(*limits, 4, 32)
     monkeypatch.setenv("LLM_INFERENCE_SKINNY_ROWS", "64")
     assert TritonOps("cpu").warm_up_shapes(*limits) == warm_up_shapes(*limits, 4, 64)
     monkeypatch.setenv("LLM_INFERENCE_SKINNY_GEMM", "0")

@@ -42,7 +42,7 @@ W once at the memory bandwidth:
 
 M, the batch, is not specialized (`do_not_specialize`): one compiled kernel per config and BLOCK_M
 serves every decode bucket of its rows (1..16, 17..32, 33..64). The engine takes the skinny GEMM up
-to 16 rows (envs.LLM_INFERENCE_SKINNY_ROWS: 32 or 64, to measure them). Rows beyond M are masked,
+to 32 rows (envs.LLM_INFERENCE_SKINNY_ROWS: 16 or 64, to measure them). Rows beyond M are masked,
 W's rows beyond N are clamped (read in bounds, never stored), and K needs masks only when it is not
 a multiple of BLOCK_K * split_k (EVEN_K). float32 inputs (the interpreter tests) use IEEE dot
 products.

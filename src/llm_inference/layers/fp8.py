@@ -13,7 +13,7 @@ Every checkpoint form (config.Fp8Format) ends in that one layout after loading
   layout to run, for a second rounding (at most half an e4m3 step, 2^-4 relative).
 
 `apply` computes x @ W^T one of two ways:
-- where the kernel ops take a skinny GEMM (`ops.skinny_applies`: steps of at most 16 rows on
+- where the kernel ops take a skinny GEMM (`ops.skinny_applies`: steps of at most 32 rows on
   the Triton ops, compute capability 8.9+), the Triton skinny GEMM reads the FP8 weight and
   its row scales and quantizes each x tile itself (a scale per row and 128 columns) for an
   FP8 x FP8 dot: such a step's time is the weight bytes, with no kernel before it. The MLP's
