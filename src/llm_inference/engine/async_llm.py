@@ -94,7 +94,10 @@ class AsyncLLM:
 
     Arguments: see `arg_utils.EngineArgs`; `engine_process`: run the engine core in a
     process of its own (the default; see the module docstring); `core_setup`: a picklable
-    function called with the built `EngineCore` (where it runs), for tests and benchmarks. The
+    function called with the built `EngineCore` (where it runs), for tests and benchmarks;
+    `front_ends`: how many front ends its core process serves, this one and one per pipe of
+    `core_process.front_end_pipes`, each for another AsyncLLM made with `core_pipe=` that
+    pipe (the server's `api_server_count`: one per process, core_process.py). The
     core process is started with `spawn` (it re-imports the caller's main module): a script
     creating an AsyncLLM needs the `if __name__ == "__main__":` guard. Use `generate` from a
     running event loop; `shutdown()` (or the context manager) stops the
@@ -107,20 +110,31 @@ class AsyncLLM:
         *,
         engine_process: bool = True,
         core_setup=None,
+        front_ends: int = 1,
+        core_pipe=None,
         **engine_args,
     ) -> None:
         from llm_inference.models.loader import load_tokenizer
 
         config = EngineArgs(model=model, **engine_args).create_engine_config()
         self.tokenizer = load_tokenizer(config.model_path)
-        if config.parallel.data_parallel_size > 1 and not engine_process:
+        dp = config.parallel.data_parallel_size
+        if dp > 1 and not engine_process:
             raise ValueError("data_parallel_size > 1 runs engine cores in processes of their own: "
                              "engine_process=False is for one core")  # fmt: skip
+        if front_ends < 1 or (front_ends > 1 and (dp > 1 or not engine_process)):
+            raise ValueError(
+                f"front_ends (the server's api_server_count) must be 1, or more for one engine "
+                f"core in a process of its own; got {front_ends} with data_parallel_size {dp}, "
+                f"engine_process {engine_process}"
+            )
         self.core_process = None
-        if config.parallel.data_parallel_size > 1:
+        if core_pipe is not None:  # another front end of a core started elsewhere
+            self.core_process = CoreClient.attach(core_pipe)
+        elif dp > 1:
             self.core_process = DataParallelCore(config, core_setup)
         elif engine_process:
-            self.core_process = CoreClient(config, core_setup)
+            self.core_process = CoreClient(config, core_setup, front_ends)
         try:
             self.engine = LLMEngine(config, self.tokenizer, core=self.core_process)
             if core_setup is not None and self.core_process is None:

@@ -24,6 +24,12 @@ front end and the core's stepping would otherwise share one GIL).
   after it. Records of requests the front end has already dropped are ignored there. A core
   that runs out of work after a command (an abort) sends a result with no records, for the
   stats (its blocks are free).
+- Several front ends (the server's `api_server_count`, each a process of its own): the core
+  reads commands from one pipe per front end and sends each its own requests' records, with
+  the ids first scheduled and the stats of every step to all of them (a front end whose
+  requests all wait still hears the core step). The front ends' request ids must differ (the
+  server's are random). The first pipe is `CoreClient`'s; `CoreClient.attach` joins another
+  process to the core over one of `front_end_pipes`. A pipe closing, whichever, ends the core.
 - Failure: an error in the child is sent as `("error", traceback, exception)` before it exits
   (the exception when it pickles), and the parent raises that exception (so a bad checkpoint or
   a KV cache too small reads as it does in one process), the child's traceback chained as an
@@ -45,6 +51,7 @@ import time
 import traceback
 from multiprocessing import util as mp_util
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for
 from typing import Any
 
 from llm_inference import pause_log
@@ -97,8 +104,8 @@ def _portable(e: BaseException) -> Exception | None:
     return e
 
 
-def _core_main(config: EngineConfig, conn: Connection, parent_pid: int, setup) -> None:
-    """The body of the core process."""
+def _core_main(config: EngineConfig, conns: list[Connection], parent_pid: int, setup) -> None:
+    """The body of the core process: `conns`, one pipe per front end."""
     from llm_inference.engine.engine_core import EngineCore
     from llm_inference.executor.worker_process import watch_parent
 
@@ -109,26 +116,35 @@ def _core_main(config: EngineConfig, conn: Connection, parent_pid: int, setup) -
         if setup is not None:
             setup(core)
     except BaseException as e:
-        conn.send(("error", traceback.format_exc(), _portable(e)))
+        for conn in conns:
+            conn.send(("error", traceback.format_exc(), _portable(e)))
         return
     freeze_startup_heap()
-    results: queue.SimpleQueue = queue.SimpleQueue()
-    sender = threading.Thread(target=_sender, args=(conn, results, "steps"), daemon=True)
+    results = [queue.SimpleQueue() for _ in conns]  # one sender thread per front end
+    senders = [threading.Thread(target=_sender, args=(conn, items, "steps"), daemon=True)
+               for conn, items in zip(conns, results)]  # fmt: skip
+    owners: dict[str, int] = {}  # request id -> its front end (several front ends only)
     try:
-        conn.send(("ready", (core.config, core.stats())))
-        sender.start()
+        for conn in conns:
+            conn.send(("ready", (core.config, core.stats())))
+        for sender in senders:
+            sender.start()
         unscheduled: set[str] = set()
         running, log = True, pause_log.get()
         while running:
             block = not core.has_unfinished_requests()
-            while running and (block or conn.poll()):
+            while running and (ready := wait_for(conns, None if block else 0)):
                 block = False
-                commands = conn.recv()[1]  # EOFError: the parent closed the pipe
                 start = time.monotonic()
-                running = _apply(core, commands, unscheduled)
+                for conn in ready:
+                    commands = conn.recv()[1]  # EOFError: a front end closed its pipe
+                    if len(conns) > 1:
+                        _note_owners(owners, commands, conns.index(conn))
+                    running = _apply(core, commands, unscheduled) and running
                 _log_slow(log, "core_commands", start)
             if running and not core.has_unfinished_requests():
-                results.put(([], [], time.monotonic(), core.stats()))  # idle: the stats only
+                for items in results:  # idle: the stats only
+                    items.put(([], [], time.monotonic(), core.stats()))
             elif running:
                 start = time.monotonic()
                 records = core.step()
@@ -138,25 +154,63 @@ def _core_main(config: EngineConfig, conn: Connection, parent_pid: int, setup) -
                     waiting = core.waiting_request_ids()
                     scheduled = [i for i in unscheduled if i not in waiting]
                     unscheduled.difference_update(scheduled)
-                results.put((records, scheduled, start, core.stats()))
+                stats = core.stats()
+                if len(conns) == 1:
+                    results[0].put((records, scheduled, start, stats))
+                else:
+                    split = _by_owner(owners, records, scheduled, len(conns))
+                    for items, (mine, first) in zip(results, split):
+                        items.put((mine, first, start, stats))
     except EOFError:
         pass
     except BaseException as e:
-        results.put(None)
-        if sender.is_alive():
-            sender.join(JOIN_TIMEOUT_S)  # the steps before the error go out first
-        if not sender.is_alive():  # else it is stuck mid-message: the closed pipe tells
-            try:
-                conn.send(("error", traceback.format_exc(), _portable(e)))
-            except (OSError, EOFError):
-                pass
+        for items in results:
+            items.put(None)
+        for conn, sender in zip(conns, senders):
+            if sender.is_alive():
+                sender.join(JOIN_TIMEOUT_S)  # the steps before the error go out first
+            if not sender.is_alive():  # else it is stuck mid-message: the closed pipe tells
+                try:
+                    conn.send(("error", traceback.format_exc(), _portable(e)))
+                except (OSError, EOFError):
+                    pass
     finally:
-        results.put(None)
-        if sender.is_alive():
-            sender.join(JOIN_TIMEOUT_S)
+        for items in results:
+            items.put(None)
+        for sender in senders:
+            if sender.is_alive():
+                sender.join(JOIN_TIMEOUT_S)
         core.shutdown()
-        conn.close()
+        for conn in conns:
+            conn.close()
         thaw_heap()
+
+
+def _note_owners(owners: dict[str, int], commands: list[tuple], front_end: int) -> None:
+    """Remember which front end added each request; forget the ones it finishes (an abort:
+    the core reports no record for those)."""
+    for cmd in commands:
+        if cmd[0] == "add":
+            owners.update((r.request_id, front_end) for r in cmd[1])
+        elif cmd[0] == "finish":
+            for request_id in cmd[1]:
+                owners.pop(request_id, None)
+
+
+def _by_owner(owners: dict[str, int], records: list, scheduled: list[str], n: int) -> list:
+    """A step's records and first-scheduled ids, split per front end ([(records, ids), ...]);
+    a finished request is forgotten, and one its front end aborted is skipped."""
+    split = [([], []) for _ in range(n)]
+    for request_id in scheduled:
+        if request_id in owners:
+            split[owners[request_id]][1].append(request_id)
+    for record in records:
+        k = owners.get(record.request_id)
+        if k is not None:
+            split[k][0].append(record)
+            if record.finished:
+                del owners[record.request_id]
+    return split
 
 
 def _log_slow(log, what: str, start: float) -> None:
@@ -197,29 +251,56 @@ def _stop(proc, conn: Connection, commands: queue.SimpleQueue, sender: threading
     stop_processes([proc], [conn], JOIN_TIMEOUT_S)
 
 
+def _detach(_proc, conn: Connection, commands: queue.SimpleQueue, sender) -> None:
+    """An attached client's shutdown: its sender stops, its pipe closes (the core ends)."""
+    commands.put(None)
+    sender.join(JOIN_TIMEOUT_S)
+    conn.close()
+
+
 class CoreClient:
     """An `EngineCore` in a child process (see the module docstring). `setup`: a picklable
-    function called in the child with the built core (tests and benchmarks use it)."""
+    function called in the child with the built core (tests and benchmarks use it);
+    `front_ends`: how many front ends the core serves, this one and one per pipe of
+    `front_end_pipes` (each for another process's `CoreClient.attach`)."""
 
-    def __init__(self, config: EngineConfig, setup=None) -> None:
+    def __init__(self, config: EngineConfig, setup=None, front_ends: int = 1) -> None:
         ctx = multiprocessing.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe(duplex=True)
+        pipes = [ctx.Pipe(duplex=True) for _ in range(front_ends)]
         # Not a daemon: with tensor parallelism the core starts the worker processes.
         self._proc = ctx.Process(
             target=_core_main,
-            args=(config, child_conn, os.getpid(), setup),
+            args=(config, [child for _, child in pipes], os.getpid(), setup),
             name="llm_inference-core",
             daemon=False,
         )
         self._proc.start()
-        child_conn.close()
+        for _, child in pipes:
+            child.close()
+        self.front_end_pipes = [parent for parent, _ in pipes[1:]]
+        self._connect(pipes[0][0], _stop)
+
+    @classmethod
+    def attach(cls, conn: Connection) -> CoreClient:
+        """A client of a core that another process started (one of its `front_end_pipes`):
+        the same calls, but it neither stops the core (its pipe closing ends it) nor sees
+        the core's process (the pipe tells when it is gone)."""
+        client = cls.__new__(cls)
+        client._proc, client.front_end_pipes = None, []
+        client._connect(conn, _detach)
+        return client
+
+    def _connect(self, conn: Connection, stop) -> None:
+        """Start the sender thread on `conn` and wait for the core's ready message."""
+        self._conn = conn
         self._commands: queue.SimpleQueue = queue.SimpleQueue()  # read by `_sender` only
         self._sender = threading.Thread(target=_sender, args=(self._conn, self._commands,
                                         "commands"), name="llm_inference-core-sender",
                                         daemon=True)  # fmt: skip
         self._sender.start()
         stop_args = (self._proc, self._conn, self._commands, self._sender)
-        self._finalizer = mp_util.Finalize(self, _stop, stop_args, exitpriority=50)
+        self._finalizer = mp_util.Finalize(self, stop, stop_args, exitpriority=50)
+        self._gone = False  # an attached client's pipe has closed
         try:
             kind, payload = self._recv_message()
             if kind != "ready":
@@ -231,8 +312,8 @@ class CoreClient:
         self.sent_at = 0.0  # when the core sent the last results received (time.monotonic())
 
     @property
-    def pid(self) -> int:
-        return self._proc.pid
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
 
     def _recv_message(self, timeout: float | None = None) -> tuple[str, Any] | None:
         """The next message, or None after `timeout` seconds. Raises EngineCoreError when the
@@ -242,13 +323,14 @@ class CoreClient:
             left = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
             if self._conn.poll(left):
                 break
-            if not self._proc.is_alive() and not self._conn.poll():
+            if self._proc is not None and not self._proc.is_alive() and not self._conn.poll():
                 raise EngineCoreError(f"the engine core process exited ({self._exit_text()})")
             if deadline is not None and time.monotonic() >= deadline:
                 return None
         try:
             message = self._conn.recv()
         except (EOFError, OSError):
+            self._gone = True
             raise EngineCoreError(f"the engine core process exited ({self._exit_text()})") from None
         if message[0] == "error":  # the child's own exception when it pickled, its traceback
             failure = EngineCoreError(f"the engine core failed:\n{message[1]}")  # the cause
@@ -260,7 +342,7 @@ class CoreClient:
     def _exit_text(self) -> str:
         from llm_inference.executor.multiproc import exit_text
 
-        return exit_text(self._proc)
+        return "its pipe closed" if self._proc is None else exit_text(self._proc)
 
     # ---- what the front end calls -----------------------------------------------------------
 
@@ -300,12 +382,14 @@ class CoreClient:
         return steps
 
     def is_alive(self) -> bool:
-        """Whether the core process runs (any thread may ask)."""
-        return self._proc.is_alive()
+        """Whether the core process runs (any thread may ask; attached: its pipe is open)."""
+        return not self._gone if self._proc is None else self._proc.is_alive()
 
     def kill(self) -> None:
-        """End the core process now (SIGKILL): a front end stuck in `recv` gets an error."""
-        self._proc.kill()
+        """End the core process now (SIGKILL): a front end stuck in `recv` gets an error. An
+        attached client cannot: its process's exit closes its pipe, which ends the core."""
+        if self._proc is not None:
+            self._proc.kill()
 
     def shutdown(self) -> None:
         self._finalizer()

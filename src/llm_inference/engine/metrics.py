@@ -38,6 +38,12 @@ class Histogram:
         self.sum += value
         self.count += 1
 
+    def add(self, other: Histogram) -> None:
+        """Add another histogram's observations (same buckets) to this one's."""
+        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+        self.sum += other.sum
+        self.count += other.count
+
     def cumulative(self) -> list[tuple[str, int]]:
         """(le label, cumulative count) for every bucket, ending with ("+Inf", count)."""
         out, total = [], 0
@@ -68,6 +74,10 @@ class RequestTimes:
         self.aborted = self.reasons.get(0) == "abort"
 
 
+HISTOGRAMS = ("ttft", "itl", "tpot", "e2e", "queue")
+COUNTED = ("prompt_tokens", "generation_tokens", "finished", *HISTOGRAMS)
+
+
 @dataclass
 class ServingMetrics:
     prompt_tokens: int = 0
@@ -86,6 +96,20 @@ class ServingMetrics:
         with self.lock:
             fields = {k: copy.deepcopy(v) for k, v in vars(self).items() if k != "lock"}
         return ServingMetrics(**fields)
+
+    def counts(self) -> dict:
+        """A copy of the counters and histograms (what front ends add up: `add`)."""
+        with self.lock:
+            return {k: copy.deepcopy(getattr(self, k)) for k in COUNTED}
+
+    def add(self, counts: dict) -> None:
+        """Add another front end's `counts()` to these (the server's api_server_count)."""
+        with self.lock:
+            self.prompt_tokens += counts["prompt_tokens"]
+            self.generation_tokens += counts["generation_tokens"]
+            self.finished.update(counts["finished"])
+            for name in HISTOGRAMS:
+                getattr(self, name).add(counts[name])
 
     def on_scheduled(self, times: RequestTimes, now: float) -> None:
         if times.scheduled is None:

@@ -96,7 +96,8 @@ def cmd_serve(args) -> int:
     run_server(host=args.host, port=args.port, api_key=args.api_key,
                served_model_name=args.served_model_name, log_level=args.log_level,
                tool_call_parser=args.tool_call_parser, engine_process=args.engine_process,
-               chat_template=args.chat_template, **_engine_kwargs(args))  # fmt: skip
+               chat_template=args.chat_template, api_server_count=args.api_server_count,
+               **_engine_kwargs(args))  # fmt: skip
     return 0
 
 
@@ -129,6 +130,13 @@ def _add_serve_parsers(sub) -> None:
         help="the model's name in the API (default: --model, or the default model's folder)",
     )
     s.add_argument("--log-level", default="info", help="uvicorn's log level")
+    s.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="HTTP front ends, each a process on the same port and engine core: past some "
+        "tens of thousands of streamed tokens a second one front end falls behind (default: 1)",
+    )
     s.add_argument(
         "--chat-template",
         default=None,

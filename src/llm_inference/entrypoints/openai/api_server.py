@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import sys
+import tempfile
 import time
 from contextlib import asynccontextmanager
 from typing import Any
@@ -25,7 +26,7 @@ from starlette.exceptions import HTTPException
 from llm_inference import pause_log
 from llm_inference.engine.async_llm import AsyncLLM
 from llm_inference.entrypoints.chat_template import load_chat_template
-from llm_inference.entrypoints.openai import metrics
+from llm_inference.entrypoints.openai import front_ends, metrics
 from llm_inference.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -40,6 +41,7 @@ from llm_inference.gc_heap import freeze_startup_heap, thaw_heap
 from llm_inference.models.default_model import DEFAULT_MODEL_NAME
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
+JOIN_TIMEOUT_S = 15.0  # for another front end to stop (its graceful shutdown takes up to 10)
 # With a pause log (pause_log.py), an event loop this much later than its tick is logged.
 LOOP_LAG_S = 0.05
 _OPEN_PATHS = ("/health", "/metrics")
@@ -163,14 +165,19 @@ def build_app(
     shutdown_llm: bool = False,
     tool_call_parser: str = "llama3_json",
     chat_template: str | None = None,
+    shared: front_ends.SharedMetrics | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `llm` as `served_model_name` (shut down with the app if
     `shutdown_llm`); chat tool calls found by `tool_call_parser` (tool_parser.py); chats
-    rendered by `chat_template` (a template's text), else the tokenizer's."""
+    rendered by `chat_template` (a template's text), else the tokenizer's; `shared`: this
+    front end's place among several (front_ends.py), whose /metrics add up."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        publisher = None if shared is None else asyncio.create_task(shared.run(llm.metrics))
         yield
+        if publisher is not None:
+            publisher.cancel()
         if shutdown_llm:
             llm.abort_all()
             llm.shutdown()
@@ -191,7 +198,8 @@ def build_app(
 
     @app.get("/metrics")
     async def get_metrics():
-        body = metrics.render(llm.metrics, served_model_name)
+        counted = llm.metrics if shared is None else shared.gather(llm.metrics)
+        body = metrics.render(counted, served_model_name)
         return PlainTextResponse(body, media_type=metrics.CONTENT_TYPE)
 
     def model_card() -> dict[str, Any]:
@@ -277,24 +285,60 @@ def run_server(
     log_level: str = "info",
     tool_call_parser: str = "llama3_json",
     chat_template: str | None = None,
+    api_server_count: int = 1,
     **engine_args,
 ) -> None:
     """Load the engine, then serve until SIGINT/SIGTERM, which aborts the running requests
-    (their streams end with finish_reason "abort") and shuts down cleanly."""
-    import uvicorn
-
+    (their streams end with finish_reason "abort") and shuts down cleanly.
+    `api_server_count`: HTTP front ends, each a process (front_ends.py)."""
     get_tool_parser(tool_call_parser)  # an unknown name fails before the model loads
     template = load_chat_template(chat_template)  # so does a missing template file
-    llm = AsyncLLM(model, **engine_args)
+    if api_server_count < 1:
+        raise ValueError(f"api_server_count must be at least 1, got {api_server_count}")
+    sock = front_ends.listen(host, port) if api_server_count > 1 else None  # taken or not: now
+    llm = AsyncLLM(model, front_ends=api_server_count, **engine_args)
     name = served_name(served_model_name, model)
     print(startup_summary(llm, name, f"http://{host}:{port}", api_key is not None), flush=True)
-    app = build_app(llm, name, api_key=api_key, shutdown_llm=True,
-                    tool_call_parser=tool_call_parser, chat_template=template)  # fmt: skip
+    serve_kwargs = dict(name=name, host=host, port=port, api_key=api_key, log_level=log_level,
+                        tool_call_parser=tool_call_parser, chat_template=template)  # fmt: skip
+    if api_server_count == 1:
+        return serve(llm, **serve_kwargs)
+    with tempfile.TemporaryDirectory(prefix="llm_inference_metrics_") as folder:
+        others = front_ends.start_others(
+            llm.core_process.front_end_pipes, sock, folder, (model, engine_args, serve_kwargs)
+        )
+        shared = front_ends.SharedMetrics(folder, 0, api_server_count)
+        serve(llm, sock=sock, shared=shared, others=others, **serve_kwargs)
+
+
+def serve(
+    llm: AsyncLLM,
+    *,
+    name: str,
+    host: str,
+    port: int,
+    api_key: str | None,
+    log_level: str,
+    tool_call_parser: str,
+    chat_template: str | None,
+    sock=None,
+    shared: front_ends.SharedMetrics | None = None,
+    others: list | None = None,
+) -> None:
+    """Serve `llm` (one front end) until a signal, or until its engine or one of `others`
+    (the other front ends' processes, which it stops on its way out) stops; on `sock` (shared
+    by the front ends) if given, else on host:port."""
+    import uvicorn
+
+    app = build_app(llm, name, api_key=api_key, shutdown_llm=True, shared=shared,
+                    tool_call_parser=tool_call_parser, chat_template=chat_template)  # fmt: skip
     freeze_startup_heap()
     log = pause_log.get()
+    others = others or []
 
     class Server(uvicorn.Server):
         last_tick = time.monotonic()
+        front_end_gone: list[str] | None = None  # the other front ends found exited
 
         def handle_exit(self, sig, frame) -> None:
             # Every request is aborted and the shutdown is bounded (timeout_graceful_shutdown,
@@ -316,15 +360,30 @@ def run_server(
                 print(f"llm_inference: the engine stopped ({llm.error}); shutting down",
                       file=sys.stderr, flush=True)  # fmt: skip
                 self.should_exit = True
+            gone = [p.name for p in others if not p.is_alive()]
+            if gone and not self.should_exit:  # (on a signal, they stop too)
+                self.front_end_gone = gone
+                print(f"llm_inference: front end {gone[0]} exited; shutting down",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                self.should_exit = True
             return await super().on_tick(counter)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=10)  # fmt: skip
+    server = Server(config)
     try:
-        Server(config).run()
+        server.run(sockets=None if sock is None else [sock])
     finally:
+        for p in others:  # each aborts its requests and ends
+            p.terminate()
+        for p in others:
+            p.join(JOIN_TIMEOUT_S)
+            if p.is_alive():
+                p.kill()
         error = llm.error
         llm.shutdown()
         thaw_heap()
     if error is not None:
         raise RuntimeError(f"the engine stopped: {error}")
+    if server.front_end_gone is not None:
+        raise RuntimeError(f"front end {server.front_end_gone[0]} exited")

@@ -1,0 +1,101 @@
+"""Several HTTP front ends for one engine core: `serve --api-server-count N` (vLLM's option).
+
+One front end (the server's process: event loop, tokenizer, output processing, streams) keeps
+up with some tens of thousands of streamed tokens a second; past that its streams' tokens go
+out merged, late. With N, the server's process and N - 1 processes it starts each run the
+whole HTTP app on the same listening socket (the kernel hands each connection to one of them),
+each with its own `AsyncLLM` on one pipe of the same engine core process
+(`AsyncLLM(front_ends=N)` in the first, `AsyncLLM(core_pipe=...)` in the others;
+core_process.py routes each request's records to the front end that added it).
+
+- /metrics: counters and histograms add up over the front ends: each writes its own to a
+  shared folder every METRICS_SHARE_S (`SharedMetrics`), and the one that answers adds the
+  others' latest to its own (theirs up to METRICS_SHARE_S old); the engine's gauges come from
+  the core, the same in all.
+- Lifetime: the first process starts the others after the core is ready and watches them: one
+  that exits stops the server (exit status 1), as a dead core does; each of the others exits
+  when the first is gone (`watch_parent`) or its core pipe closes. A signal to the first stops
+  all of them (each aborts its running requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import os
+import pickle
+import socket
+import threading
+from pathlib import Path
+
+from llm_inference.engine.metrics import ServingMetrics
+
+METRICS_SHARE_S = 1.0
+
+
+class SharedMetrics:
+    """Front end `index` of `count`: its counts written to `folder`/<index>.pkl (`publish`),
+    and every front end's added up (`gather`)."""
+
+    def __init__(self, folder: str, index: int, count: int) -> None:
+        self.folder, self.index, self.count = Path(folder), index, count
+
+    def publish(self, metrics: ServingMetrics) -> None:
+        path = self.folder / f"{self.index}.pkl"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(pickle.dumps(metrics.counts()))
+        os.replace(tmp, path)  # a reader sees the last whole file
+
+    def gather(self, own: ServingMetrics) -> ServingMetrics:
+        """A snapshot of `own` with the other front ends' latest counts added."""
+        total = own.snapshot()
+        for k in range(self.count):
+            if k != self.index:
+                with contextlib.suppress(FileNotFoundError):  # not yet written
+                    total.add(pickle.loads((self.folder / f"{k}.pkl").read_bytes()))
+        return total
+
+    async def run(self, metrics: ServingMetrics) -> None:
+        """Publish every METRICS_SHARE_S until cancelled (the app's lifespan)."""
+        while True:
+            self.publish(metrics)
+            await asyncio.sleep(METRICS_SHARE_S)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket that every front end accepts from."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
+def start_others(pipes: list, sock: socket.socket, folder: str, serve_args: tuple) -> list:
+    """Front ends 1..N-1, one process each on one of the core's `front_end_pipes`; the pipes
+    are theirs then (closed here: a front end that exits closes its pipe, which ends the
+    core). `serve_args`: `_front_end_main`'s after the index and pipe."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = []
+    for index, pipe in enumerate(pipes, start=1):
+        args = (index, len(pipes) + 1, pipe, sock, folder, os.getpid(), *serve_args)
+        proc = ctx.Process(target=_front_end_main, args=args, name=f"llm_inference-api-{index}")
+        proc.start()
+        pipe.close()
+        procs.append(proc)
+    return procs
+
+
+def _front_end_main(
+    index: int, count: int, pipe, sock: socket.socket, folder: str, parent_pid: int,
+    model: str | None, engine_args: dict, serve_kwargs: dict,
+) -> None:  # fmt: skip
+    from llm_inference.engine.async_llm import AsyncLLM
+    from llm_inference.entrypoints.openai.api_server import serve
+    from llm_inference.executor.worker_process import watch_parent
+
+    threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
+    llm = AsyncLLM(model, core_pipe=pipe, **engine_args)
+    serve(llm, sock=sock, shared=SharedMetrics(folder, index, count), **serve_kwargs)

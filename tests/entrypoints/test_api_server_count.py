@@ -1,0 +1,161 @@
+"""Several front ends on one engine core (`serve --api-server-count N`, front_ends.py): each
+front end gets its own requests' outputs, as the offline engine makes them; the server's
+/metrics add up every front end's requests; a front end that exits stops the server; bad
+counts are refused by name."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest import ENGINE_ARGS, free_port, wait_all_blocks_free
+from helpers import child_processes, make_checkpoint
+
+from llm_inference import AsyncLLM, SamplingParams
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+PROMPTS = [f"Hello world {i}" for i in range(8)]
+
+
+async def _text(llm, prompt: str, max_tokens: int, rid: str) -> str:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    async for out in llm.generate(prompt, params, rid):
+        last = out
+    return last.outputs[0].text
+
+
+def test_two_front_ends_of_one_core_get_their_own_outputs(tiny_ckpt, offline_llm):
+    """Requests on both front ends at once, one of them abandoned midway: every other answer
+    is the offline engine's, on the front end that asked, and no block stays taken."""
+    params = [SamplingParams(temperature=0.0, max_tokens=3 + 2 * i) for i in range(8)]
+    want = [o.outputs[0].text for o in offline_llm.generate(PROMPTS, params, use_tqdm=False)]
+    with AsyncLLM(str(tiny_ckpt), front_ends=2, **ENGINE_ARGS) as first:
+        pipe = first.core_process.front_end_pipes[0]
+        with AsyncLLM(str(tiny_ckpt), core_pipe=pipe, **ENGINE_ARGS) as second:
+
+            async def abandoned():
+                stream = second.generate("abandoned", SamplingParams(max_tokens=400), "gone")
+                await anext(stream)
+                await stream.aclose()  # aborts it on the core
+
+            async def main():
+                front = [first, second]
+                runs = [_text(front[i % 2], p, 3 + 2 * i, f"r{i}") for i, p in enumerate(PROMPTS)]
+                return await asyncio.gather(*runs, abandoned())
+
+            got = asyncio.run(main())[:-1]
+            assert got == want
+            for llm in (first, second):  # both hear the core's stats
+                stats = wait_all_blocks_free(llm)
+                assert stats["num_unfinished_requests"] == 0, stats
+                assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"], stats
+            tokens = first.metrics.snapshot().generation_tokens
+            assert tokens == sum(3 + 2 * i for i in (0, 2, 4, 6))
+
+
+def test_front_ends_refuse_what_they_cannot_share(tiny_ckpt):
+    with pytest.raises(ValueError, match="front_ends .*api_server_count.* got 2"):
+        AsyncLLM(str(tiny_ckpt), front_ends=2, engine_process=False, **ENGINE_ARGS)
+    with pytest.raises(ValueError, match="front_ends .*got 0"):
+        AsyncLLM(str(tiny_ckpt), front_ends=0, **ENGINE_ARGS)
+
+
+def _serve(ckpt, port: int, tmp: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp)}
+    cmd = [sys.executable, "-m", "llm_inference.entrypoints.cli", "serve", "--model", str(ckpt),
+           "--device", "cpu", "--port", str(port), "--served-model-name", "m",
+           "--kv-cache-memory-bytes", str(2 << 20), "--log-level", "warning", *extra]  # fmt: skip
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_healthy(proc: subprocess.Popen, port: int) -> None:
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+            time.sleep(0.1)
+
+
+def _start_time(pid: int) -> int:
+    """When the process started (clock ticks since boot: /proc/PID/stat's 22nd field)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+
+
+def _successes(port: int) -> float:
+    page = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+               if line.startswith("vllm:request_success_total"))  # fmt: skip
+
+
+def _counts(folder: Path) -> list[int]:
+    """Each front end's generated tokens as it last shared them (front_ends.SharedMetrics)."""
+    return [pickle.loads(p.read_bytes())["generation_tokens"] for p in sorted(folder.glob("*.pkl"))]
+
+
+def test_a_server_of_two_front_ends(tmp_path, offline_llm):
+    """Waves of 8 requests at once, half streamed, until both front ends have served some (the
+    kernel hands each connection to one of them): every answer is the offline engine's; the
+    counts each front end shares add up to them, and /metrics, from either, counts them all.
+    Then one front end is killed: the server stops, exit status 1, naming it."""
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    port = free_port()
+    proc = _serve(ckpt, port, tmp_path, "--api-server-count", "2")
+    try:
+        _wait_healthy(proc, port)
+        (folder,) = tmp_path.glob("llm_inference_metrics_*")
+        deadline = time.monotonic() + 90
+        while len(_counts(folder)) < 2:  # the other front end is up once it shares its counts
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+            time.sleep(0.1)
+
+        async def one(client, i: int) -> str:
+            kw = dict(model="m", prompt=PROMPTS[i % 8], max_tokens=6, temperature=0.0)
+            if i % 2 == 0:
+                return (await client.completions.create(**kw)).choices[0].text
+            chunks = await client.completions.create(**kw, stream=True)
+            return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+        async def wave():  # a client per event loop (asyncio.run)
+            async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1",
+                                          api_key="none") as client:  # fmt: skip
+                return await asyncio.gather(*(one(client, i) for i in range(8)))
+
+        params = SamplingParams(temperature=0.0, max_tokens=6)
+        want = [o.outputs[0].text for o in offline_llm.generate(PROMPTS, params, use_tqdm=False)]
+        waves = 0
+        while min(_counts(folder)) == 0:
+            assert time.monotonic() < deadline, _counts(folder)
+            assert asyncio.run(wave()) == want
+            waves += 1
+            time.sleep(1.5)  # for the counts to be shared
+        assert sum(_counts(folder)) == 6 * 8 * waves, (_counts(folder), waves)
+        assert _successes(port) == 8 * waves
+
+        # The server's children: the engine core, then (started once it is ready) the other
+        # front end.
+        children = sorted(pid for pid, _ in child_processes(proc.pid))
+        assert len(children) == 2, child_processes(proc.pid)
+        os.kill(max(children, key=_start_time), signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and "front end llm_inference-api-1 exited" in err, err
+
+
+def test_api_server_count_below_one_is_refused(tmp_path):
+    proc = _serve(make_checkpoint(tmp_path / "ckpt"), free_port(), tmp_path,
+                  "--api-server-count", "0")  # fmt: skip
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "api_server_count must be at least 1, got 0" in err, err
