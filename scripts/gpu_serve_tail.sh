@@ -7,7 +7,8 @@
 # its shared settings), every chunk's time saved; then benchmarks/serve_stalls.py on each run,
 # with our processes' pause log (pause_log.py). Folders serve_* in $OUT.
 #   GC_YOUNG="700 default" OUT=$OUT bash scripts/gpu_serve_tail.sh
-# OURS=0: vLLM's alone. SERVE_ARGS: more serve_compare options (a CPU flow check: VLLM=0 PROMPTS=6 INPUT_LEN=16
+# OURS=0: vLLM's alone. OURS_ARGS: more options for our server (e.g. "--api-server-count 4").
+# SERVE_ARGS: more serve_compare options (a CPU flow check: VLLM=0 PROMPTS=6 INPUT_LEN=16
 # OUTPUT_LEN=8 SERVE_ARGS="--device cpu --dtype float32 --model TINY_CKPT --max-model-len 256").
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"  # $OUT, the environment
@@ -19,7 +20,7 @@ for young in $([ "${OURS:-1}" = 1 ] && echo "${GC_YOUNG:-default}"); do
   [ "$young" = default ] || env="$env LLM_INFERENCE_GC_YOUNG=$young"
   echo "== ours, young-generation threshold $young"
   timeout 240 python3 benchmarks/serve_compare.py --out "$d" --engines ours $common \
-    --ours-env "$env" --time-budget 220 2>&1 | grep "^| inf\|error"
+    --ours-env "$env" --ours-args="${OURS_ARGS:-}" --time-budget 220 2>&1 | grep "^| inf\|error"
   python3 benchmarks/serve_stalls.py "$d/detailed_ours_inf.json" --pause-log "$d/pauses.log" \
     --png "$d/gaps.png" 2>&1 | tee "$d/stalls.md" | head -24
 done
