@@ -1,7 +1,7 @@
 """Several front ends on one engine core (`serve --api-server-count N`, front_ends.py): each
-front end gets its own requests' outputs, as the offline engine makes them; the server's
-/metrics add up every front end's requests; a front end that exits stops the server; bad
-counts are refused by name."""
+front end gets its own requests' outputs, as the offline engine makes them; one that leaves has
+its requests aborted and the core serves on; the server's /metrics add up every front end's
+requests; a front end that exits stops the server; bad counts are refused by name."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from conftest import ENGINE_ARGS, free_port, wait_all_blocks_free
 from helpers import child_processes, make_checkpoint
 
 from llm_inference import AsyncLLM, SamplingParams
+from llm_inference.engine.async_llm import EngineDeadError
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 PROMPTS = [f"Hello world {i}" for i in range(8)]
@@ -60,6 +61,31 @@ def test_two_front_ends_of_one_core_get_their_own_outputs(tiny_ckpt, offline_llm
                 assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"], stats
             tokens = first.metrics.snapshot().generation_tokens
             assert tokens == sum(3 + 2 * i for i in (0, 2, 4, 6))
+
+
+def test_a_front_end_that_leaves_has_its_requests_aborted(tiny_ckpt, offline_llm):
+    """The second front end shuts down in the middle of a long request: the core drops its
+    pipe, aborts the request and frees its blocks, and keeps serving the first front end."""
+    params = SamplingParams(temperature=0.0, max_tokens=5)
+    want = offline_llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].text
+    with AsyncLLM(str(tiny_ckpt), front_ends=2, **ENGINE_ARGS) as first:
+        pipe = first.core_process.front_end_pipes[0]
+        second = AsyncLLM(str(tiny_ckpt), core_pipe=pipe, **ENGINE_ARGS)
+
+        async def leave():
+            stream = second.generate("long", SamplingParams(max_tokens=400, ignore_eos=True))
+            await anext(stream)
+            second.shutdown()
+            with pytest.raises(EngineDeadError):
+                async for _ in stream:
+                    pass
+
+        asyncio.run(leave())
+        stats = wait_all_blocks_free(first)
+        assert stats["num_unfinished_requests"] == 0, stats
+        assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"], stats
+        assert asyncio.run(_text(first, PROMPTS[0], 5, "after")) == want
+        assert first.error is None
 
 
 def test_front_ends_refuse_what_they_cannot_share(tiny_ckpt):

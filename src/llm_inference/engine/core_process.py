@@ -29,7 +29,8 @@ front end and the core's stepping would otherwise share one GIL).
   the ids first scheduled and the stats of every step to all of them (a front end whose
   requests all wait still hears the core step). The front ends' request ids must differ (the
   server's are random). The first pipe is `CoreClient`'s; `CoreClient.attach` joins another
-  process to the core over one of `front_end_pipes`. A pipe closing, whichever, ends the core.
+  process to the core over one of `front_end_pipes`. The first pipe closing ends the core;
+  another's drops that front end and aborts its requests.
 - Failure: an error in the child is sent as `("error", traceback, exception)` before it exits
   (the exception when it pickles), and the parent raises that exception (so a bad checkpoint or
   a KV cache too small reads as it does in one process), the child's traceback chained as an
@@ -131,20 +132,31 @@ def _core_main(config: EngineConfig, conns: list[Connection], parent_pid: int, s
             sender.start()
         unscheduled: set[str] = set()
         running, log = True, pause_log.get()
+        active = list(conns)  # the pipes still open
         while running:
             block = not core.has_unfinished_requests()
-            while running and (ready := wait_for(conns, None if block else 0)):
+            while running and (ready := wait_for(active, None if block else 0)):
                 block = False
                 start = time.monotonic()
                 for conn in ready:
-                    commands = conn.recv()[1]  # EOFError: a front end closed its pipe
+                    k = conns.index(conn)
+                    try:
+                        commands = conn.recv()[1]
+                    except EOFError:  # that front end is gone: the first's ends the core
+                        if k == 0:
+                            raise
+                        active.remove(conn)
+                        results[k].put(None)  # its sender ends
+                        mine = [i for i, owner in owners.items() if owner == k]
+                        commands = [("finish", mine, RequestStatus.FINISHED_ABORTED)]
                     if len(conns) > 1:
-                        _note_owners(owners, commands, conns.index(conn))
+                        _note_owners(owners, commands, k)
                     running = _apply(core, commands, unscheduled) and running
                 _log_slow(log, "core_commands", start)
             if running and not core.has_unfinished_requests():
-                for items in results:  # idle: the stats only
-                    items.put(([], [], time.monotonic(), core.stats()))
+                for conn, items in zip(conns, results):  # idle: the stats only
+                    if conn in active:
+                        items.put(([], [], time.monotonic(), core.stats()))
             elif running:
                 start = time.monotonic()
                 records = core.step()
@@ -159,8 +171,9 @@ def _core_main(config: EngineConfig, conns: list[Connection], parent_pid: int, s
                     results[0].put((records, scheduled, start, stats))
                 else:
                     split = _by_owner(owners, records, scheduled, len(conns))
-                    for items, (mine, first) in zip(results, split):
-                        items.put((mine, first, start, stats))
+                    for conn, items, (mine, first) in zip(conns, results, split):
+                        if conn in active:
+                            items.put((mine, first, start, stats))
     except EOFError:
         pass
     except BaseException as e:

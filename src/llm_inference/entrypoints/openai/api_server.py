@@ -304,11 +304,17 @@ def run_server(
     if api_server_count == 1:
         return serve(llm, **serve_kwargs)
     with tempfile.TemporaryDirectory(prefix="llm_inference_metrics_") as folder:
+        pipes = llm.core_process.front_end_pipes
         others = front_ends.start_others(
-            llm.core_process.front_end_pipes, sock, folder, (model, engine_args, serve_kwargs)
+            _serve_another, pipes, sock, folder, model, engine_args, serve_kwargs
         )
         shared = front_ends.SharedMetrics(folder, 0, api_server_count)
         serve(llm, sock=sock, shared=shared, others=others, **serve_kwargs)
+
+
+def _serve_another(pipe, sock, shared, model, engine_args: dict, serve_kwargs: dict) -> None:
+    """Another front end (in a process of its own): an AsyncLLM on `pipe` of the core."""
+    serve(AsyncLLM(model, core_pipe=pipe, **engine_args), sock=sock, shared=shared, **serve_kwargs)
 
 
 def serve(
@@ -336,6 +342,12 @@ def serve(
     log = pause_log.get()
     others = others or []
 
+    def stop_others() -> None:
+        """The other front ends stop (each aborts its requests) before this one's engine."""
+        for p in others:
+            if p.is_alive():
+                p.terminate()
+
     class Server(uvicorn.Server):
         last_tick = time.monotonic()
         front_end_gone: list[str] | None = None  # the other front ends found exited
@@ -344,6 +356,7 @@ def serve(
             # Every request is aborted and the shutdown is bounded (timeout_graceful_shutdown,
             # AsyncLLM.shutdown's own timeout), so a second Ctrl-C only repeats the first: it
             # does not force uvicorn's exit, whose cancelled lifespan prints a traceback.
+            stop_others()
             llm.abort_all()
             if not self.should_exit:
                 super().handle_exit(sig, frame)
@@ -366,6 +379,8 @@ def serve(
                 print(f"llm_inference: front end {gone[0]} exited; shutting down",
                       file=sys.stderr, flush=True)  # fmt: skip
                 self.should_exit = True
+            if self.should_exit:
+                stop_others()
             return await super().on_tick(counter)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
@@ -374,8 +389,7 @@ def serve(
     try:
         server.run(sockets=None if sock is None else [sock])
     finally:
-        for p in others:  # each aborts its requests and ends
-            p.terminate()
+        stop_others()
         for p in others:
             p.join(JOIN_TIMEOUT_S)
             if p.is_alive():

@@ -13,9 +13,10 @@ core_process.py routes each request's records to the front end that added it).
   others' latest to its own (theirs up to METRICS_SHARE_S old); the engine's gauges come from
   the core, the same in all.
 - Lifetime: the first process starts the others after the core is ready and watches them: one
-  that exits stops the server (exit status 1), as a dead core does; each of the others exits
-  when the first is gone (`watch_parent`) or its core pipe closes. A signal to the first stops
-  all of them (each aborts its running requests).
+  that exits stops the server (exit status 1), as a dead core does (the core drops its pipe and
+  aborts its requests meanwhile); each of the others exits when the first is gone
+  (`watch_parent`) or the core is. A signal to the first stops the others first, then itself
+  (each aborts its running requests).
 """
 
 from __future__ import annotations
@@ -73,29 +74,25 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def start_others(pipes: list, sock: socket.socket, folder: str, serve_args: tuple) -> list:
-    """Front ends 1..N-1, one process each on one of the core's `front_end_pipes`; the pipes
-    are theirs then (closed here: a front end that exits closes its pipe, which ends the
-    core). `serve_args`: `_front_end_main`'s after the index and pipe."""
+def start_others(target, pipes: list, sock: socket.socket, folder: str, *args) -> list:
+    """Front ends 1..N-1, a process each running `target(pipe, sock, shared, *args)` (the
+    server's) on one of the core's `front_end_pipes`, which is theirs then (closed here: a
+    front end that exits closes its pipe, and the core drops it)."""
     ctx = multiprocessing.get_context("spawn")
     procs = []
     for index, pipe in enumerate(pipes, start=1):
-        args = (index, len(pipes) + 1, pipe, sock, folder, os.getpid(), *serve_args)
-        proc = ctx.Process(target=_front_end_main, args=args, name=f"llm_inference-api-{index}")
+        shared = SharedMetrics(folder, index, len(pipes) + 1)
+        proc = ctx.Process(target=_other, args=(os.getpid(), target, pipe, sock, shared, *args),
+                           name=f"llm_inference-api-{index}")  # fmt: skip
         proc.start()
         pipe.close()
         procs.append(proc)
     return procs
 
 
-def _front_end_main(
-    index: int, count: int, pipe, sock: socket.socket, folder: str, parent_pid: int,
-    model: str | None, engine_args: dict, serve_kwargs: dict,
-) -> None:  # fmt: skip
-    from llm_inference.engine.async_llm import AsyncLLM
-    from llm_inference.entrypoints.openai.api_server import serve
+def _other(parent_pid: int, target, *args) -> None:
+    """The body of another front end's process: `target(*args)`, ended with its parent."""
     from llm_inference.executor.worker_process import watch_parent
 
     threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
-    llm = AsyncLLM(model, core_pipe=pipe, **engine_args)
-    serve(llm, sock=sock, shared=SharedMetrics(folder, index, count), **serve_kwargs)
+    target(*args)
