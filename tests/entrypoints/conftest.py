@@ -84,6 +84,21 @@ def client(live_server):
         yield c
 
 
+def wait_healthy(proc, port: int, timeout: float = 90.0) -> None:
+    """Until the server process `proc` on `port` answers /health with 200 (its stderr if it
+    dies or the timeout passes first)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+            time.sleep(0.1)
+
+
 def wait_all_blocks_free(llm, timeout: float = 10.0) -> dict:
     """The engine's stats once no request runs and every KV block is free (aborts land
     between steps), or at the timeout."""

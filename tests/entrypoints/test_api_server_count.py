@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import ENGINE_ARGS, free_port, wait_all_blocks_free
+from conftest import ENGINE_ARGS, free_port, wait_all_blocks_free, wait_healthy
 from helpers import child_processes, make_checkpoint
 
 from llm_inference import AsyncLLM, SamplingParams
@@ -103,17 +103,6 @@ def _serve(ckpt, port: int, tmp: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _wait_healthy(proc: subprocess.Popen, port: int) -> None:
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return
-        except httpx.TransportError:
-            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
-            time.sleep(0.1)
-
-
 def _start_time(pid: int) -> int:
     """When the process started (clock ticks since boot: /proc/PID/stat's 22nd field)."""
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
@@ -139,7 +128,7 @@ def test_a_server_of_two_front_ends(tmp_path, offline_llm):
     port = free_port()
     proc = _serve(ckpt, port, tmp_path, "--api-server-count", "2")
     try:
-        _wait_healthy(proc, port)
+        wait_healthy(proc, port)
         (folder,) = tmp_path.glob("llm_inference_metrics_*")
         deadline = time.monotonic() + 90
         while len(_counts(folder)) < 2:  # the other front end is up once it shares its counts

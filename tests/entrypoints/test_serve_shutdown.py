@@ -13,25 +13,13 @@ import time
 from pathlib import Path
 
 import httpx
-from conftest import free_port
+from conftest import free_port, wait_healthy
 from helpers import make_checkpoint
 
 from llm_inference.entrypoints.openai.api_server import served_name
 from llm_inference.models.default_model import DEFAULT_MODEL_NAME
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-
-
-def _wait_healthy(proc: subprocess.Popen, port: int) -> None:
-    """Until the server on `port` answers /health with 200 (its stderr if it dies first)."""
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return
-        except httpx.TransportError:
-            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
-            time.sleep(0.1)
 
 
 def test_sigint_aborts_running_requests_and_exits_cleanly(tmp_path):
@@ -46,7 +34,7 @@ def test_sigint_aborts_running_requests_and_exits_cleanly(tmp_path):
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy(proc, port)
+        wait_healthy(proc, port)
         lines: list[str] = []
         body = {"model": "m", "prompt": "Hi", "max_tokens": 60_000, "stream": True,
                 "ignore_eos": True}  # fmt: skip
@@ -105,7 +93,7 @@ def test_a_killed_engine_core_stops_the_server_with_an_error(tiny_ckpt):
            "--kv-cache-memory-bytes", str(1 << 20)]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_healthy(proc, port)
+        wait_healthy(proc, port)
         (core,) = _spawned_children(proc.pid)
         os.kill(core, signal.SIGKILL)
         _, err = proc.communicate(timeout=30)
@@ -127,7 +115,7 @@ def test_a_second_ctrl_c_does_not_end_in_a_traceback(tiny_ckpt):
            "--kv-cache-memory-bytes", str(1 << 20)]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_healthy(proc, port)
+        wait_healthy(proc, port)
         (core,) = _spawned_children(proc.pid)
         proc.send_signal(signal.SIGINT)
         seen = []  # the second signal once the first is handled (two pending SIGINTs are one)
