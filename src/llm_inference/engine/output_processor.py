@@ -251,15 +251,23 @@ class OutputProcessor:
         if kind is _DELTA:
             c.new_token_ids = out.new_token_ids
             c.new_logprobs = out.new_logprobs
-            if out.new_logprobs:
-                start = c.cumulative_logprob or 0.0  # summed in order, as `output` sums
-                c.cumulative_logprob = sum((lp.logprob for lp in out.new_logprobs), start)
         elif out.output_token_ids is not None:  # a finishing record: the whole output, a
             c.token_ids = out.output_token_ids  # list the core made for this record alone
         else:
             c.token_ids.extend(out.new_token_ids)
         if kind is not _DELTA and out.new_logprobs:
             c.logprobs.extend(out.new_logprobs)
+        stop = self._detokenize(c, out, kind)
+        if kind is _DELTA and c.new_logprobs:
+            start = c.cumulative_logprob or 0.0  # summed in order, as `output` sums
+            c.cumulative_logprob = sum((lp.logprob for lp in c.new_logprobs), start)
+        return stop
+
+    @staticmethod
+    def _detokenize(c: _Completion, out: EngineCoreOutput, kind) -> bool:
+        """The text of `out`'s tokens (`_advance`); True when a stop string ended it. A record
+        of several steps (a front end that lagged: `merge_steps`) may hold tokens after the
+        one that completed the stop string: they are dropped, as one step at a time would."""
         detokenizer = c.detokenizer
         if detokenizer is None:
             c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
@@ -272,9 +280,18 @@ class OutputProcessor:
             text_ids = c.token_ids
         if isinstance(out.stop_reason, int) and not c.params.include_stop_str_in_output:
             text_ids = text_ids[:-1]  # a stop token's text is not part of the output
+        read = len(detokenizer.token_ids)
         stop = detokenizer.add_tokens(text_ids)
         if stop is not None:
             c.finish_reason, c.stop_reason = "stop", stop
+            after = len(out.new_token_ids) - (len(detokenizer.token_ids) - read)
+            if after:  # (stop strings never defer: text_ids are the record's new tokens)
+                if kind is _DELTA:
+                    c.new_token_ids = c.new_token_ids[:-after]
+                    c.new_logprobs = c.new_logprobs and c.new_logprobs[:-after]
+                else:
+                    c.token_ids = c.token_ids[:-after]
+                    c.logprobs = c.logprobs[: len(c.token_ids)] if out.new_logprobs else c.logprobs
         elif out.finish_reason is not None:
             c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
         if kind is _DELTA:
