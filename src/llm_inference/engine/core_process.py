@@ -142,9 +142,10 @@ def _core_main(config: EngineConfig, conns: list[Connection], parent_pid: int, s
                     k = conns.index(conn)
                     try:
                         commands = conn.recv()[1]
-                    except EOFError:  # that front end is gone: the first's ends the core
+                    except (EOFError, OSError):  # that front end is gone (a pipe closed with
+                        # our steps unread in it is reset): the first's ends the core
                         if k == 0:
-                            raise
+                            raise EOFError from None
                         active.remove(conn)
                         results[k].put(None)  # its sender ends
                         mine = [i for i, owner in owners.items() if owner == k]
