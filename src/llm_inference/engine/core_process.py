@@ -140,16 +140,7 @@ def _core_main(config: EngineConfig, conns: list[Connection], parent_pid: int, s
                 start = time.monotonic()
                 for conn in ready:
                     k = conns.index(conn)
-                    try:
-                        commands = conn.recv()[1]
-                    except (EOFError, OSError):  # that front end is gone (a pipe closed with
-                        # our steps unread in it is reset): the first's ends the core
-                        if k == 0:
-                            raise EOFError from None
-                        active.remove(conn)
-                        results[k].put(None)  # its sender ends
-                        mine = [i for i, owner in owners.items() if owner == k]
-                        commands = [("finish", mine, RequestStatus.FINISHED_ABORTED)]
+                    commands = _commands(conn, k, active, results[k], owners)
                     if len(conns) > 1:
                         _note_owners(owners, commands, k)
                     running = _apply(core, commands, unscheduled) and running
@@ -198,6 +189,21 @@ def _core_main(config: EngineConfig, conns: list[Connection], parent_pid: int, s
         for conn in conns:
             conn.close()
         thaw_heap()
+
+
+def _commands(conn: Connection, k: int, active: list, results, owners: dict) -> list[tuple]:
+    """Front end k's next message of commands. One that has gone (its pipe closed, or reset
+    for our steps left unread in it) is dropped, its requests aborted; the first front end's
+    going ends the core (EOFError)."""
+    try:
+        return conn.recv()[1]
+    except (EOFError, OSError):
+        if k == 0:
+            raise EOFError from None
+        active.remove(conn)
+        results.put(None)  # its sender ends
+        mine = [i for i, owner in owners.items() if owner == k]
+        return [("finish", mine, RequestStatus.FINISHED_ABORTED)]
 
 
 def _note_owners(owners: dict[str, int], commands: list[tuple], front_end: int) -> None:
