@@ -134,8 +134,8 @@ def _add_serve_parsers(sub) -> None:
         "--api-server-count",
         type=int,
         default=1,
-        help="HTTP front ends, each a process on the same port and engine core: past some "
-        "tens of thousands of streamed tokens a second one front end falls behind (default: 1)",
+        help="HTTP front ends, each a process on the same port and engine core, to share the "
+        "streams' output processing when one front end falls behind (default: 1)",
     )
     s.add_argument(
         "--chat-template",

@@ -1,8 +1,9 @@
 """Several HTTP front ends for one engine core: `serve --api-server-count N` (vLLM's option).
 
-One front end (the server's process: event loop, tokenizer, output processing, streams) keeps
-up with some tens of thousands of streamed tokens a second; past that its streams' tokens go
-out merged, late. With N, the server's process and N - 1 processes it starts each run the
+One front end (the server's process: event loop, tokenizer, output processing, streams) can
+fall behind the core: 800 streams of the 1B shape on an H200, 33,500 tokens a second, went out
+about four tokens a chunk, late (benchmarks/results/serve_tail_vs_vllm_2026-12-02_h200.md).
+With N, the server's process and N - 1 processes it starts each run the
 whole HTTP app on the same listening socket (the kernel hands each connection to one of them),
 each with its own `AsyncLLM` on one pipe of the same engine core process
 (`AsyncLLM(front_ends=N)` in the first, `AsyncLLM(core_pipe=...)` in the others;
