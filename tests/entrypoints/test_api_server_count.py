@@ -155,8 +155,11 @@ def test_a_server_of_two_front_ends(tmp_path, offline_llm):
             assert asyncio.run(wave()) == want
             waves += 1
             time.sleep(1.5)  # for the counts to be shared
-        assert sum(_counts(folder)) == 6 * 8 * waves, (_counts(folder), waves)
-        assert _successes(port) == 8 * waves
+        # Every front end shares its counts every second (later on a loaded machine).
+        shared = time.monotonic() + 30
+        while (sum(_counts(folder)), _successes(port)) != (6 * 8 * waves, 8 * waves):
+            assert time.monotonic() < shared, (_counts(folder), _successes(port), waves)
+            time.sleep(0.2)
 
         # The server's children: the engine core, then (started once it is ready) the other
         # front end.
