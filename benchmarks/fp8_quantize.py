@@ -7,8 +7,8 @@ program per row: benchmarks/results/skinny_rows_2026-12-02_h200.md). One program
 its row in BLOCK-column steps, twice; with few rows the programs are few and their loops long,
 so the time is the loop's latency, not the bytes. This times `kernels/fp8_quant.py`'s kernel
 at each (BLOCK, num_warps) of CONFIGS against the engine's (BLOCK 1024, 4 warps) for both
-kinds of row, bfloat16 input, at M = 16 to 512 rows: microseconds per call (CUDA graph of 20
-calls, median of 10 replays), and the bytes moved over that time.
+kinds of row, bfloat16 input, at M = 16 to 512 rows: microseconds per call (fp8_scaled_mm_scaling's
+`time_us`: a CUDA graph of 20 calls, median of 10 replays), and the bytes moved over that time.
 
     PYTHONPATH=src python3 benchmarks/fp8_quantize.py
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from fp8_scaled_mm_scaling import time_us  # (benchmarks/ is the script's folder)
 
 from llm_inference.kernels import fp8_quant
 from llm_inference.kernels.reference import FP8
@@ -25,26 +26,6 @@ from llm_inference.kernels.reference import FP8
 ROWS = (16, 64, 128, 256, 512)
 KINDS = {"o_proj input": (4096, False), "SiLU-and-mul (down_proj input)": (14336, True)}
 CONFIGS = ((1024, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16))  # (BLOCK, num_warps)
-CALLS, REPLAYS = 20, 10
-
-
-def time_us(fn) -> float:
-    """Median microseconds per call of `fn`, replayed in a CUDA graph of CALLS calls."""
-    for _ in range(3):
-        fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(REPLAYS):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS)
-    return sorted(times)[REPLAYS // 2]
 
 
 def launch(x: torch.Tensor, cols: int, silu: bool, block: int, warps: int):
