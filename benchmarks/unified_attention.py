@@ -3,11 +3,14 @@
 Llama-3.2-1B heads (32 q, 8 KV, head_dim 64), 3B heads (24 q, 8 KV, head_dim 128) and
 Llama-3.1-8B heads (32 q, 8 KV, head_dim 128), bfloat16, block size 16, random non-contiguous
 block tables. Per layer, three tables:
-- Prefill: one 8,000-token prompt, one of 2,048 and 64 x 512-token prompts (context 0;
-  `--quick`: the first two). Triton `unified_attention` (CUDA-graph replay: GPU time), the
-  engine's path before it (one SDPA call per sequence, default backend, K/V repeated for
-  GQA; eager), SDPA's math backend (eager), the
-  causal FLOP floor at 793 TFLOP/s (4 x L^2/2 x Hq x D flops per sequence) and the Triton
+- Prefill: one 8,000-token prompt, one of 2,048, 64 x 512-token prompts, 4 x 2,000 (a step
+  of issue 28's prefill-heavy mix) and a 4,000-token chunk after 8,000 cached tokens (a
+  12,000-token prompt's second step; `--quick`: the first two). Triton `unified_attention`
+  (CUDA-graph replay: GPU time), the engine's path before it (one SDPA call per sequence,
+  default backend, K/V repeated for GQA; eager; context 0 only), SDPA's math backend (eager),
+  with `--fa3` vLLM's FlashAttention 3 on the same paged cache (`vllm.vllm_flash_attn`, when
+  vLLM is installed; graph-replayed), the causal FLOP floor at 793 TFLOP/s (4 x L x (c +
+  (L + 1) / 2) x Hq x D flops per sequence of L new tokens after c cached) and the Triton
   kernel's achieved TFLOP/s.
 - Decode: batch 1/64/256 at contexts 128..4,096: unified_attention (max_query_len=1) against
   paged_attention_decode, both graph-replayed; ratio > 1 means the unified op is slower.
@@ -22,7 +25,8 @@ Times: medians over CUDA events after warm-up, L2 flushed before each call by re
 reference.unified_attention in float32. `--sweep` adds prefill timings of other tile configs
 (BLOCK_M, BLOCK_N, warps, stages) to tune `default_tiles`; `--quick` runs fewer rows.
 
-    PYTHONPATH=src python benchmarks/unified_attention.py [--quick] [--sweep] [--json PATH]
+    PYTHONPATH=src python benchmarks/unified_attention.py [--quick] [--sweep] [--fa3]
+        [--shapes Llama-3.1-8B] [--json PATH]
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ from llm_inference.kernels import unified_attention as ua
 
 SHAPES = {"Llama-3.2-1B": (32, 8, 64), "Llama-3.2-3B": (24, 8, 128),
           "Llama-3.1-8B": (32, 8, 128)}  # fmt: skip
-PREFILL_ROWS = [(1, 8000), (1, 2048), (64, 512)]  # (sequences, prompt tokens each)
+# (sequences, new tokens each, cached tokens each)
+PREFILL_ROWS = [(1, 8000, 0), (1, 2048, 0), (64, 512, 0), (4, 2000, 0), (1, 4000, 8000)]
 DECODE_ROWS = [(b, c) for b in (1, 64, 256) for c in (128, 512, 1024, 4096)]
 QUICK_DECODE_ROWS = [(1, 4096), (64, 1024), (256, 128)]
 MIXED_ROWS = {"2048 + 255 decodes": ([2048] + [1] * 255, [0] + [1023] * 255),
@@ -135,19 +140,40 @@ def _try_ms(fn) -> float:
         return float("nan")
 
 
-def prefill_row(num_seqs, length, shape, gen, sweep) -> dict:
+def fa3_ms(case, max_query_len: int, max_seq_len: int, scale: float) -> float:
+    """vLLM's FlashAttention 3 (as its FlashAttentionImpl calls it) on the same paged cache;
+    NaN when vLLM is not installed."""
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return float("nan")
+    q, k_cache, v_cache, table, cu, lens = case
+    out = torch.empty_like(q)
+    fn = lambda: flash_attn_varlen_func(
+        q, k_cache, v_cache, max_query_len, cu, max_seq_len, seqused_k=lens,
+        softmax_scale=scale, causal=True, block_table=table, out=out, fa_version=3,
+    )  # fmt: skip
+    fn()
+    return graph_ms(fn)
+
+
+def prefill_row(num_seqs, length, context, shape, gen, sweep, fa3) -> dict:
     q_lens = [length] * num_seqs
-    case, k_new, v_new = make_batch(q_lens, [0] * num_seqs, shape, gen)
+    case, k_new, v_new = make_batch(q_lens, [context] * num_seqs, shape, gen)
     scale, group = shape[2] ** -0.5, shape[0] // shape[1]
     out = torch.empty_like(case[0])
-    fn = lambda: ua.unified_attention(*case, scale, out, length, length)
+    fn = lambda: ua.unified_attention(*case, scale, out, length, context + length)
     fn()
-    flops = 4 * length * length / 2 * shape[0] * shape[2] * num_seqs
-    row = dict(seqs=num_seqs, length=length, err=rel_error(out, case, scale), floor_ms=flops
-               / PEAK_FLOPS * 1e3, triton_ms=graph_ms(fn))  # fmt: skip
+    flops = 4 * length * (context + (length + 1) / 2) * shape[0] * shape[2] * num_seqs
+    row = dict(seqs=num_seqs, length=length, context=context, err=rel_error(out, case, scale),
+               floor_ms=flops / PEAK_FLOPS * 1e3, triton_ms=graph_ms(fn))  # fmt: skip
     row["tflops"] = flops / row["triton_ms"] / 1e9
-    row["sdpa_ms"] = _try_ms(sdpa_loop(case[0], k_new, v_new, q_lens, scale, group))
-    row["math_ms"] = _try_ms(sdpa_loop(case[0], k_new, v_new, q_lens, scale, group, True))
+    row["sdpa_ms"] = row["math_ms"] = row["fa3_ms"] = float("nan")
+    if context == 0:  # the SDPA path attends over the new tokens only
+        row["sdpa_ms"] = _try_ms(sdpa_loop(case[0], k_new, v_new, q_lens, scale, group))
+        row["math_ms"] = _try_ms(sdpa_loop(case[0], k_new, v_new, q_lens, scale, group, True))
+    if fa3:
+        row["fa3_ms"] = fa3_ms(case, length, context + length, scale)
     row["sweep"] = {}
     for cfg in SWEEP if sweep else ():
         try:
@@ -192,20 +218,26 @@ def mixed_row(name, shape, gen) -> dict:
                 floor_ms=floor)  # fmt: skip
 
 
+def _prompts(row) -> str:
+    after = f" after {row['context']}" if row["context"] else ""
+    return f"{row['seqs']} x {row['length']}{after}"
+
+
 def print_prefill(rows, sweep) -> None:
     print("| prompts | Triton ms | TFLOP/s | FLOP floor ms | SDPA (engine) ms | SDPA math ms "
-          "| vs math | rel err |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| FA3 ms | Triton / FA3 | rel err |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['seqs']} x {r['length']} | {r['triton_ms']:.3f} | {r['tflops']:.0f} "
+        print(f"| {_prompts(r)} | {r['triton_ms']:.3f} | {r['tflops']:.0f} "
               f"| {r['floor_ms']:.3f} | {r['sdpa_ms']:.3f} | {r['math_ms']:.3f} "
-              f"| {r['math_ms'] / r['triton_ms']:.1f}x | {r['err']:.1e} |")  # fmt: skip
+              f"| {r['fa3_ms']:.3f} | {r['triton_ms'] / r['fa3_ms']:.2f} "
+              f"| {r['err']:.1e} |")  # fmt: skip
     if sweep:
         print("\n| prompts | BLOCK_M, BLOCK_N, warps, stages | ms | rel err |\n|---|---|---:|---:|")
         for r in rows:
             for cfg, res in r["sweep"].items():
                 ms = f"{res['ms']:.3f} | {res['err']:.1e}" if "ms" in res else f"{res['error']} |"
-                print(f"| {r['seqs']} x {r['length']} | {cfg} | {ms} |")
+                print(f"| {_prompts(r)} | {cfg} | {ms} |")
     print()
 
 
@@ -213,6 +245,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rows")
     parser.add_argument("--sweep", action="store_true", help="prefill tile configs")
+    parser.add_argument("--fa3", action="store_true", help="vLLM's FlashAttention 3 beside")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -221,13 +255,14 @@ def main() -> None:
           f"{props.multi_processor_count} SMs, torch {torch.__version__}, "
           f"triton {triton.__version__}\n")  # fmt: skip
     report = {}
-    for name, shape in SHAPES.items():
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
         print(f"### {name}: {shape[0]} q heads, {shape[1]} KV heads, head_dim {shape[2]}\n")
         rep = report[name] = {}
         tiles = ua.default_tiles(shape[0] // shape[1], shape[2], 8000)
         print(f"Prefill, one layer (default tiles {tiles}):\n")
         rows = PREFILL_ROWS[:2] if args.quick else PREFILL_ROWS
-        rep["prefill"] = [prefill_row(n, length, shape, gen, args.sweep) for n, length in rows]
+        rep["prefill"] = [prefill_row(*row, shape, gen, args.sweep, args.fa3) for row in rows]
         print_prefill(rep["prefill"], args.sweep)
         torch.cuda.empty_cache()
         print("Decode, one layer (graph replay):\n")

@@ -69,7 +69,15 @@ def test_pause_log_hooks_triton_compiles(tmp_path, monkeypatch):
         gc_heap.freeze_startup_heap()
         assert knobs.runtime.jit_cache_hook(fn=None) is None  # None: Triton compiles
         knobs.runtime.jit_post_compile_hook(fn=types.SimpleNamespace(name="_merge_kernel"))
+        # with Triton's repr of the variant, that (one word: the log splits on spaces)
+        variant = "_merge_kernel[num_warps=4](x_ptr: *bf16, BLOCK: constexpr=64)"
+        knobs.runtime.jit_post_compile_hook(fn=types.SimpleNamespace(name="_merge_kernel"),
+                                            repr=variant)  # fmt: skip
     finally:
         gc_heap.thaw_heap()
     assert knobs.runtime.jit_cache_hook is None and knobs.runtime.jit_post_compile_hook is None
-    assert any(line.split()[2] == "compile:_merge_kernel" for line in log.read_text().splitlines())
+    logged = [line.split()[2] for line in log.read_text().splitlines()]
+    assert [what for what in logged if what.startswith("compile:")] == [
+        "compile:_merge_kernel",
+        "compile:_merge_kernel[num_warps=4](x_ptr:*bf16,BLOCK:constexpr=64)",
+    ]

@@ -70,5 +70,9 @@ class _Pauses:
         self.compile_started = time.perf_counter()
 
     def compile_ends(self, **kw) -> None:
+        """Logs the kernel with its specialization (Triton's `repr` of the variant: options,
+        each argument's type, alignment and constexpr value), which says what a launch met
+        that no earlier one had; one word, as the log's fields are split on spaces."""
         ms = (time.perf_counter() - self.compile_started) * 1e3
-        self.log.write(f"compile:{kw['fn'].name}", ms)
+        variant = kw.get("repr") or kw["fn"].name
+        self.log.write(f"compile:{variant.replace(' ', '')}", ms)

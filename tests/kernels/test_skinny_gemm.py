@@ -140,12 +140,14 @@ def test_the_cuda_ops_take_the_kernel_only_on_cuda_half_and_few_rows(monkeypatch
     from llm_inference.kernels.triton_ops import TritonOps
 
     monkeypatch.delenv("LLM_INFERENCE_SKINNY_GEMM", raising=False)
+    monkeypatch.delenv("LLM_INFERENCE_SKINNY_ROWS", raising=False)
     ops = TritonOps("cuda")
+    assert ops.skinny_rows == 32  # the default (benchmarks/DECISIONS.md)
     w = torch.randn(8, 4, dtype=torch.bfloat16)
     assert not ops.skinny_applies(torch.randn(2, 4, dtype=torch.bfloat16), w)  # CPU
     wc = w.cuda()
-    assert ops.skinny_applies(torch.randn(16, 4, dtype=torch.bfloat16, device="cuda"), wc)
-    assert not ops.skinny_applies(torch.randn(17, 4, dtype=torch.bfloat16, device="cuda"), wc)
+    assert ops.skinny_applies(torch.randn(32, 4, dtype=torch.bfloat16, device="cuda"), wc)
+    assert not ops.skinny_applies(torch.randn(33, 4, dtype=torch.bfloat16, device="cuda"), wc)
     assert not ops.skinny_applies(torch.randn(2, 4, device="cuda"), wc.float())  # float32
     fp8_ok = torch.cuda.get_device_capability() >= (8, 9)
     x16 = torch.randn(16, 4, dtype=torch.bfloat16, device="cuda")

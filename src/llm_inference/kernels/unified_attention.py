@@ -85,18 +85,20 @@ def _attend_range(q, m_i, l_i, acc, k_head, v_head, bt_row, q_pos, start, end, s
             k = tl.load(k_head + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         else:
             k = tl.load(k_head + rows[:, None] + offs_d[None, :])
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))
         if MASKED:
             s = tl.where(key[None, :] <= q_pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # The scale goes in after the max (it is positive) and with the subtraction, one FMA.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        p = tl.exp2(s * scale_log2 - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASKED:
             v = tl.load(v_head + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         else:
             v = tl.load(v_head + rows[:, None] + offs_d[None, :])
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        # The dot accumulates into the rescaled acc itself (no separate add of a tile).
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
         m_i = m_new
     return m_i, l_i, acc
 
