@@ -60,16 +60,17 @@ def test_first_requests_compile_nothing(tmp_path, eager):
     failed on the code before the warm-up: paged decode and tiled attention variants); since
     a mixed step's decodes take the decode kernel, a step past the graphs with decodes in it
     (the last batch) may split them in a way no graph did, so graph engines warm up eager
-    steps too. Up to
-    12 requests at once in an engine of 32, so the sampler's warm-up at all rows does not run
-    the small batches' LM head (on the 1B shape its skinny GEMM variant is its own:
-    benchmarks/first_run.py --enforce-eager compiled it in the first requests until the
-    warm-up ran the LM head at one row too)."""
+    steps too. An engine of 64 sequences, so the sampler's warm-up at all rows does not run
+    the small batches' LM head: its skinny GEMM has a variant per row count padded to 16, 32
+    or 64 (benchmarks/first_run.py --enforce-eager compiled the 16 in the first requests until
+    the warm-up ran the LM head at one row; a served run compiled the 32 mid-run until it ran
+    every power of two); the 40 long prompts below sample 40, then 30, 20 and 10 rows as they
+    end."""
     from helpers import triton_compiles
 
     folder = make_sharp_checkpoint(tmp_path, head_dim=64)
     with LLM(str(folder), device="cuda", dtype="bfloat16", kv_cache_memory_bytes=64 << 20,
-             max_num_seqs=32, enforce_eager=eager) as llm:  # fmt: skip
+             max_num_seqs=64, enforce_eager=eager) as llm:  # fmt: skip
         prompts = random_prompts()
         with triton_compiles() as compiled:
             for n in (1, 3, 6, 6 * 2):
@@ -84,9 +85,9 @@ def test_first_requests_compile_nothing(tmp_path, eager):
                 llm.generate(batch, filtered, use_tqdm=False)
             long = [[(7 * i + j) % 300 + 2 for j in range(400)] for i in range(6)]
             llm.generate(long, SamplingParams(temperature=0.8, max_tokens=3), use_tqdm=False)
-            # 40 such prompts, 32 at once, ending at different steps: each group of 8 let in
-            # (3,200 prompt tokens, past the mixed graphs) joins some 24 decodes, whose split
-            # count follows that eager step's own sizes.
+            # 40 such prompts at once, ending at different steps, prompt chunks (past the
+            # mixed graphs) beside decodes, whose split count follows that eager step's own
+            # sizes.
             many = [[(11 * i + j) % 300 + 2 for j in range(400)] for i in range(40)]
             ends = [SamplingParams(temperature=0.8, max_tokens=8 + 16 * (i % 4)) for i in range(40)]
             llm.generate(many, ends, use_tqdm=False)

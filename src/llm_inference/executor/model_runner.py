@@ -200,15 +200,20 @@ class ModelRunner:
     def _warm_up_sampler(self) -> None:
         """Compile the fused sampler's kernels for the staged sampling inputs on the model's
         logits and for the slow path's (rows with logprobs, penalties or a logit bias sample a
-        float32 copy: sample/sampler.py), and the LM head at one row and at all, before the
-        first request, as the graph capture does the model's (kernels/sampling.py,
-        "Compiles")."""
+        float32 copy: sample/sampler.py), and the LM head at every power-of-two row count and
+        at all rows, before the first request, as the graph capture does the model's
+        (kernels/sampling.py, "Compiles"). The logits are taken outside the graphs, and a small
+        batch's LM head takes the skinny GEMM, a variant per row count padded to a power of two
+        (16, 32, 64): without these, the first step to sample 17-32 rows compiled one, mid-run
+        (benchmarks/DECISIONS.md)."""
         rows, staged = self.config.scheduler.max_num_seqs, self.buffers.dev.sampling
         lm_head = self.model.lm_head
         hidden = torch.zeros(rows, lm_head.weight.shape[1], dtype=self.dtype, device=self.device)
         tp = get_tp_size() > 1  # no collective: each rank its own slice
         head = lm_head.compute_local_logits if tp else self.model.compute_logits
-        head(hidden[:1])  # the LM head of a small batch: the skinny GEMM, where it applies
+        if self.device.type == "cuda":  # where kernels compile
+            for n in (1 << i for i in range(rows.bit_length())):
+                head(hidden[:n])
         logits = head(hidden)
         # The slow path's rows sample a float32 copy, with SamplingMetadata.build's tensors:
         # int64 keys, bool greedy flags and temperatures each in an allocation of its own
