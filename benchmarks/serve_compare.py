@@ -104,7 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--num-workers", type=int, default=4, help="bench serve client processes")
+    # 4 client processes were the bound of our saturated server (benchmarks/DECISIONS.md)
+    p.add_argument("--num-workers", type=int, default=12, help="bench serve client processes")
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request")
     # engine settings, the same for both servers
     p.add_argument("--dtype", default="bfloat16")
