@@ -11,5 +11,10 @@ fi
 # /tmp/site stays while the machine is warm: what an earlier call put there (the wheels, the
 # default model from scripts/default_model_carry.sh) serves later calls too.
 if [ -d /tmp/site ]; then export PYTHONPATH=src:/tmp/site; fi
+# gguf is a dependency the machine lacks: without it nothing of the package imports (a server
+# then dies while starting, a bench at its first import). Say so now, not minutes later.
+python3 -c "import gguf" 2>/dev/null || echo "gpu_env.sh: gguf does not import: carry .whl" \
+  "(scripts/README.md); after vLLM's install into /tmp/site, install wheels to a folder of" \
+  "their own and put it on PYTHONPATH" >&2
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 B="python3 src/llm_inference/entrypoints/bench.py"
