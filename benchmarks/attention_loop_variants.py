@@ -19,7 +19,7 @@ helpers), for a few tiles; rel err against the float32 reference; vLLM's FA3 bes
 is installed. `--check` runs each variant on tiny shapes against the reference (CPU with
 TRITON_INTERPRET=1).
 
-    PYTHONPATH=src python3 benchmarks/attention_loop_variants.py [--json PATH]
+    PYTHONPATH=src python3 benchmarks/attention_loop_variants.py [--quick] [--json PATH]
     TRITON_INTERPRET=1 PYTHONPATH=src python3 benchmarks/attention_loop_variants.py --check
 """
 
@@ -141,6 +141,7 @@ def contiguous(table: torch.Tensor, seq_len: int) -> torch.Tensor:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="tiny shapes against the reference")
+    parser.add_argument("--quick", action="store_true", help="the first two prompt rows only")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     mods = variant_modules()
@@ -152,7 +153,7 @@ def main() -> None:
     report = []
     print("| prompts | variant | BLOCK_M, BLOCK_N, warps, stages | ms | TFLOP/s | / FA3 | err |")
     print("|---|---|---|---:|---:|---:|---:|")
-    for num_seqs, length, context in ROWS:
+    for num_seqs, length, context in ROWS[:2] if args.quick else ROWS:
         case, _, _ = bench.make_batch([length] * num_seqs, [context] * num_seqs, shape, gen)
         flops = 4 * length * (context + (length + 1) / 2) * shape[0] * shape[2] * num_seqs
         fa3 = bench.fa3_ms(case, length, context + length, scale)
