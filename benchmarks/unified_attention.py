@@ -12,8 +12,10 @@ block tables. Per layer, three tables:
   vLLM is installed; graph-replayed), the causal FLOP floor at 793 TFLOP/s (4 x L x (c +
   (L + 1) / 2) x Hq x D flops per sequence of L new tokens after c cached) and the Triton
   kernel's achieved TFLOP/s.
-- Decode: batch 1/64/256 at contexts 128..4,096: unified_attention (max_query_len=1) against
-  paged_attention_decode, both graph-replayed; ratio > 1 means the unified op is slower.
+- Decode: batch 1/64/256 at contexts 128..4,096 and 16 at 12,288 (the long-prompt mix's
+  decodes): unified_attention (max_query_len=1) against paged_attention_decode, both
+  graph-replayed (ratio > 1: the unified op is slower), with `--fa3` FA3 on the same cache, and
+  the floor: the cached K/V bytes over COPY_BYTES_PER_S.
 - Mixed: one 2,048-token chunk beside 255 decodes at context 1,024, a chat-like step (a
   411-token prompt beside 255 decodes at context 600), and 16 chunks of 256 tokens after 3,840
   cached tokens: the unified op (its decodes in the decode kernel, the chunks in the tiled
@@ -52,7 +54,8 @@ SHAPES = {"Llama-3.2-1B": (32, 8, 64), "Llama-3.2-3B": (24, 8, 128),
           "Llama-3.1-8B": (32, 8, 128)}  # fmt: skip
 # (sequences, new tokens each, cached tokens each)
 PREFILL_ROWS = [(1, 8000, 0), (1, 2048, 0), (64, 512, 0), (4, 2000, 0), (1, 4000, 8000)]
-DECODE_ROWS = [(b, c) for b in (1, 64, 256) for c in (128, 512, 1024, 4096)]
+# (batch, context); the last: the long-prompt mix's decodes (16 sequences at ~12,000 tokens)
+DECODE_ROWS = [(b, c) for b in (1, 64, 256) for c in (128, 512, 1024, 4096)] + [(16, 12288)]
 QUICK_DECODE_ROWS = [(1, 4096), (64, 1024), (256, 128)]
 MIXED_ROWS = {"2048 + 255 decodes": ([2048] + [1] * 255, [0] + [1023] * 255),
               "411 + 255 decodes at 600": ([411] + [1] * 255, [0] + [599] * 255),
@@ -184,7 +187,7 @@ def prefill_row(num_seqs, length, context, shape, gen, sweep, fa3) -> dict:
     return row
 
 
-def decode_row(batch, context, shape, gen) -> dict:
+def decode_row(batch, context, shape, gen, fa3) -> dict:
     case, _, _ = make_batch([1] * batch, [context - 1] * batch, shape, gen)
     q, k_cache, v_cache, table, cu, lens = case
     scale = shape[2] ** -0.5
@@ -197,6 +200,10 @@ def decode_row(batch, context, shape, gen) -> dict:
     row = dict(batch=batch, context=context, unified_ms=graph_ms(unified),
                decode_ms=graph_ms(decode), err=err)  # fmt: skip
     row["ratio"] = row["unified_ms"] / row["decode_ms"]
+    row["fa3_ms"] = fa3_ms(case, 1, context, scale) if fa3 else float("nan")
+    # the floor: every cached K/V byte read once at the measured copy bandwidth
+    kv_bytes = batch * context * shape[1] * shape[2] * 2 * k_cache.element_size()
+    row["floor_ms"] = kv_bytes / COPY_BYTES_PER_S * 1e3
     return row
 
 
@@ -266,14 +273,16 @@ def main() -> None:
         print_prefill(rep["prefill"], args.sweep)
         torch.cuda.empty_cache()
         print("Decode, one layer (graph replay):\n")
-        print("| batch | context | unified ms | paged_attention_decode ms | ratio | rel err |")
-        print("|---:|---:|---:|---:|---:|---:|")
+        print("| batch | context | unified ms | paged_attention_decode ms | ratio | FA3 ms "
+              "| KV floor ms | rel err |")  # fmt: skip
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
         rep["decode"] = []
         for batch, context in QUICK_DECODE_ROWS if args.quick else DECODE_ROWS:
-            r = decode_row(batch, context, shape, gen)
+            r = decode_row(batch, context, shape, gen, args.fa3)
             rep["decode"].append(r)
             print(f"| {batch} | {context} | {r['unified_ms']:.4f} | {r['decode_ms']:.4f} "
-                  f"| {r['ratio']:.2f} | {r['err']:.1e} |", flush=True)  # fmt: skip
+                  f"| {r['ratio']:.2f} | {r['fa3_ms']:.4f} | {r['floor_ms']:.4f} "
+                  f"| {r['err']:.1e} |", flush=True)  # fmt: skip
         print("\nMixed steps, one layer (graph replay):\n")
         print("| step | unified ms | one tiled launch ms | floor ms | rel err |")
         print("|---|---:|---:|---:|---:|")
