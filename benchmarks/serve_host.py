@@ -35,6 +35,7 @@ the same command each time and compare medians.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -70,7 +71,46 @@ def stub_core(core) -> None:
     stub_forward(core.executor.workers[0].model_runner)
 
 
-def serve(ckpt: str, port: int, profile: str | None, engine_process: bool, no_freeze: bool) -> None:
+CENSUS_MIN_OBJECTS = 20_000  # young collections this large are the long pauses
+CENSUS_COLLECTIONS = 3  # per process
+
+
+def gc_census(path: str) -> None:
+    """Append to `path`, at this process's first CENSUS_COLLECTIONS young-generation
+    collections of CENSUS_MIN_OBJECTS objects or more, what those objects are (by type):
+    what a long young collection walks."""
+    import collections
+    import gc
+    import multiprocessing
+
+    seen = [0]
+
+    def census(phase: str, info: dict) -> None:
+        if phase != "start" or info["generation"] != 0 or seen[0] >= CENSUS_COLLECTIONS:
+            return
+        young = gc.get_objects(generation=0)
+        if len(young) < CENSUS_MIN_OBJECTS:
+            return
+        seen[0] += 1
+        types = collections.Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in young)
+        top = ", ".join(f"{name} {n}" for name, n in types.most_common(12))
+        with open(path, "a") as f:
+            f.write(f"{multiprocessing.current_process().name} ({os.getpid()}): {len(young)} "
+                    f"objects: {top}\n")  # fmt: skip
+
+    gc.callbacks.append(census)
+
+
+def stub_core_census(path: str, core) -> None:
+    """stub_core, and the core process's young collections counted into `path`."""
+    stub_core(core)
+    gc_census(path)
+
+
+def serve(
+    ckpt: str, port: int, profile: str | None, engine_process: bool, no_freeze: bool,
+    census: str | None = None,
+) -> None:  # fmt: skip
     """The server subprocess: our app with a stubbed forward, plus two internal routes."""
     import torch
     import uvicorn
@@ -80,12 +120,15 @@ def serve(ckpt: str, port: int, profile: str | None, engine_process: bool, no_fr
     from llm_inference.entrypoints.openai.api_server import build_app
 
     torch.set_num_threads(1)
+    setup = stub_core if census is None else functools.partial(stub_core_census, census)
     llm = AsyncLLM(ckpt, device="cpu", max_num_seqs=256, kv_cache_memory_bytes=256 << 20,
                    max_num_batched_tokens=8192, max_model_len=1024,
-                   engine_process=engine_process, core_setup=stub_core)  # fmt: skip
+                   engine_process=engine_process, core_setup=setup)  # fmt: skip
     app = build_app(llm, "tiny", shutdown_llm=True)
     if not no_freeze:
         freeze_startup_heap()  # as run_server does
+    if census is not None:
+        gc_census(census)
 
     @app.get("/_host/stats")
     async def stats():  # process_time: the CPU of every thread of this (the front end's) process
@@ -210,6 +253,12 @@ def main() -> None:
         help="leave the server's startup heap to the GC (run_server freezes it)",
     )
     p.add_argument(
+        "--gc-census",
+        default=None,
+        metavar="PATH",
+        help="append what the server's and the core's large young GC collections walk, by type",
+    )
+    p.add_argument(
         "--switch-interval",
         type=float,
         default=None,
@@ -219,7 +268,8 @@ def main() -> None:
     if args.serve:
         if args.switch_interval is not None:
             sys.setswitchinterval(args.switch_interval)
-        return serve(args.serve, args.port, args.profile, not args.engine_thread, args.no_gc_freeze)
+        return serve(args.serve, args.port, args.profile, not args.engine_thread,
+                     args.no_gc_freeze, args.gc_census)  # fmt: skip
 
     import socket
 
@@ -241,6 +291,8 @@ def main() -> None:
         cmd += ["--no-gc-freeze"]
     if args.profile:
         cmd += ["--profile", args.profile]
+    if args.gc_census:
+        cmd += ["--gc-census", args.gc_census]
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     server = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"
