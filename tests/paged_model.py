@@ -11,6 +11,7 @@ a cached or shared block.
 
 from __future__ import annotations
 
+import struct
 from collections import Counter
 
 from llm_inference.core.block_pool import BlockPool
@@ -104,9 +105,9 @@ def check_prefix_cache(sched: Scheduler, model: FakePagedModel, hash_fn=hash_blo
     for block_hash, block_id in index.items():
         block = pool.blocks[block_id]
         assert block.block_hash == block_hash and block.cache_key > 0
-        assert len(block.token_ids) == bs
+        assert len(block.token_ids) == 8 * bs  # packed as int64 (kv_cache_utils.pack_tokens)
         slots = range(block_id * bs, (block_id + 1) * bs)
-        assert [model.cache.get(s) for s in slots] == list(block.token_ids)
+        assert [model.cache.get(s) for s in slots] == _unpacked(block)
         by_key[block.cache_key] = block
     cached_ids = set(index.values())
     uncached = [b for b in pool.blocks if b.block_id not in cached_ids]
@@ -116,7 +117,12 @@ def check_prefix_cache(sched: Scheduler, model: FakePagedModel, hash_fn=hash_blo
         if block.parent_key in by_key:
             parent = by_key[block.parent_key].block_hash
         if parent is not None:
-            assert block.block_hash == hash_fn(parent, block.token_ids)
+            assert block.block_hash == hash_fn(parent, _unpacked(block))
+
+
+def _unpacked(block) -> list[int]:
+    """A cached block's token ids (stored packed, little-endian int64)."""
+    return list(struct.unpack(f"<{len(block.token_ids) // 8}q", block.token_ids))
 
 
 def reference_outputs(

@@ -11,7 +11,12 @@ import pytest
 from llm_inference.core import kv_cache_utils
 from llm_inference.core.block_pool import BlockPool
 from llm_inference.core.kv_cache_manager import KVCacheManager
-from llm_inference.core.kv_cache_utils import ROOT_BLOCK_HASH, block_hashes, hash_block_tokens
+from llm_inference.core.kv_cache_utils import (
+    ROOT_BLOCK_HASH,
+    block_hashes,
+    hash_block_tokens,
+    pack_tokens,
+)
 from llm_inference.core.prefix_cache import CacheHit
 from llm_inference.core.request import Request
 from llm_inference.sampling_params import SamplingParams
@@ -62,22 +67,22 @@ def test_block_hashes_cover_full_blocks_only_and_are_computed_once():
 def test_freed_cached_block_stays_cached_until_allocate_evicts_it_lru_first():
     pool = BlockPool(3)
     a, b, c = pool.allocate(3)
-    ka = pool.cache_block(a, b"ha", (1,), 0)
-    kb = pool.cache_block(b, b"hb", (2,), ka)
+    ka = pool.cache_block(a, b"ha", pack_tokens([1]), 0)
+    kb = pool.cache_block(b, b"hb", pack_tokens([2]), ka)
     assert (ka, kb) == (1, 2) and pool.num_cached_blocks == 2
     pool.free([b, a, c])  # free order = LRU order: b is evicted first
     assert pool.free_block_ids() == [b, a, c] and pool.num_free_blocks == 3
     assert pool.lookup(b"ha").block_id == a and pool.is_cached_key(ka)
     assert pool.allocate(1) == [b]
     assert pool.lookup(b"hb") is None and not pool.is_cached_key(kb)
-    assert pool.blocks[b].block_hash is None and pool.blocks[b].token_ids == ()
+    assert pool.blocks[b].block_hash is None and pool.blocks[b].token_ids == b""
     assert pool.num_evictions == 1 and pool.cached_block_ids() == {b"ha": a}
 
 
 def test_touch_revives_a_free_cached_block_from_the_middle_of_the_queue():
     pool = BlockPool(4)
     ids = pool.allocate(4)
-    pool.cache_block(ids[1], b"h", (7,), 0)
+    pool.cache_block(ids[1], b"h", pack_tokens([7]), 0)
     pool.free(ids)
     pool.touch([ids[1]])
     assert pool.ref_cnt(ids[1]) == 1 and pool.free_block_ids() == [ids[0], ids[2], ids[3]]
@@ -92,13 +97,13 @@ def test_touch_revives_a_free_cached_block_from_the_middle_of_the_queue():
 def test_cache_block_preconditions_and_uncache():
     pool = BlockPool(2)
     with pytest.raises(ValueError, match="used"):
-        pool.cache_block(0, b"h", (1,), 0)  # a free block
+        pool.cache_block(0, b"h", pack_tokens([1]), 0)  # a free block
     a, b = pool.allocate(2)
-    pool.cache_block(a, b"h", (1,), 0)
+    pool.cache_block(a, b"h", pack_tokens([1]), 0)
     with pytest.raises(ValueError, match="used and not yet cached"):
-        pool.cache_block(a, b"h2", (1,), 0)
+        pool.cache_block(a, b"h2", pack_tokens([1]), 0)
     with pytest.raises(ValueError, match="already cached"):
-        pool.cache_block(b, b"h", (1,), 0)
+        pool.cache_block(b, b"h", pack_tokens([1]), 0)
     pool.uncache(a)
     assert pool.lookup(b"h") is None and pool.ref_cnt(a) == 1
     with pytest.raises(ValueError, match="not cached"):

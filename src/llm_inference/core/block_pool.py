@@ -38,7 +38,7 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None  # None: not in the prefix cache
-    token_ids: tuple[int, ...] = ()  # its tokens, to confirm a hit against
+    token_ids: bytes = b""  # its tokens (kv_cache_utils.pack_tokens), to confirm a hit against
     cache_key: int = 0  # unique per caching (never reused); 0 when not cached
     parent_key: int = 0  # cache_key of the previous block of its sequence; 0 for block 0
 
@@ -150,7 +150,7 @@ class BlockPool:
         return cache_key == 0 or cache_key in self._by_key
 
     def cache_block(
-        self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...], parent_key: int
+        self, block_id: int, block_hash: bytes, token_ids: bytes, parent_key: int
     ) -> int:
         """Enter a used, full, computed block into the cache; returns its new cache key.
 
@@ -174,7 +174,7 @@ class BlockPool:
             raise ValueError(f"block {block_id} is not cached")
         del self._cached[block.block_hash]
         del self._by_key[block.cache_key]
-        block.block_hash, block.token_ids, block.cache_key, block.parent_key = None, (), 0, 0
+        block.block_hash, block.token_ids, block.cache_key, block.parent_key = None, b"", 0, 0
 
     def _evict(self, block: KVCacheBlock) -> None:
         self.uncache(block.block_id)

@@ -9,7 +9,8 @@ with `hash_{-1} = ROOT_BLOCK_HASH`, so a block hash stands for the whole token p
 the end of its block, not only its own tokens. The hash is stable across processes and runs
 (never Python's salted `hash`). Only full blocks are hashed: a partial block has no hash.
 
-Hashes only find candidates; the prefix cache confirms a hit against the stored token ids and
+Hashes only find candidates; the prefix cache confirms a hit against the stored (packed) token
+ids and
 parent of the cached block (see core/prefix_cache.py), so a collision never gives a false hit.
 """
 
@@ -26,10 +27,15 @@ BlockHash = bytes
 ROOT_BLOCK_HASH: BlockHash = hashlib.sha256(b"llm_inference prefix cache root").digest()
 
 
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """A block's token ids as little-endian int64: what its hash covers, and what the prefix
+    cache keeps to confirm a hit (bytes: compact, and never walked by the cyclic GC)."""
+    return struct.pack(f"<{len(token_ids)}q", *token_ids)
+
+
 def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     """The hash of one full block chained to its parent's hash (ROOT_BLOCK_HASH for block 0)."""
-    payload = struct.pack(f"<{len(token_ids)}q", *token_ids)
-    return hashlib.sha256(parent_hash + payload).digest()
+    return hashlib.sha256(parent_hash + pack_tokens(token_ids)).digest()
 
 
 def block_hashes(request: Request, num_blocks: int, block_size: int) -> list[BlockHash]:

@@ -1,6 +1,6 @@
 """Prefix caching: find a request's longest cached prefix, and cache its full blocks.
 
-A cached block stands for one exact token prefix: its own `token_ids` and the cached block
+A cached block stands for one exact token prefix: its own `token_ids` (packed) and the cached block
 before it (`parent_key`, the parent's unique `cache_key`; 0 for a sequence's first block).
 By induction a chain of blocks matched from block 0, each confirmed against the request's
 own tokens and the key of the block matched before it, holds exactly the K/V of the
@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llm_inference.core.block_pool import BlockPool
-from llm_inference.core.kv_cache_utils import block_hashes
+from llm_inference.core.kv_cache_utils import block_hashes, pack_tokens
 from llm_inference.core.request import Request
 
 ROOT_KEY = 0  # the parent key of a sequence's first block
@@ -63,7 +63,7 @@ class PrefixCache:
             block = self.block_pool.lookup(hashes[i])
             if block is None or block.parent_key != parent:
                 break
-            if block.token_ids != tuple(request.get_token_ids(i * bs, (i + 1) * bs)):
+            if block.token_ids != pack_tokens(request.get_token_ids(i * bs, (i + 1) * bs)):
                 break  # a hash collision: not our prefix
             hit.block_ids.append(block.block_id)
             hit.cache_keys.append(block.cache_key)
@@ -86,7 +86,7 @@ class PrefixCache:
             parent = keys[-1] if keys else ROOT_KEY
             if not pool.is_cached_key(parent):
                 return
-            tokens = tuple(request.get_token_ids(i * bs, (i + 1) * bs))
+            tokens = pack_tokens(request.get_token_ids(i * bs, (i + 1) * bs))
             block = pool.lookup(hashes[i])
             if block is not None and block.parent_key == parent and block.token_ids == tokens:
                 keys.append(block.cache_key)  # the same contents are cached already
