@@ -10,8 +10,8 @@ the end of its block, not only its own tokens. The hash is stable across process
 (never Python's salted `hash`). Only full blocks are hashed: a partial block has no hash.
 
 Hashes only find candidates; the prefix cache confirms a hit against the stored (packed) token
-ids and
-parent of the cached block (see core/prefix_cache.py), so a collision never gives a false hit.
+ids and parent of the cached block (see core/prefix_cache.py), so a collision never gives a
+false hit.
 """
 
 from __future__ import annotations
