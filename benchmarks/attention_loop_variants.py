@@ -155,7 +155,7 @@ def main() -> None:
     print("|---|---|---|---:|---:|---:|---:|")
     for num_seqs, length, context in ROWS[:2] if args.quick else ROWS:
         case, _, _ = bench.make_batch([length] * num_seqs, [context] * num_seqs, shape, gen)
-        flops = 4 * length * (context + (length + 1) / 2) * shape[0] * shape[2] * num_seqs
+        flops = bench.causal_flops(length, context, shape) * num_seqs
         fa3 = bench.fa3_ms(case, length, context + length, scale)
         prompts = f"{num_seqs} x {length}" + (f" after {context}" if context else "")
         print(f"| {prompts} | FA3 | | {fa3:.3f} | {flops / fa3 / 1e9:.0f} | 1.00 | |", flush=True)

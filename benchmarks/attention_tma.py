@@ -147,7 +147,8 @@ def check() -> None:
 def time_row(num_seqs: int, seq_len: int, gen) -> list[dict]:
     """Every kernel and tile on one prompt row: FA3, the shipped kernel on the paged copy, the
     TMA kernel without and with warp specialization."""
-    num_heads, num_kv, head_dim = bench.SHAPES["Llama-3.1-8B"]
+    shape = bench.SHAPES["Llama-3.1-8B"]
+    num_heads, num_kv, head_dim = shape
     scale, t = head_dim**-0.5, num_seqs * seq_len
     q = torch.randn(t, num_heads, head_dim, generator=gen).to("cuda", bench.DTYPE)
     k = torch.randn(t, num_kv, head_dim, generator=gen).to("cuda", bench.DTYPE)
@@ -160,7 +161,7 @@ def time_row(num_seqs: int, seq_len: int, gen) -> list[dict]:
         for ws in (False, True):
             name = f"TMA{' + warp_specialize' if ws else ''} {tile}"
             runs[name] = functools.partial(tma_attention, q, k, v, num_seqs, scale, out, *tile, ws)
-    flops = 4 * seq_len * (seq_len + 1) / 2 * num_heads * head_dim * num_seqs
+    flops = bench.causal_flops(seq_len, 0, shape) * num_seqs
     rows = []
     for name, fn in runs.items():
         row = dict(prompts=f"{num_seqs} x {seq_len}", kernel=name)

@@ -71,6 +71,12 @@ DTYPE = torch.bfloat16
 DEVICE = "cuda"
 
 
+def causal_flops(length: int, context: int, shape) -> float:
+    """The attention FLOPs of one sequence's `length` new tokens after `context` cached ones:
+    4 x L x (c + (L + 1) / 2) x Hq x D (QK^T and PV, each row over its visible keys)."""
+    return 4 * length * (context + (length + 1) / 2) * shape[0] * shape[2]
+
+
 def make_batch(q_lens, contexts, shape, gen):
     """(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens) and the new tokens' K/V
     [T, Hkv, D] (what the engine's SDPA path attends over when contexts are 0)."""
@@ -167,7 +173,7 @@ def prefill_row(num_seqs, length, context, shape, gen, sweep, fa3) -> dict:
     out = torch.empty_like(case[0])
     fn = lambda: ua.unified_attention(*case, scale, out, length, context + length)
     fn()
-    flops = 4 * length * (context + (length + 1) / 2) * shape[0] * shape[2] * num_seqs
+    flops = causal_flops(length, context, shape) * num_seqs
     row = dict(seqs=num_seqs, length=length, context=context, err=rel_error(out, case, scale),
                floor_ms=flops / PEAK_FLOPS * 1e3, triton_ms=graph_ms(fn))  # fmt: skip
     row["tflops"] = flops / row["triton_ms"] / 1e9
@@ -218,7 +224,7 @@ def mixed_row(name, shape, gen) -> dict:
     err = rel_error(out, case, scale)
     tiles = ua.default_tiles(shape[0] // shape[1], shape[2], max(q_lens))
     one_launch = lambda: ua.launch(*case, scale, out, *tiles)
-    flops = sum(4 * n * (c + (n + 1) / 2) * shape[0] * shape[2] for c, n in zip(contexts, q_lens))
+    flops = sum(causal_flops(n, c, shape) for c, n in zip(contexts, q_lens))
     kv_bytes = sum(c + n for c, n in zip(contexts, q_lens)) * shape[1] * shape[2] * 2 * 2
     floor = max(flops / PEAK_FLOPS, kv_bytes / COPY_BYTES_PER_S) * 1e3
     return dict(name=name, err=err, ms=graph_ms(fn), one_launch_ms=graph_ms(one_launch),
