@@ -27,10 +27,11 @@ log, last lines).
 vLLM runs as `python3 -m vllm.entrypoints.openai.api_server` with `--vllm-site` (/tmp/site)
 first on PYTHONPATH and VLLM_USE_FLASHINFER_SAMPLER=0; our server runs without that folder. The
 GPU machine's image lacks fastapi, uvicorn and pydantic: when they do not import, our server's
-PYTHONPATH gets a folder of links to only those packages (and their few needs) in `--vllm-site`,
-never vLLM. Without vLLM, carry the web stack alone as wheels and install them into a folder
-given as `--vllm-site` (fastapi 0.115.12 and starlette 0.46.2: fastapi 0.165 imports
-opentelemetry; session9_2026-12-01_h200/README.md lists the fourteen). Servers are stopped
+PYTHONPATH gets a folder of links to only those packages (their few needs, and gguf, which the
+package imports and the image lacks) in `--vllm-site`, never vLLM. Without vLLM, carry the web
+stack alone as wheels and install them into a folder given as `--vllm-site` (fastapi 0.115.12
+and starlette 0.46.2: fastapi 0.165 imports opentelemetry; session9_2026-12-01_h200/README.md
+lists the fourteen). Servers are stopped
 (SIGTERM, then SIGKILL to them and every process they started) after their runs, on errors,
 SIGTERM and Ctrl-C; a server's first process dies with this script even on SIGKILL
 (PR_SET_PDEATHSIG), and what a killed run left behind is killed at the next start (the pids are
@@ -63,7 +64,7 @@ SHAPES = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b")
 # distribution names (a dist-info's name up to its first '-').
 SERVE_DEPS = tuple(
     "fastapi starlette pydantic pydantic_core annotated_types typing_inspection uvicorn "
-    "annotated_doc typing_extensions anyio sniffio idna h11 click uvloop httptools".split()
+    "annotated_doc typing_extensions anyio sniffio idna h11 click uvloop httptools gguf".split()
 )
 SERVE_IMPORTS = "import fastapi, pydantic, starlette, uvicorn"
 PIDFILE = Path(tempfile.gettempdir()) / "serve_compare_pids.json"

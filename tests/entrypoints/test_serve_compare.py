@@ -74,11 +74,11 @@ def test_rates_prompts_and_budget_estimates(sc, tmp_path):
 def test_web_stack_links_leave_vllm_out(sc, tmp_path):
     site = tmp_path / "site"
     for name in ("fastapi", "fastapi-0.136.3.dist-info", "pydantic_core", "vllm",
-                 "vllm-0.26.0.dist-info", "torch", "httpx2", "bin"):  # fmt: skip
+                 "vllm-0.26.0.dist-info", "torch", "httpx2", "bin", "gguf"):  # fmt: skip
         (site / name).mkdir(parents=True)
     (site / "typing_extensions.py").write_text("")
     linked = sc.link_serve_deps(site, tmp_path / "deps")
-    assert linked == ["fastapi", "fastapi-0.136.3.dist-info", "pydantic_core",
+    assert linked == ["fastapi", "fastapi-0.136.3.dist-info", "gguf", "pydantic_core",
                       "typing_extensions.py"]  # fmt: skip
     assert (tmp_path / "deps" / "fastapi").resolve() == site / "fastapi"
     assert sc.vllm_version(str(site)) == "0.26.0"
