@@ -9,6 +9,7 @@ import asyncio
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from helpers import child_processes, make_checkpoint
 
 from llm_inference import AsyncLLM, SamplingParams
 from llm_inference.engine.async_llm import EngineDeadError
+from llm_inference.entrypoints.openai import front_ends
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 PROMPTS = [f"Hello world {i}" for i in range(8)]
@@ -170,6 +172,46 @@ def test_a_server_of_two_front_ends(tmp_path, offline_llm):
     finally:
         proc.kill()
     assert proc.returncode == 1 and "front end llm_inference-api-1 exited" in err, err
+
+
+def _accept_all(sock: socket.socket) -> int:
+    """How many connections wait on `sock` (each accepted and closed)."""
+    sock.setblocking(False)
+    count = 0
+    while True:
+        try:
+            conn, _ = sock.accept()
+        except BlockingIOError:
+            return count
+        conn.close()
+        count += 1
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="SO_REUSEPORT balances on Linux")
+def test_each_front_end_listens_on_its_own_socket_of_one_port():
+    """Four sockets on the port the first one got: 64 connections, made before any accept,
+    spread over all four (on one shared socket, the first loop to wake takes them all)."""
+    socks = front_ends.listen("127.0.0.1", 0, 4)
+    clients = []
+    try:
+        assert len({s.fileno() for s in socks}) == 4
+        port = socks[0].getsockname()[1]
+        assert {s.getsockname()[1] for s in socks} == {port}
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(64)]
+        accepted = [_accept_all(s) for s in socks]
+        assert sum(accepted) == 64 and min(accepted) > 0, accepted
+    finally:
+        for s in socks + clients:
+            s.close()
+
+
+def test_front_ends_share_one_socket_where_the_kernel_cannot_balance(monkeypatch):
+    monkeypatch.setattr(front_ends.sys, "platform", "darwin")
+    socks = front_ends.listen("127.0.0.1", 0, 3)
+    try:
+        assert len(socks) == 3 and socks[0] is socks[1] is socks[2]
+    finally:
+        socks[0].close()
 
 
 def test_api_server_count_below_one_is_refused(tmp_path):

@@ -295,7 +295,8 @@ def run_server(
     template = load_chat_template(chat_template)  # so does a missing template file
     if api_server_count < 1:
         raise ValueError(f"api_server_count must be at least 1, got {api_server_count}")
-    sock = front_ends.listen(host, port) if api_server_count > 1 else None  # taken or not: now
+    # the port, taken or not: now, before the model loads
+    socks = front_ends.listen(host, port, api_server_count) if api_server_count > 1 else None
     llm = AsyncLLM(model, front_ends=api_server_count, **engine_args)
     name = served_name(served_model_name, model)
     print(startup_summary(llm, name, f"http://{host}:{port}", api_key is not None), flush=True)
@@ -306,10 +307,10 @@ def run_server(
     with tempfile.TemporaryDirectory(prefix="llm_inference_metrics_") as folder:
         pipes = llm.core_process.front_end_pipes
         others = front_ends.start_others(
-            _serve_another, pipes, sock, folder, model, engine_args, serve_kwargs
+            _serve_another, pipes, socks, folder, model, engine_args, serve_kwargs
         )
         shared = front_ends.SharedMetrics(folder, 0, api_server_count)
-        serve(llm, sock=sock, shared=shared, others=others, **serve_kwargs)
+        serve(llm, sock=socks[0], shared=shared, others=others, **serve_kwargs)
 
 
 def _serve_another(pipe, sock, shared, model, engine_args: dict, serve_kwargs: dict) -> None:
@@ -332,8 +333,8 @@ def serve(
     others: list | None = None,
 ) -> None:
     """Serve `llm` (one front end) until a signal, or until its engine or one of `others`
-    (the other front ends' processes, which it stops on its way out) stops; on `sock` (shared
-    by the front ends) if given, else on host:port."""
+    (the other front ends' processes, which it stops on its way out) stops; on `sock`
+    (front_ends.listen's) if given, else on host:port."""
     import uvicorn
 
     app = build_app(llm, name, api_key=api_key, shutdown_llm=True, shared=shared,

@@ -4,10 +4,16 @@ One front end (the server's process: event loop, tokenizer, output processing, s
 fall behind the core: 800 streams of the 1B shape on an H200, 33,500 tokens a second, went out
 about four tokens a chunk, late (benchmarks/results/serve_tail_vs_vllm_2026-12-02_h200.md).
 With N, the server's process and N - 1 processes it starts each run the
-whole HTTP app on the same listening socket (the kernel hands each connection to one of them),
-each with its own `AsyncLLM` on one pipe of the same engine core process
-(`AsyncLLM(front_ends=N)` in the first, `AsyncLLM(core_pipe=...)` in the others;
+whole HTTP app on the same port, each with its own `AsyncLLM` on one pipe of the same engine
+core process (`AsyncLLM(front_ends=N)` in the first, `AsyncLLM(core_pipe=...)` in the others;
 core_process.py routes each request's records to the front end that added it).
+
+- Connections: each front end listens on a socket of its own, all bound to the port with
+  SO_REUSEPORT, so the kernel spreads new connections over them evenly (by a hash of their
+  addresses). On one shared socket, whichever loop wakes first accepts every connection
+  waiting: 800 at once went 309 / 205 / 164 / 122 to four uvicorn processes (this CPU), and on
+  the H200 one front end's pauses then stalled most streams (DECISIONS.md). Where the platform
+  has no SO_REUSEPORT (or does not balance with it: not Linux), they share one socket.
 
 - /metrics: counters and histograms add up over the front ends: each writes its own to a
   shared folder every METRICS_SHARE_S (`SharedMetrics`), and the one that answers adds the
@@ -28,6 +34,7 @@ import multiprocessing
 import os
 import pickle
 import socket
+import sys
 import threading
 from pathlib import Path
 
@@ -65,28 +72,41 @@ class SharedMetrics:
             await asyncio.sleep(METRICS_SHARE_S)
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """The listening socket that every front end accepts from."""
+def listen(host: str, port: int, count: int) -> list[socket.socket]:
+    """The listening sockets of `count` front ends, one each, on `port` (0: one the system
+    picks, the same for all); the same socket `count` times where the kernel cannot balance
+    them (see the module docstring)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    return sock
+    own = sys.platform == "linux" and hasattr(socket, "SO_REUSEPORT")
+    socks = []
+    for _ in range(count if own else 1):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if own:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        port = sock.getsockname()[1]
+        sock.listen(2048)
+        socks.append(sock)
+    return socks if own else socks * count
 
 
-def start_others(target, pipes: list, sock: socket.socket, folder: str, *args) -> list:
+def start_others(target, pipes: list, socks: list[socket.socket], folder: str, *args) -> list:
     """Front ends 1..N-1, a process each running `target(pipe, sock, shared, *args)` (the
-    server's) on one of the core's `front_end_pipes`, which is theirs then (closed here: a
-    front end that exits closes its pipe, and the core drops it)."""
+    server's) on one of the core's `front_end_pipes` and one of `socks[1:]` (`listen`'s;
+    socks[0] is the first front end's). Each pipe, and each socket that is not also the
+    first's, is theirs then (closed here: a front end that exits closes its pipe, and the core
+    drops it; its socket, and the kernel hands the port's connections to the others)."""
     ctx = multiprocessing.get_context("spawn")
     procs = []
-    for index, pipe in enumerate(pipes, start=1):
+    for index, (pipe, sock) in enumerate(zip(pipes, socks[1:], strict=True), start=1):
         shared = SharedMetrics(folder, index, len(pipes) + 1)
         proc = ctx.Process(target=_other, args=(os.getpid(), target, pipe, sock, shared, *args),
                            name=f"llm_inference-api-{index}")  # fmt: skip
         proc.start()
         pipe.close()
+        if sock is not socks[0]:
+            sock.close()
         procs.append(proc)
     return procs
 
