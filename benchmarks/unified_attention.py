@@ -24,10 +24,12 @@ block tables. Per layer, three tables:
   COPY_BYTES_PER_S.
 Times: medians over CUDA events after warm-up, L2 flushed before each call by reading 256 MB
 (benchmarks/paged_attention.py). rel err: worst per-sequence relative L2 error against
-reference.unified_attention in float32. `--sweep` adds prefill timings of other tile configs
-(BLOCK_M, BLOCK_N, warps, stages) to tune `default_tiles`; `--quick` runs fewer rows.
+reference.unified_attention in float32. `--sweep` adds timings of other tile configs (BLOCK_M,
+BLOCK_N, warps, stages) to tune `default_tiles`: of the prefill rows, and of the mixed rows'
+tiled launch alone (its decodes skipped, as `unified_attention` launches it); all of SWEEP, or
+the configs given (`--sweep "128,64,8,3;256,64,8,3"`); `--quick` runs fewer rows.
 
-    PYTHONPATH=src python benchmarks/unified_attention.py [--quick] [--sweep] [--fa3]
+    PYTHONPATH=src python benchmarks/unified_attention.py [--quick] [--sweep [CONFIGS]] [--fa3]
         [--shapes Llama-3.1-8B] [--json PATH]
 """
 
@@ -166,6 +168,18 @@ def fa3_ms(case, max_query_len: int, max_seq_len: int, scale: float) -> float:
     return graph_ms(fn)
 
 
+def sweep_ms(case, scale, out, configs, **kw) -> dict:
+    """{config: ms and error} of the tiled launch at each config."""
+    results = {}
+    for cfg in configs:
+        try:
+            ms = graph_ms(functools.partial(ua.launch, *case, scale, out, *cfg, **kw))
+            results[str(cfg)] = dict(ms=ms, err=rel_error(out, case, scale))
+        except Exception as e:  # e.g. out of shared memory: report and go on
+            results[str(cfg)] = dict(error=f"{type(e).__name__}: {str(e)[:80]}")
+    return results
+
+
 def prefill_row(num_seqs, length, context, shape, gen, sweep, fa3) -> dict:
     q_lens = [length] * num_seqs
     case, k_new, v_new = make_batch(q_lens, [context] * num_seqs, shape, gen)
@@ -183,13 +197,7 @@ def prefill_row(num_seqs, length, context, shape, gen, sweep, fa3) -> dict:
         row["math_ms"] = _try_ms(sdpa_loop(case[0], k_new, v_new, q_lens, scale, group, True))
     if fa3:
         row["fa3_ms"] = fa3_ms(case, length, context + length, scale)
-    row["sweep"] = {}
-    for cfg in SWEEP if sweep else ():
-        try:
-            ms = graph_ms(functools.partial(ua.launch, *case, scale, out, *cfg))
-            row["sweep"][str(cfg)] = dict(ms=ms, err=rel_error(out, case, scale))
-        except Exception as e:  # e.g. out of shared memory: report and go on
-            row["sweep"][str(cfg)] = dict(error=f"{type(e).__name__}: {str(e)[:80]}")
+    row["sweep"] = sweep_ms(case, scale, out, sweep)
     return row
 
 
@@ -213,7 +221,7 @@ def decode_row(batch, context, shape, gen, fa3) -> dict:
     return row
 
 
-def mixed_row(name, shape, gen) -> dict:
+def mixed_row(name, shape, gen, sweep) -> dict:
     q_lens, contexts = MIXED_ROWS[name]
     case, _, _ = make_batch(q_lens, contexts, shape, gen)
     scale = shape[2] ** -0.5
@@ -228,7 +236,8 @@ def mixed_row(name, shape, gen) -> dict:
     kv_bytes = sum(c + n for c, n in zip(contexts, q_lens)) * shape[1] * shape[2] * 2 * 2
     floor = max(flops / PEAK_FLOPS, kv_bytes / COPY_BYTES_PER_S) * 1e3
     return dict(name=name, err=err, ms=graph_ms(fn), one_launch_ms=graph_ms(one_launch),
-                floor_ms=floor)  # fmt: skip
+                floor_ms=floor, tiles=tiles,
+                sweep=sweep_ms(case, scale, out, sweep, skip_decodes=True))  # fmt: skip
 
 
 def _prompts(row) -> str:
@@ -248,20 +257,40 @@ def print_prefill(rows, sweep) -> None:
     if sweep:
         print("\n| prompts | BLOCK_M, BLOCK_N, warps, stages | ms | rel err |\n|---|---|---:|---:|")
         for r in rows:
-            for cfg, res in r["sweep"].items():
-                ms = f"{res['ms']:.3f} | {res['err']:.1e}" if "ms" in res else f"{res['error']} |"
-                print(f"| {_prompts(r)} | {cfg} | {ms} |")
+            print_sweep(_prompts(r), r["sweep"])
     print()
+
+
+def print_sweep(label: str, results: dict) -> None:
+    for cfg, res in results.items():
+        ms = f"{res['ms']:.3f} | {res['err']:.1e}" if "ms" in res else f"{res['error']} |"
+        print(f"| {label} | {cfg} | {ms} |")
+
+
+def parse_sweep(arg: str | None) -> list[tuple[int, ...]]:
+    """--sweep's configs: none, all of SWEEP, or 'BM,BN,warps,stages;...'."""
+    if arg is None:
+        return []
+    if arg == "all":
+        return SWEEP
+    return [tuple(int(v) for v in cfg.split(",")) for cfg in arg.split(";")]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rows")
-    parser.add_argument("--sweep", action="store_true", help="prefill tile configs")
+    parser.add_argument(
+        "--sweep",
+        nargs="?",
+        const="all",
+        default=None,
+        help="tile configs: all of SWEEP, or 'BM,BN,warps,stages;...'",
+    )
     parser.add_argument("--fa3", action="store_true", help="vLLM's FlashAttention 3 beside")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    sweep = parse_sweep(args.sweep)
     gen = torch.Generator().manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {props.name}, "
@@ -275,8 +304,8 @@ def main() -> None:
         tiles = ua.default_tiles(shape[0] // shape[1], shape[2], 8000)
         print(f"Prefill, one layer (default tiles {tiles}):\n")
         rows = PREFILL_ROWS[:2] if args.quick else PREFILL_ROWS
-        rep["prefill"] = [prefill_row(*row, shape, gen, args.sweep, args.fa3) for row in rows]
-        print_prefill(rep["prefill"], args.sweep)
+        rep["prefill"] = [prefill_row(*row, shape, gen, sweep, args.fa3) for row in rows]
+        print_prefill(rep["prefill"], sweep)
         torch.cuda.empty_cache()
         print("Decode, one layer (graph replay):\n")
         print("| batch | context | unified ms | paged_attention_decode ms | ratio | FA3 ms "
@@ -292,10 +321,15 @@ def main() -> None:
         print("\nMixed steps, one layer (graph replay):\n")
         print("| step | unified ms | one tiled launch ms | floor ms | rel err |")
         print("|---|---:|---:|---:|---:|")
-        rep["mixed"] = [mixed_row(m, shape, gen) for m in MIXED_ROWS]
+        rep["mixed"] = [mixed_row(m, shape, gen, sweep) for m in MIXED_ROWS]
         for r in rep["mixed"]:
             print(f"| {r['name']} | {r['ms']:.3f} | {r['one_launch_ms']:.3f} "
                   f"| {r['floor_ms']:.3f} | {r['err']:.1e} |")  # fmt: skip
+        if sweep:
+            print("\n| step (its tiled launch alone) | BLOCK_M, BLOCK_N, warps, stages | ms "
+                  "| rel err |\n|---|---|---:|---:|")  # fmt: skip
+            for r in rep["mixed"]:
+                print_sweep(r["name"] + f" (default {r['tiles']})", r["sweep"])
         print(flush=True)
         torch.cuda.empty_cache()
     if args.json:
