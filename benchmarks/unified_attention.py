@@ -230,7 +230,7 @@ def mixed_row(name, shape, gen, sweep) -> dict:
     fn = lambda: ua.unified_attention(*case, scale, out, max(q_lens), max_len)
     fn()
     err = rel_error(out, case, scale)
-    tiles = ua.default_tiles(shape[0] // shape[1], shape[2], max(q_lens))
+    tiles = ua.default_tiles(shape[0] // shape[1], shape[2], max(q_lens), sum(q_lens))
     one_launch = lambda: ua.launch(*case, scale, out, *tiles)
     flops = sum(causal_flops(n, c, shape) for c, n in zip(contexts, q_lens))
     kv_bytes = sum(c + n for c, n in zip(contexts, q_lens)) * shape[1] * shape[2] * 2 * 2
@@ -301,7 +301,7 @@ def main() -> None:
         shape = SHAPES[name]
         print(f"### {name}: {shape[0]} q heads, {shape[1]} KV heads, head_dim {shape[2]}\n")
         rep = report[name] = {}
-        tiles = ua.default_tiles(shape[0] // shape[1], shape[2], 8000)
+        tiles = ua.default_tiles(shape[0] // shape[1], shape[2], 8000, 8000)
         print(f"Prefill, one layer (default tiles {tiles}):\n")
         rows = PREFILL_ROWS[:2] if args.quick else PREFILL_ROWS
         rep["prefill"] = [prefill_row(*row, shape, gen, sweep, args.fa3) for row in rows]

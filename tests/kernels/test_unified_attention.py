@@ -34,6 +34,25 @@ def interpreter_results() -> tuple[dict[str, str], str]:
     return run_checks(HERE / "unified_attention_checks.py")
 
 
+def test_default_tiles_by_head_dim_and_step_size():
+    """The measured rule (benchmarks/DECISIONS.md): at head_dim 128 the 256-row tile from
+    LONG_TILE_TOKENS tokens where one sequence fills it, else 128 rows on 4 warps; at head_dim
+    64, 128 x 64 on 8 warps, 128 x 128 from a LONG_QUERY-token query; fewer rows for short
+    queries, 64 at head_dim 256."""
+    from llm_inference.kernels import unified_attention as ua
+
+    long_tile, tokens = (256, 64, 8, 3), ua.LONG_TILE_TOKENS
+    assert ua.default_tiles(4, 128, 411, 768) == (128, 64, 4, 3)  # a chat-like step's graph
+    assert ua.default_tiles(4, 128, 2000, 16000) == long_tile  # prompts of 2,000, eager
+    assert ua.default_tiles(4, 128, 64, tokens) == long_tile  # 16 x 64: 256 rows a sequence
+    assert ua.default_tiles(4, 128, 63, 4096) == (128, 64, 4, 3)
+    assert ua.default_tiles(4, 128, 1024, tokens - 1) == (128, 64, 4, 3)
+    assert ua.default_tiles(4, 128, 8, 4096) == (32, 64, 4, 3)
+    assert ua.default_tiles(4, 64, 2000, 16000) == (128, 64, 8, 3)
+    assert ua.default_tiles(4, 64, ua.LONG_QUERY, ua.LONG_QUERY) == (128, 128, 4, 3)
+    assert ua.default_tiles(4, 256, 2000, 16000) == (64, 64, 4, 2)
+
+
 @pytest.mark.parametrize("case", checks.INTERPRETER_CASES)
 def test_unified_attention_in_interpreter(interpreter_results, case):
     results, log = interpreter_results
@@ -105,7 +124,8 @@ def test_unified_attention_gpu_bf16_long_prefill(shape, fp8):
     and 128); from 0 and after a deep context, beside shorter chunks and a decode."""
     from llm_inference.kernels import unified_attention as ua
 
-    assert ua.default_tiles(shape[0] // shape[1], shape[2], 5000)[:2] in ((128, 128), (256, 64))
+    tiles = ua.default_tiles(shape[0] // shape[1], shape[2], 5000, 9600)
+    assert tiles[:2] in ((128, 128), (256, 64))
     q_lens, contexts = [5000, 1, 300, ua.LONG_QUERY], [0, 9000, 100, 2003]
     checks.check_unified("cuda", torch.bfloat16, q_lens, contexts, shape, 16, seed=3,
                          tiles=((128, 128), (256, 64)), fp8=fp8)  # fmt: skip

@@ -20,6 +20,7 @@ SHAPES = [
     (1, 8, 128, 32, 20, 16384, 40, 78),  # one KV head, another GPU
     (8, 3, 128, 16, 8, 32768, 32, 132),  # long contexts: up to 128 splits at one sequence
     (2, 1, 64, 16, 8, 1024, 16, 4),  # small limits, the interpreter's SM count
+    (8, 4, 128, 16, 16, 1024, 2200, 132),  # 8B: the long tile's budgets, over max_model_len
 ]
 
 

@@ -167,20 +167,31 @@ def _pow2_at_least(n: int) -> int:
 
 
 LONG_QUERY = 4096  # from this max_query_len on, the long-prefill tile (above the fine graph ladder)
+# head_dim 128: from this many tokens in a step on, its prompt rows fill the SMs with 256-row
+# tiles (Llama-3.1-8B's heads: 256 programs), and the long tile is the faster one.
+LONG_TILE_TOKENS = 2048
 
 
-def default_tiles(group: int, head_dim: int, max_query_len: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the tiled kernel.
+def default_tiles(
+    group: int, head_dim: int, max_query_len: int, num_tokens: int
+) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the tiled kernel for a step of
+    `num_tokens` tokens whose longest query is `max_query_len`.
 
-    128 rows x 64 keys for prefill; for short queries (mixed steps of decodes and small chunks)
-    M shrinks to the rows a sequence can fill, max_query_len x G, at least 16 (tensor cores).
-    From LONG_QUERY tokens on, the fastest tile for one long prompt (benchmarks/DECISIONS.md):
-    128 rows x 128 keys, 4 warps at head_dim 64; 256 rows x 64 keys, 8 warps at head_dim 128."""
-    if max_query_len >= LONG_QUERY and head_dim in (64, 128):
-        return (128, 128, 4, 3) if head_dim == 64 else (256, 64, 8, 3)
+    128 rows x 64 keys for prefill (8 warps at head_dim 64, else 4); for short queries (mixed
+    steps of small chunks) M shrinks to the rows a sequence can fill, max_query_len x G, at
+    least 16 (tensor cores). The long-prefill tiles: 128 rows x 128 keys, 4 warps at head_dim
+    64, from a query of LONG_QUERY tokens; 256 rows x 64 keys, 8 warps at head_dim 128, from
+    LONG_TILE_TOKENS tokens in the step where a sequence fills 256 rows (in fewer tokens its
+    fewer programs leave SMs idle: a lone 411-token chunk 25% slower). Measured with a mixed
+    step's decodes in the decode kernel (benchmarks/DECISIONS.md)."""
+    if max_query_len >= LONG_QUERY and head_dim == 64:
+        return 128, 128, 4, 3
+    if head_dim == 128 and num_tokens >= LONG_TILE_TOKENS and max_query_len * group >= 256:
+        return 256, 64, 8, 3
     block_m = 128 if head_dim <= 128 else 64
     block_m = max(min(block_m, _pow2_at_least(max_query_len * group)), 16, _pow2_at_least(group))
-    num_warps = 8 if block_m >= 128 and head_dim >= 128 else 4
+    num_warps = 8 if block_m >= 128 and head_dim == 64 else 4
     return block_m, 64, num_warps, 3 if head_dim <= 128 else 2
 
 
@@ -241,7 +252,7 @@ def unified_attention(
         seq_order = None
     launches = plan(
         num_seqs, num_kv_heads, q.shape[1] // num_kv_heads, head_dim, block_size,
-        max_query_len, max_seq_len, num_sms(q.device), seq_order is not None,
+        max_query_len, max_seq_len, num_sms(q.device), seq_order is not None, num_tokens,
     )  # fmt: skip
     _, splits, block_n = launches[0]
     pa.launch(
@@ -265,17 +276,18 @@ def ordered(num_seqs: int, max_query_len: int) -> bool:
 
 def plan(
     num_seqs: int, num_kv_heads: int, group: int, head_dim: int, block_size: int,
-    max_query_len: int, max_seq_len: int, num_sms: int, ordered: bool,
+    max_query_len: int, max_seq_len: int, num_sms: int, ordered: bool, num_tokens: int,
 ) -> tuple:  # fmt: skip
-    """The launches `unified_attention` makes, from sizes only: ("decode", splits, BLOCK_N)
-    (`ordered`: with a dispatch order), then for max_query_len > 1 ("tiled", *default_tiles)."""
+    """The launches `unified_attention` makes for a step of `num_tokens` tokens, from sizes
+    only: ("decode", splits, BLOCK_N) (`ordered`: with a dispatch order), then for
+    max_query_len > 1 ("tiled", *default_tiles)."""
     block_n = pa.default_block_n(head_dim, block_size)
     waves = pa.ORDERED_WAVES if ordered else 0  # 0: the default
     splits = pa.choose_splits(num_seqs, num_kv_heads, max_seq_len, block_n, num_sms, waves)
     decode = ("decode", splits, block_n)
     if max_query_len == 1:
         return (decode,)
-    return decode, ("tiled", *default_tiles(group, head_dim, max_query_len))
+    return decode, ("tiled", *default_tiles(group, head_dim, max_query_len, num_tokens))
 
 
 def compile_keys(launch_plan: tuple, ordered: bool) -> tuple:

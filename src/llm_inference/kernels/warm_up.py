@@ -10,7 +10,9 @@ the executor runs each as an all-padding forward when it starts without graphs
 
 Only the attention picks its variants from a step's sizes (`unified_attention.compile_keys`, one per
 launch): the decode kernel's split count follows the batch and the longest context (and whether it
-is dispatched in `seq_order`, `unified_attention.ordered`), a mixed step's tile its longest query.
+is dispatched in `seq_order`, `unified_attention.ordered`), a mixed step's tile its longest query
+and its token count (`unified_attention.default_tiles`): each query length at its own token
+count, the skinny GEMM's rows and the budget reaches every tile.
 The linear layers take the skinny GEMM up to `skinny_rows` rows (a variant per padded row count,
 `skinny_gemm.block_m`) and cuBLAS above. Every other kernel compiles once for all sizes: the
 integers that change from step to step are not specialized (`do_not_specialize`). So
@@ -70,9 +72,9 @@ def warm_up_shapes(
     for n in sorted(powers | {max_model_len}):
         for batch in range(1, max_num_seqs + 1):
             add(batch, batch, 1, n)
-    budget = min(max_num_batched_tokens, max_model_len)
-    for query in range(2, budget + 1):
-        for tokens in sorted({query, min(max(query, skinny_rows + 1), budget)}):
+    budget = max_num_batched_tokens
+    for query in range(2, min(budget, max_model_len) + 1):
+        for tokens in sorted({query, min(max(query, skinny_rows + 1), budget), budget}):
             add(max_num_seqs, tokens, query, max_model_len)
     return steps
 
@@ -87,7 +89,7 @@ def step_keys(
     ordered = ua.ordered(num_seqs, max_query_len)
     plan = ua.plan(
         num_seqs, num_kv_heads, group, head_dim, block_size, max_query_len, max_seq_len,
-        num_sms, ordered,
+        num_sms, ordered, num_tokens,
     )  # fmt: skip
     linear = ("skinny", sg.block_m(num_tokens)) if num_tokens <= skinny_rows else ("cublas",)
     return {*ua.compile_keys(plan, ordered), linear}
