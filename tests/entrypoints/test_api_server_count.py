@@ -205,6 +205,24 @@ def test_each_front_end_listens_on_its_own_socket_of_one_port():
             s.close()
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="SO_REUSEPORT balances on Linux")
+def test_front_ends_refuse_a_port_another_server_listens_on():
+    """Even one listening with SO_REUSEPORT, whose connections ours would otherwise share."""
+    other = socket.socket()
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    other.bind(("127.0.0.1", 0))
+    other.listen()
+    port = other.getsockname()[1]
+    try:
+        with pytest.raises(OSError, match="in use"):
+            front_ends.listen("127.0.0.1", port, 2)
+    finally:
+        other.close()
+    socks = front_ends.listen("127.0.0.1", port, 2)  # free again
+    for s in socks:
+        s.close()
+
+
 def test_front_ends_share_one_socket_where_the_kernel_cannot_balance(monkeypatch):
     monkeypatch.setattr(front_ends.sys, "platform", "darwin")
     socks = front_ends.listen("127.0.0.1", 0, 3)

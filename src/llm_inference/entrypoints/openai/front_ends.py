@@ -75,19 +75,26 @@ class SharedMetrics:
 def listen(host: str, port: int, count: int) -> list[socket.socket]:
     """The listening sockets of `count` front ends, one each, on `port` (0: one the system
     picks, the same for all); the same socket `count` times where the kernel cannot balance
-    them (see the module docstring)."""
+    them (see the module docstring). A port another server listens on is refused
+    (EADDRINUSE), even one whose sockets have SO_REUSEPORT, which ours would join."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     own = sys.platform == "linux" and hasattr(socket, "SO_REUSEPORT")
-    socks = []
-    for _ in range(count if own else 1):
+
+    def bound(reuse_port: bool) -> socket.socket:
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if own:
+        if reuse_port:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
-        port = sock.getsockname()[1]
-        sock.listen(2048)
-        socks.append(sock)
+        return sock
+
+    if own and port:
+        bound(False).close()  # a plain bind fails where any socket listens
+    socks = []
+    for _ in range(count if own else 1):
+        socks.append(bound(own))
+        port = socks[-1].getsockname()[1]
+        socks[-1].listen(2048)
     return socks if own else socks * count
 
 
