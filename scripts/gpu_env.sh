@@ -3,18 +3,29 @@
 # multicast, as on the target machines) and $B, the bench command.
 OUT=${OUT:-/tmp/gpu_out}; R=$(mktemp -d); mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=src
-# Wheels the machine lacks (scripts/README.md lists them), carried in .whl/ (`carry: [".whl"]`).
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
+# Wheels the machine lacks (scripts/README.md lists them), carried in .whl/ (`carry: [".whl"]`):
+# those of distributions /tmp/site does not hold yet (beside vLLM's carried site, only what it
+# lacks, such as gguf: its own versions stay).
+SITE=${SITE:-/tmp/site}
+missing=$(python3 - "$SITE" .whl <<'EOF'
+import pathlib, re, sys
+norm = lambda name: re.sub(r"[-_.]+", "_", name).lower()
+site, wheels = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+have = {norm(d.name.split("-")[0]) for d in site.glob("*.dist-info")}
+print(" ".join(str(w) for w in sorted(wheels.glob("*.whl")) if norm(w.name.split("-")[0]) not in have))
+EOF
+)
+if [ -n "$missing" ]; then
+  # shellcheck disable=SC2086  # one path per word
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
+    $missing
 fi
-# /tmp/site stays while the machine is warm: what an earlier call put there (the wheels, the
+# $SITE stays while the machine is warm: what an earlier call put there (the wheels, the
 # default model from scripts/default_model_carry.sh) serves later calls too.
-if [ -d /tmp/site ]; then export PYTHONPATH=src:/tmp/site; fi
+if [ -d "$SITE" ]; then export PYTHONPATH=src:$SITE; fi
 # gguf is a dependency the machine lacks: without it nothing of the package imports (a server
 # then dies while starting, a bench at its first import). Say so now, not minutes later.
 python3 -c "import gguf" 2>/dev/null || echo "gpu_env.sh: gguf does not import: carry .whl" \
-  "(scripts/README.md); after vLLM's install into /tmp/site, install wheels to a folder of" \
-  "their own and put it on PYTHONPATH" >&2
+  "(scripts/README.md)" >&2
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 B="python3 src/llm_inference/entrypoints/bench.py"
