@@ -154,7 +154,7 @@ def main() -> None:
     print("| prompts | variant | BLOCK_M, BLOCK_N, warps, stages | ms | TFLOP/s | / FA3 | err |")
     print("|---|---|---|---:|---:|---:|---:|")
     for num_seqs, length, context in ROWS[:2] if args.quick else ROWS:
-        case, _, _ = bench.make_batch([length] * num_seqs, [context] * num_seqs, shape, gen)
+        case = bench.make_batch([length] * num_seqs, [context] * num_seqs, shape, gen)
         flops = bench.causal_flops(length, context, shape) * num_seqs
         fa3 = bench.fa3_ms(case, length, context + length, scale)
         prompts = f"{num_seqs} x {length}" + (f" after {context}" if context else "")

@@ -6,12 +6,13 @@ block tables. Per layer, three tables:
 - Prefill: one 8,000-token prompt, one of 2,048, 64 x 512-token prompts, 4 x 2,000 (a step
   of issue 28's prefill-heavy mix) and a 4,000-token chunk after 8,000 cached tokens (a
   12,000-token prompt's second step; `--quick`: the first two). Triton `unified_attention`
-  (CUDA-graph replay: GPU time), the engine's path before it (one SDPA call per sequence,
-  default backend, K/V repeated for GQA; eager; context 0 only), SDPA's math backend (eager),
-  with `--fa3` vLLM's FlashAttention 3 on the same paged cache (`vllm.vllm_flash_attn`, when
-  vLLM is installed; graph-replayed), the causal FLOP floor at 793 TFLOP/s (4 x L x (c +
-  (L + 1) / 2) x Hq x D flops per sequence of L new tokens after c cached) and the Triton
-  kernel's achieved TFLOP/s.
+  (CUDA-graph replay: GPU time), PyTorch SDPA on its cuDNN and flash backends where the
+  prompts have no cached context (one causal call per sequence on its K/V gathered contiguous,
+  GQA by enable_gqa; graph-replayed; with their errors: whether cuDNN's fused attention could
+  take such chunks), with `--fa3` vLLM's FlashAttention 3 on the same paged cache
+  (`vllm.vllm_flash_attn`, when vLLM is installed; graph-replayed), the causal FLOP floor at
+  793 TFLOP/s (4 x L x (c + (L + 1) / 2) x Hq x D flops per sequence of L new tokens after c
+  cached) and the Triton kernel's achieved TFLOP/s.
 - Decode: batch 1/64/256 at contexts 128..4,096 and 16 at 12,288 (the long-prompt mix's
   decodes): unified_attention (max_query_len=1) against paged_attention_decode, both
   graph-replayed (ratio > 1: the unified op is slower), with `--fa3` FA3 on the same cache, and
@@ -80,8 +81,7 @@ def causal_flops(length: int, context: int, shape) -> float:
 
 
 def make_batch(q_lens, contexts, shape, gen):
-    """(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens) and the new tokens' K/V
-    [T, Hkv, D] (what the engine's SDPA path attends over when contexts are 0)."""
+    """(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens)."""
     num_heads, num_kv, head_dim = shape
     lens = [c + n for c, n in zip(contexts, q_lens)]
     need = [math.ceil(n / BLOCK_SIZE) for n in lens]
@@ -98,9 +98,7 @@ def make_batch(q_lens, contexts, shape, gen):
     q = torch.randn(sum(q_lens), num_heads, head_dim, device=DEVICE, dtype=DTYPE)
     cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=DEVICE)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    case = (q, k_cache, v_cache, tables.to(DEVICE), cu, seq_lens)
-    k_new = torch.randn(sum(q_lens), num_kv, head_dim, device=DEVICE, dtype=DTYPE)
-    return case, k_new, torch.randn_like(k_new)
+    return q, k_cache, v_cache, tables.to(DEVICE), cu, seq_lens
 
 
 def rel_error(out, case, scale) -> float:
@@ -120,35 +118,43 @@ def graph_ms(fn) -> float:
     return decode_bench.median_ms(decode_bench.capture(fn).replay)
 
 
-def sdpa_loop(q, k_new, v_new, q_lens, scale, group, math_backend=False):
-    """Today's engine prefill: per sequence, K/V repeated for GQA, one causal SDPA call."""
+SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+
+
+def sdpa_ms(case, q_lens, scale, backend: str) -> tuple[float, float]:
+    """(ms, rel err) of PyTorch SDPA on one backend over prompts without cached context: per
+    sequence one causal call on its K/V gathered contiguous from the cache (GQA by
+    enable_gqa), graph-replayed, eager where the backend refuses capture; NaNs where it
+    refuses the call (the reason printed)."""
+    q, k_cache, v_cache, table, cu, _ = case
+    bounds, block = cu.tolist(), k_cache.shape[1]
+    ks, vs = [], []
+    for s, n in enumerate(q_lens):  # [1, Hkv, n, D], as the engine's step k/v would give
+        blocks = table[s, : -(-n // block)].long()
+        ks.append(k_cache[blocks].flatten(0, 1)[:n].transpose(0, 1)[None])
+        vs.append(v_cache[blocks].flatten(0, 1)[:n].transpose(0, 1)[None])
+    out = torch.zeros_like(q)
 
     def run():
-        start = 0
-        for n in q_lens:
-            sl = slice(start, start + n)
-            k = k_new[sl].repeat_interleave(group, dim=1).transpose(0, 1)
-            v = v_new[sl].repeat_interleave(group, dim=1).transpose(0, 1)
-            F.scaled_dot_product_attention(q[sl].transpose(0, 1), k, v, is_causal=True,
-                                           scale=scale)  # fmt: skip
-            start += n
+        with sdpa_kernel(SDPA_BACKENDS[backend]):
+            for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+                o = F.scaled_dot_product_attention(
+                    q[a:b].transpose(0, 1)[None], ks[s], vs[s], is_causal=True, scale=scale,
+                    enable_gqa=True,
+                )  # fmt: skip
+                out[a:b] = o[0].transpose(0, 1)
 
-    if not math_backend:
-        return run
-    return lambda: _with_math(run)
-
-
-def _with_math(fn):
-    with sdpa_kernel(SDPBackend.MATH):
-        fn()
-
-
-def _try_ms(fn) -> float:
     try:
-        return decode_bench.median_ms(fn, rep=50)
-    except torch.OutOfMemoryError:
-        torch.cuda.empty_cache()
-        return float("nan")
+        run()
+        err = rel_error(out, case, scale)
+        try:
+            ms = graph_ms(run)
+        except RuntimeError:
+            ms = decode_bench.median_ms(run, rep=50)
+        return ms, err
+    except RuntimeError as e:
+        print(f"SDPA {backend}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+        return float("nan"), float("nan")
 
 
 def fa3_ms(case, max_query_len: int, max_seq_len: int, scale: float) -> float:
@@ -182,8 +188,8 @@ def sweep_ms(case, scale, out, configs, **kw) -> dict:
 
 def prefill_row(num_seqs, length, context, shape, gen, sweep, fa3) -> dict:
     q_lens = [length] * num_seqs
-    case, k_new, v_new = make_batch(q_lens, [context] * num_seqs, shape, gen)
-    scale, group = shape[2] ** -0.5, shape[0] // shape[1]
+    case = make_batch(q_lens, [context] * num_seqs, shape, gen)
+    scale = shape[2] ** -0.5
     out = torch.empty_like(case[0])
     fn = lambda: ua.unified_attention(*case, scale, out, length, context + length)
     fn()
@@ -191,10 +197,10 @@ def prefill_row(num_seqs, length, context, shape, gen, sweep, fa3) -> dict:
     row = dict(seqs=num_seqs, length=length, context=context, err=rel_error(out, case, scale),
                floor_ms=flops / PEAK_FLOPS * 1e3, triton_ms=graph_ms(fn))  # fmt: skip
     row["tflops"] = flops / row["triton_ms"] / 1e9
-    row["sdpa_ms"] = row["math_ms"] = row["fa3_ms"] = float("nan")
-    if context == 0:  # the SDPA path attends over the new tokens only
-        row["sdpa_ms"] = _try_ms(sdpa_loop(case[0], k_new, v_new, q_lens, scale, group))
-        row["math_ms"] = _try_ms(sdpa_loop(case[0], k_new, v_new, q_lens, scale, group, True))
+    row["fa3_ms"] = float("nan")
+    for backend in SDPA_BACKENDS:  # prompts without cached context: contiguous K/V
+        ms, err = sdpa_ms(case, q_lens, scale, backend) if context == 0 else (math.nan,) * 2
+        row[f"{backend}_ms"], row[f"{backend}_err"] = ms, err
     if fa3:
         row["fa3_ms"] = fa3_ms(case, length, context + length, scale)
     row["sweep"] = sweep_ms(case, scale, out, sweep)
@@ -202,7 +208,7 @@ def prefill_row(num_seqs, length, context, shape, gen, sweep, fa3) -> dict:
 
 
 def decode_row(batch, context, shape, gen, fa3) -> dict:
-    case, _, _ = make_batch([1] * batch, [context - 1] * batch, shape, gen)
+    case = make_batch([1] * batch, [context - 1] * batch, shape, gen)
     q, k_cache, v_cache, table, cu, lens = case
     scale = shape[2] ** -0.5
     out = torch.empty_like(q)
@@ -223,7 +229,7 @@ def decode_row(batch, context, shape, gen, fa3) -> dict:
 
 def mixed_row(name, shape, gen, sweep) -> dict:
     q_lens, contexts = MIXED_ROWS[name]
-    case, _, _ = make_batch(q_lens, contexts, shape, gen)
+    case = make_batch(q_lens, contexts, shape, gen)
     scale = shape[2] ** -0.5
     out = torch.empty_like(case[0])
     max_len = max(c + n for c, n in zip(contexts, q_lens))
@@ -246,12 +252,13 @@ def _prompts(row) -> str:
 
 
 def print_prefill(rows, sweep) -> None:
-    print("| prompts | Triton ms | TFLOP/s | FLOP floor ms | SDPA (engine) ms | SDPA math ms "
-          "| FA3 ms | Triton / FA3 | rel err |")  # fmt: skip
+    print("| prompts | Triton ms | TFLOP/s | FLOP floor ms | SDPA cuDNN ms (err) "
+          "| SDPA flash ms (err) | FA3 ms | Triton / FA3 | rel err |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {_prompts(r)} | {r['triton_ms']:.3f} | {r['tflops']:.0f} "
-              f"| {r['floor_ms']:.3f} | {r['sdpa_ms']:.3f} | {r['math_ms']:.3f} "
+              f"| {r['floor_ms']:.3f} | {r['cudnn_ms']:.3f} ({r['cudnn_err']:.1e}) "
+              f"| {r['flash_ms']:.3f} ({r['flash_err']:.1e}) "
               f"| {r['fa3_ms']:.3f} | {r['triton_ms'] / r['fa3_ms']:.2f} "
               f"| {r['err']:.1e} |")  # fmt: skip
     if sweep:
