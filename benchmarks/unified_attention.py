@@ -6,10 +6,11 @@ block tables. Per layer, three tables:
 - Prefill: one 8,000-token prompt, one of 2,048, 64 x 512-token prompts, 4 x 2,000 (a step
   of issue 28's prefill-heavy mix) and a 4,000-token chunk after 8,000 cached tokens (a
   12,000-token prompt's second step; `--quick`: the first two). Triton `unified_attention`
-  (CUDA-graph replay: GPU time), PyTorch SDPA on its cuDNN and flash backends where the
-  prompts have no cached context (one causal call per sequence on its K/V gathered contiguous,
-  GQA by enable_gqa; graph-replayed; with their errors: whether cuDNN's fused attention could
-  take such chunks), with `--fa3` vLLM's FlashAttention 3 on the same paged cache
+  (CUDA-graph replay: GPU time), PyTorch SDPA on its cuDNN and flash backends (one call per
+  sequence, GQA by enable_gqa: on its new tokens' K/V, causal, where it has no cached context;
+  else on its K/V gathered from the cache in the timed call, a lower-right causal mask;
+  graph-replayed; with their errors: whether cuDNN's fused attention could take such chunks),
+  with `--fa3` vLLM's FlashAttention 3 on the same paged cache
   (`vllm.vllm_flash_attn`, when vLLM is installed; graph-replayed), the causal FLOP floor at
   793 TFLOP/s (4 x L x (c + (L + 1) / 2) x Hq x D flops per sequence of L new tokens after c
   cached) and the Triton kernel's achieved TFLOP/s.
@@ -48,6 +49,7 @@ import torch
 import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from llm_inference.kernels import paged_attention as pa
 from llm_inference.kernels import reference
@@ -122,25 +124,31 @@ SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_
 
 
 def sdpa_ms(case, q_lens, scale, backend: str) -> tuple[float, float]:
-    """(ms, rel err) of PyTorch SDPA on one backend over prompts without cached context: per
-    sequence one causal call on its K/V gathered contiguous from the cache (GQA by
-    enable_gqa), graph-replayed, eager where the backend refuses capture; NaNs where it
-    refuses the call (the reason printed)."""
-    q, k_cache, v_cache, table, cu, _ = case
-    bounds, block = cu.tolist(), k_cache.shape[1]
-    ks, vs = [], []
-    for s, n in enumerate(q_lens):  # [1, Hkv, n, D], as the engine's step k/v would give
-        blocks = table[s, : -(-n // block)].long()
-        ks.append(k_cache[blocks].flatten(0, 1)[:n].transpose(0, 1)[None])
-        vs.append(v_cache[blocks].flatten(0, 1)[:n].transpose(0, 1)[None])
+    """(ms, rel err) of PyTorch SDPA on one backend, per sequence one call: over its new
+    tokens' K/V where it has no cached context (causal; the step's k/v would serve as they
+    are), else over its whole K/V gathered from the cache inside the timed call (a
+    lower-right causal mask); GQA by enable_gqa; graph-replayed, eager where the backend
+    refuses capture; NaNs where it refuses the call (the reason printed)."""
+    q, k_cache, v_cache, table, cu, seq_lens = case
+    bounds, lens, block = cu.tolist(), seq_lens.tolist(), k_cache.shape[1]
+    blocks = [table[s, : -(-n // block)].long() for s, n in enumerate(lens)]
+
+    def kv(cache, s):  # [1, Hkv, len, D] in the token-major layout of the step's k/v
+        return cache[blocks[s]].flatten(0, 1)[: lens[s]].transpose(0, 1)[None]
+
+    fresh = all(n == lens[s] for s, n in enumerate(q_lens))
+    ks = [kv(k_cache, s) for s in range(len(q_lens))] if fresh else None
+    vs = [kv(v_cache, s) for s in range(len(q_lens))] if fresh else None
     out = torch.zeros_like(q)
 
     def run():
         with sdpa_kernel(SDPA_BACKENDS[backend]):
             for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+                k, v = (ks[s], vs[s]) if fresh else (kv(k_cache, s), kv(v_cache, s))
+                mask = None if fresh else causal_lower_right(b - a, lens[s])
                 o = F.scaled_dot_product_attention(
-                    q[a:b].transpose(0, 1)[None], ks[s], vs[s], is_causal=True, scale=scale,
-                    enable_gqa=True,
+                    q[a:b].transpose(0, 1)[None], k, v, attn_mask=mask, is_causal=fresh,
+                    scale=scale, enable_gqa=True,
                 )  # fmt: skip
                 out[a:b] = o[0].transpose(0, 1)
 
@@ -198,9 +206,8 @@ def prefill_row(num_seqs, length, context, shape, gen, sweep, fa3) -> dict:
                floor_ms=flops / PEAK_FLOPS * 1e3, triton_ms=graph_ms(fn))  # fmt: skip
     row["tflops"] = flops / row["triton_ms"] / 1e9
     row["fa3_ms"] = float("nan")
-    for backend in SDPA_BACKENDS:  # prompts without cached context: contiguous K/V
-        ms, err = sdpa_ms(case, q_lens, scale, backend) if context == 0 else (math.nan,) * 2
-        row[f"{backend}_ms"], row[f"{backend}_err"] = ms, err
+    for backend in SDPA_BACKENDS:
+        row[f"{backend}_ms"], row[f"{backend}_err"] = sdpa_ms(case, q_lens, scale, backend)
     if fa3:
         row["fa3_ms"] = fa3_ms(case, length, context + length, scale)
     row["sweep"] = sweep_ms(case, scale, out, sweep)
