@@ -9,7 +9,8 @@ block tables. Per layer, three tables:
   (CUDA-graph replay: GPU time), PyTorch SDPA on its cuDNN and flash backends (one call per
   sequence, GQA by enable_gqa: on its new tokens' K/V, causal, where it has no cached context;
   else on its K/V gathered from the cache in the timed call, a lower-right causal mask;
-  graph-replayed; with their errors: whether cuDNN's fused attention could take such chunks),
+  graph-replayed; with their errors and cuDNN's first call at the row's lengths, which builds
+  its plan: whether cuDNN's fused attention could take such chunks),
   with `--fa3` vLLM's FlashAttention 3 on the same paged cache
   (`vllm.vllm_flash_attn`, when vLLM is installed; graph-replayed), the causal FLOP floor at
   793 TFLOP/s (4 x L x (c + (L + 1) / 2) x Hq x D flops per sequence of L new tokens after c
@@ -43,6 +44,7 @@ import functools
 import itertools
 import json
 import math
+import time
 
 import paged_attention as decode_bench  # benchmarks/paged_attention.py: timing helpers
 import torch
@@ -123,8 +125,9 @@ def graph_ms(fn) -> float:
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
 
 
-def sdpa_ms(case, q_lens, scale, backend: str) -> tuple[float, float]:
-    """(ms, rel err) of PyTorch SDPA on one backend, per sequence one call: over its new
+def sdpa_ms(case, q_lens, scale, backend: str) -> tuple[float, float, float]:
+    """(ms, rel err, the first call's wall ms) of PyTorch SDPA on one backend, per sequence
+    one call: over its new
     tokens' K/V where it has no cached context (causal; the step's k/v would serve as they
     are), else over its whole K/V gathered from the cache inside the timed call (a
     lower-right causal mask); GQA by enable_gqa; graph-replayed, eager where the backend
@@ -153,16 +156,20 @@ def sdpa_ms(case, q_lens, scale, backend: str) -> tuple[float, float]:
                 out[a:b] = o[0].transpose(0, 1)
 
     try:
-        run()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()  # the first call at these lengths: cuDNN builds its plan for each new shape
+        torch.cuda.synchronize()
+        first_ms = (time.perf_counter() - start) * 1e3
         err = rel_error(out, case, scale)
         try:
             ms = graph_ms(run)
         except RuntimeError:
             ms = decode_bench.median_ms(run, rep=50)
-        return ms, err
+        return ms, err, first_ms
     except RuntimeError as e:
         print(f"SDPA {backend}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
-        return float("nan"), float("nan")
+        return (float("nan"),) * 3
 
 
 def fa3_ms(case, max_query_len: int, max_seq_len: int, scale: float) -> float:
@@ -207,7 +214,8 @@ def prefill_row(num_seqs, length, context, shape, gen, sweep, fa3) -> dict:
     row["tflops"] = flops / row["triton_ms"] / 1e9
     row["fa3_ms"] = float("nan")
     for backend in SDPA_BACKENDS:
-        row[f"{backend}_ms"], row[f"{backend}_err"] = sdpa_ms(case, q_lens, scale, backend)
+        ms, err, first = sdpa_ms(case, q_lens, scale, backend)
+        row[f"{backend}_ms"], row[f"{backend}_err"], row[f"{backend}_first_ms"] = ms, err, first
     if fa3:
         row["fa3_ms"] = fa3_ms(case, length, context + length, scale)
     row["sweep"] = sweep_ms(case, scale, out, sweep)
@@ -259,13 +267,13 @@ def _prompts(row) -> str:
 
 
 def print_prefill(rows, sweep) -> None:
-    print("| prompts | Triton ms | TFLOP/s | FLOP floor ms | SDPA cuDNN ms (err) "
+    print("| prompts | Triton ms | TFLOP/s | FLOP floor ms | SDPA cuDNN ms (err; first call) "
           "| SDPA flash ms (err) | FA3 ms | Triton / FA3 | rel err |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {_prompts(r)} | {r['triton_ms']:.3f} | {r['tflops']:.0f} "
-              f"| {r['floor_ms']:.3f} | {r['cudnn_ms']:.3f} ({r['cudnn_err']:.1e}) "
-              f"| {r['flash_ms']:.3f} ({r['flash_err']:.1e}) "
+              f"| {r['floor_ms']:.3f} | {r['cudnn_ms']:.3f} ({r['cudnn_err']:.1e}; "
+              f"{r['cudnn_first_ms']:.0f}) | {r['flash_ms']:.3f} ({r['flash_err']:.1e}) "
               f"| {r['fa3_ms']:.3f} | {r['triton_ms'] / r['fa3_ms']:.2f} "
               f"| {r['err']:.1e} |")  # fmt: skip
     if sweep:
