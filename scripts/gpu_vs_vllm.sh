@@ -18,6 +18,8 @@
 # JSON as {ours,vllm}_SHAPE_mix_{chat,prefill,long}.json. PROFILE=1 adds each engine's GPU
 # kernel seconds by kernel (a second, profiled run; vLLM's engine core then runs in-process, so
 # take that run's speed figures from a call without PROFILE). MIX_LIST picks the mixes.
+# OTHER_SRC (another checkout's src/, carried, as gpu_check.sh's OLD_SRC) runs that tree's
+# bench on each mix too, after ours: other_SHAPE_mix_*.json (a branch against main and vLLM).
 # JSON lands in $OUT under the names benchmarks/side_by_side.py reads
 # (vllm_SHAPE[_tp2].json, ours_SHAPE[_tp2]_{latency,throughput}.json, vllm_prefill_SHAPE.txt,
 # hf_SHAPE.json); `python3 benchmarks/side_by_side.py $OUT table.md plot.png` makes the table.
@@ -39,6 +41,12 @@ if [ "${MIXES:-0}" = 1 ]; then
        --json "$OUT/vllm_${SHAPE}_mix_$mix.json" 2>&1 | grep -v "it/s\|WARN\|INFO" | tail -1)
     timeout 200 $B throughput $common --disable-detokenize ${MIX[$mix]} ${PROFILE:+--profile 1} \
       --json "$OUT/ours_${SHAPE}_mix_$mix.json" 2>&1 | grep -v "it/s" | tail -2
+    if [ -n "${OTHER_SRC:-}" ]; then
+      echo "== $OTHER_SRC"
+      PYTHONPATH=$OTHER_SRC:/tmp/site timeout 200 python3 "$OTHER_SRC/llm_inference/entrypoints/bench.py" \
+        throughput $common --disable-detokenize ${MIX[$mix]} \
+        --json "$OUT/other_${SHAPE}_mix_$mix.json" 2>&1 | grep -v "it/s" | tail -2
+    fi
   done
   exit
 fi
