@@ -235,6 +235,41 @@ def test_front_ends_share_one_socket_where_the_kernel_cannot_balance(monkeypatch
         socks[0].close()
 
 
+@pytest.mark.parametrize(
+    "cpus, engine_args, want",
+    [(2, {}, 1), (7, {}, 1), (8, {}, 2), (16, {}, 4), (64, {}, 4),
+     (16, {"data_parallel_size": 2}, 1), (16, {"engine_process": False}, 1)],
+)  # fmt: skip
+def test_default_front_ends_follow_the_cpus(monkeypatch, cpus, engine_args, want):
+    """One front end per four CPUs the server may use, at most four; one with data parallel
+    cores or the core on a thread (they take one)."""
+    monkeypatch.setattr(front_ends.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    assert front_ends.default_count(engine_args) == want
+
+
+def test_default_front_ends_are_one_where_sockets_cannot_be_balanced(monkeypatch):
+    monkeypatch.setattr(front_ends.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(front_ends.sys, "platform", "darwin")
+    assert front_ends.default_count({}) == 1
+
+
+def test_serve_without_a_count_takes_the_default(monkeypatch):
+    """run_server with no api_server_count asks default_count, with the engine's arguments
+    (here a count of 0 from it, refused before any model loads)."""
+    from llm_inference.entrypoints.openai import api_server
+
+    seen = {}
+
+    def count(engine_args):
+        seen.update(engine_args)
+        return 0
+
+    monkeypatch.setattr(front_ends, "default_count", count)
+    with pytest.raises(ValueError, match="api_server_count must be at least 1, got 0"):
+        api_server.run_server("no-model", data_parallel_size=3)
+    assert seen == {"data_parallel_size": 3}
+
+
 def test_api_server_count_below_one_is_refused(tmp_path):
     proc = _serve(make_checkpoint(tmp_path / "ckpt"), free_port(), tmp_path,
                   "--api-server-count", "0")  # fmt: skip

@@ -1,5 +1,6 @@
 """`llm-inference serve` in a subprocess: SIGINT aborts the running stream (it ends with
-finish_reason "abort" and [DONE]) and the server exits 130 without a traceback."""
+finish_reason "abort" and [DONE]) and the server exits 130 without a traceback. One front end
+each (the default count follows the machine's CPUs; test_api_server_count.py has several)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from helpers import make_checkpoint
 from llm_inference.entrypoints.openai.api_server import served_name
 from llm_inference.models.default_model import DEFAULT_MODEL_NAME
 
+SERVE = [sys.executable, "-m", "llm_inference.entrypoints.cli", "serve", "--api-server-count", "1"]
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
@@ -28,9 +30,9 @@ def test_sigint_aborts_running_requests_and_exits_cleanly(tmp_path):
     ckpt = make_checkpoint(tmp_path, max_position_embeddings=1 << 16)
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "llm_inference.entrypoints.cli", "serve", "--model",
-           str(ckpt), "--device", "cpu", "--port", str(port), "--served-model-name", "m",
-           "--kv-cache-memory-bytes", str(64 << 20), "--log-level", "warning"]  # fmt: skip
+    cmd = [*SERVE, "--model", str(ckpt), "--device", "cpu", "--port", str(port),
+           "--served-model-name", "m", "--kv-cache-memory-bytes", str(64 << 20),
+           "--log-level", "warning"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -88,9 +90,8 @@ def test_a_killed_engine_core_stops_the_server_with_an_error(tiny_ckpt):
     seconds (a supervisor restarts it), instead of answering 503 for ever."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "llm_inference.entrypoints.cli", "serve", "--model",
-           str(tiny_ckpt), "--device", "cpu", "--port", str(port), "--log-level", "warning",
-           "--kv-cache-memory-bytes", str(1 << 20)]  # fmt: skip
+    cmd = [*SERVE, "--model", str(tiny_ckpt), "--device", "cpu", "--port", str(port),
+           "--log-level", "warning", "--kv-cache-memory-bytes", str(1 << 20)]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_healthy(proc, port)
@@ -110,8 +111,7 @@ def test_a_second_ctrl_c_does_not_end_in_a_traceback(tiny_ckpt):
     lifespan logs a traceback; the server still exits with 130 and leaves no process."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "llm_inference.entrypoints.cli", "serve", "--model",
-           str(tiny_ckpt), "--device", "cpu", "--port", str(port),
+    cmd = [*SERVE, "--model", str(tiny_ckpt), "--device", "cpu", "--port", str(port),
            "--kv-cache-memory-bytes", str(1 << 20)]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

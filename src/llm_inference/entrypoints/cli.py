@@ -133,9 +133,10 @@ def _add_serve_parsers(sub) -> None:
     s.add_argument(
         "--api-server-count",
         type=int,
-        default=1,
-        help="HTTP front ends, each a process on the same port and engine core, to share the "
-        "streams' output processing when one front end falls behind (default: 1)",
+        default=None,
+        help="HTTP front ends, each a process on the same port and engine core, sharing the "
+        "streams' output processing (default: one per 4 CPUs, at most 4; 1 off Linux, with "
+        "data parallel cores or --no-engine-process)",
     )
     s.add_argument(
         "--chat-template",

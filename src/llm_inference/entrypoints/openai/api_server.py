@@ -258,14 +258,15 @@ def served_name(served_model_name: str | None, model: str | None) -> str:
     return served_model_name or model or DEFAULT_MODEL_NAME
 
 
-def startup_summary(llm: AsyncLLM, name: str, url: str, has_key: bool) -> str:
+def startup_summary(llm: AsyncLLM, name: str, url: str, has_key: bool, front_ends: int = 1) -> str:
     """What the server serves, as vLLM logs it at start: the model and where it came from, the
-    device and dtype, the context, the KV cache and the address."""
+    device and dtype, the context, the KV cache, the address and its front ends."""
     c, blocks = llm.config, llm.stats()["num_kv_blocks"]
     tp = c.parallel.tensor_parallel_size
     device = f"{c.device} x {tp} (tensor parallel)" if tp > 1 else c.device
     graphs = ", CUDA graphs" if c.kernel_backend == "triton" and not c.enforce_eager else ""
     key = " (API key required)" if has_key else ""
+    key += f", {front_ends} front ends (--api-server-count)" if front_ends > 1 else ""
     return "\n".join([
         f"llm_inference: serving {name!r} from {c.model_path}",
         f"llm_inference: {device}, {c.dtype}, {c.kernel_backend} kernels{graphs}",
@@ -285,21 +286,25 @@ def run_server(
     log_level: str = "info",
     tool_call_parser: str = "llama3_json",
     chat_template: str | None = None,
-    api_server_count: int = 1,
+    api_server_count: int | None = None,
     **engine_args,
 ) -> None:
     """Load the engine, then serve until SIGINT/SIGTERM, which aborts the running requests
     (their streams end with finish_reason "abort") and shuts down cleanly.
-    `api_server_count`: HTTP front ends, each a process (front_ends.py)."""
+    `api_server_count`: HTTP front ends, each a process (front_ends.py); None: by the CPUs
+    (`front_ends.default_count`)."""
     get_tool_parser(tool_call_parser)  # an unknown name fails before the model loads
     template = load_chat_template(chat_template)  # so does a missing template file
+    if api_server_count is None:
+        api_server_count = front_ends.default_count(engine_args)
     if api_server_count < 1:
         raise ValueError(f"api_server_count must be at least 1, got {api_server_count}")
     # the port, taken or not: now, before the model loads
     socks = front_ends.listen(host, port, api_server_count) if api_server_count > 1 else None
     llm = AsyncLLM(model, front_ends=api_server_count, **engine_args)
     name = served_name(served_model_name, model)
-    print(startup_summary(llm, name, f"http://{host}:{port}", api_key is not None), flush=True)
+    url, has_key = f"http://{host}:{port}", api_key is not None
+    print(startup_summary(llm, name, url, has_key, api_server_count), flush=True)
     serve_kwargs = dict(name=name, host=host, port=port, api_key=api_key, log_level=log_level,
                         tool_call_parser=tool_call_parser, chat_template=template)  # fmt: skip
     if api_server_count == 1:

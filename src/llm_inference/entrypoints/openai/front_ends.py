@@ -41,6 +41,27 @@ from pathlib import Path
 from llm_inference.engine.metrics import ServingMetrics
 
 METRICS_SHARE_S = 1.0
+MAX_DEFAULT_COUNT = 4
+CPUS_PER_FRONT_END = 4
+
+
+def default_count(engine_args: dict) -> int:
+    """`serve`'s front ends when --api-server-count is not given: one per CPUS_PER_FRONT_END
+    CPUs this process may run on, at most MAX_DEFAULT_COUNT (on a 16-CPU H200 host four kept
+    800 streams at one token a chunk, p99 ITL 32 ms against one front end's 75:
+    benchmarks/DECISIONS.md); one where the sockets cannot be balanced (not Linux), with data
+    parallel cores or without an engine process (those take one)."""
+    if not _own_sockets() or engine_args.get("data_parallel_size", 1) > 1:
+        return 1
+    if not engine_args.get("engine_process", True):
+        return 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(MAX_DEFAULT_COUNT, (cpus or 1) // CPUS_PER_FRONT_END))
+
+
+def _own_sockets() -> bool:
+    """Whether each front end can listen on a socket of its own that the kernel balances."""
+    return sys.platform == "linux" and hasattr(socket, "SO_REUSEPORT")
 
 
 class SharedMetrics:
@@ -78,7 +99,7 @@ def listen(host: str, port: int, count: int) -> list[socket.socket]:
     them (see the module docstring). A port another server listens on is refused
     (EADDRINUSE), even one whose sockets have SO_REUSEPORT, which ours would join."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    own = sys.platform == "linux" and hasattr(socket, "SO_REUSEPORT")
+    own = _own_sockets()
 
     def bound(reuse_port: bool) -> socket.socket:
         sock = socket.socket(family, socket.SOCK_STREAM)
