@@ -12,7 +12,10 @@ block tables. Per layer, three tables:
   graph-replayed; with their errors and cuDNN's first call at the row's lengths, which builds
   its plan: whether cuDNN's fused attention could take such chunks),
   with `--fa3` vLLM's FlashAttention 3 on the same paged cache
-  (`vllm.vllm_flash_attn`, when vLLM is installed; graph-replayed), the causal FLOP floor at
+  (`vllm.vllm_flash_attn`, when vLLM is installed; graph-replayed), FlashAttention 4 on it
+  where the flash-attn-4 package is installed (`flash_attn.cute`, one varlen call, with its
+  first call's JIT compile, and again on a copy of the cache in 128-token pages, which it
+  loads by TMA; scripts/wheels_carry.sh brings it), the causal FLOP floor at
   793 TFLOP/s (4 x L x (c + (L + 1) / 2) x Hq x D flops per sequence of L new tokens after c
   cached) and the Triton kernel's achieved TFLOP/s.
 - Decode: batch 1/64/256 at contexts 128..4,096 and 16 at 12,288 (the long-prompt mix's
@@ -23,8 +26,8 @@ block tables. Per layer, three tables:
   411-token prompt beside 255 decodes at context 600), and 16 chunks of 256 tokens after 3,840
   cached tokens: the unified op (its decodes in the decode kernel, the chunks in the tiled
   one) against one tiled launch over every row (`ua.launch` with the default tiles: before
-  2026-12-02), with the floor: the larger of the FLOP floor and the K/V bytes over
-  COPY_BYTES_PER_S.
+  2026-12-02) and FA4's one call where installed, with the floor: the larger of the FLOP
+  floor and the K/V bytes over COPY_BYTES_PER_S.
 Times: medians over CUDA events after warm-up, L2 flushed before each call by reading 256 MB
 (benchmarks/paged_attention.py). rel err: worst per-sequence relative L2 error against
 reference.unified_attention in float32. `--sweep` adds timings of other tile configs (BLOCK_M,
@@ -189,6 +192,53 @@ def fa3_ms(case, max_query_len: int, max_seq_len: int, scale: float) -> float:
     return graph_ms(fn)
 
 
+def fa4_ms(case, max_query_len: int, max_seq_len: int, scale: float) -> tuple[float, float, float]:
+    """(ms, rel err, the first call's wall ms: its JIT compile) of FlashAttention 4
+    (`flash_attn.cute` of the flash-attn-4 package, CuTe DSL kernels for Hopper and Blackwell)
+    on the same paged cache, every sequence of the step in one varlen call; NaNs when it is
+    not installed or refuses the call (the reason printed)."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except ImportError:
+        return (float("nan"),) * 3
+    q, k_cache, v_cache, table, cu, lens = case
+
+    @torch.inference_mode()
+    def run():
+        return flash_attn_varlen_func(
+            q, k_cache, v_cache, cu_seqlens_q=cu, max_seqlen_q=max_query_len,
+            max_seqlen_k=max_seq_len, seqused_k=lens, page_table=table, softmax_scale=scale,
+            causal=True,
+        )[0]  # fmt: skip
+
+    try:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = run()
+        torch.cuda.synchronize()
+        first_ms = (time.perf_counter() - start) * 1e3
+        return graph_ms(run), rel_error(out, case, scale), first_ms
+    except Exception as e:  # a shape or layout it does not take: report and go on
+        print(f"FA4: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+        return (float("nan"),) * 3
+
+
+def repaged(case, page: int):
+    """The same step over a cache of `page`-token pages (each sequence's K/V copied into pages
+    of its own, the rest zero): FA4 loads whole pages by TMA when a page is one key tile."""
+    q, k_cache, v_cache, table, cu, lens = case
+    block, n_lens = k_cache.shape[1], lens.tolist()
+    width = max(-(-n // page) for n in n_lens)
+    shape = (len(n_lens) * width, page, *k_cache.shape[2:])
+    k_new, v_new = (torch.zeros(shape, dtype=k_cache.dtype, device=k_cache.device) for _ in "kv")
+    new_table = torch.arange(len(n_lens) * width, dtype=torch.int32, device=q.device)
+    for s, n in enumerate(n_lens):
+        blocks = table[s, : -(-n // block)].long()
+        for new, old in ((k_new, k_cache), (v_new, v_cache)):
+            new[s * width : (s + 1) * width].flatten(0, 1)[:n] = old[blocks].flatten(0, 1)[:n]
+    return q, k_new, v_new, new_table.view(len(n_lens), width), cu, lens
+
+
 def sweep_ms(case, scale, out, configs, **kw) -> dict:
     """{config: ms and error} of the tiled launch at each config."""
     results = {}
@@ -218,6 +268,12 @@ def prefill_row(num_seqs, length, context, shape, gen, sweep, fa3) -> dict:
         row[f"{backend}_ms"], row[f"{backend}_err"], row[f"{backend}_first_ms"] = ms, err, first
     if fa3:
         row["fa3_ms"] = fa3_ms(case, length, context + length, scale)
+    row["fa4_ms"], row["fa4_err"], row["fa4_first_ms"] = fa4_ms(case, length, context + length,
+                                                                scale)  # fmt: skip
+    if row["fa4_ms"] == row["fa4_ms"]:  # installed: also on pages of one 128-key tile
+        big = repaged(case, 128)
+        row["fa4_page128_ms"] = fa4_ms(big, length, context + length, scale)[0]
+        del big
     row["sweep"] = sweep_ms(case, scale, out, sweep)
     return row
 
@@ -256,8 +312,9 @@ def mixed_row(name, shape, gen, sweep) -> dict:
     flops = sum(causal_flops(n, c, shape) for c, n in zip(contexts, q_lens))
     kv_bytes = sum(c + n for c, n in zip(contexts, q_lens)) * shape[1] * shape[2] * 2 * 2
     floor = max(flops / PEAK_FLOPS, kv_bytes / COPY_BYTES_PER_S) * 1e3
+    fa4, fa4_err, _ = fa4_ms(case, max(q_lens), max_len, scale)
     return dict(name=name, err=err, ms=graph_ms(fn), one_launch_ms=graph_ms(one_launch),
-                floor_ms=floor, tiles=tiles,
+                floor_ms=floor, tiles=tiles, fa4_ms=fa4, fa4_err=fa4_err,
                 sweep=sweep_ms(case, scale, out, sweep, skip_decodes=True))  # fmt: skip
 
 
@@ -268,14 +325,16 @@ def _prompts(row) -> str:
 
 def print_prefill(rows, sweep) -> None:
     print("| prompts | Triton ms | TFLOP/s | FLOP floor ms | SDPA cuDNN ms (err; first call) "
-          "| SDPA flash ms (err) | FA3 ms | Triton / FA3 | rel err |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| SDPA flash ms (err) | FA3 ms | Triton / FA3 | FA4 ms (err; first call) "
+          "| FA4, 128-token pages | rel err |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {_prompts(r)} | {r['triton_ms']:.3f} | {r['tflops']:.0f} "
               f"| {r['floor_ms']:.3f} | {r['cudnn_ms']:.3f} ({r['cudnn_err']:.1e}; "
               f"{r['cudnn_first_ms']:.0f}) | {r['flash_ms']:.3f} ({r['flash_err']:.1e}) "
               f"| {r['fa3_ms']:.3f} | {r['triton_ms'] / r['fa3_ms']:.2f} "
-              f"| {r['err']:.1e} |")  # fmt: skip
+              f"| {r['fa4_ms']:.3f} ({r['fa4_err']:.1e}; {r['fa4_first_ms']:.0f}) "
+              f"| {r.get('fa4_page128_ms', float('nan')):.3f} | {r['err']:.1e} |")  # fmt: skip
     if sweep:
         print("\n| prompts | BLOCK_M, BLOCK_N, warps, stages | ms | rel err |\n|---|---|---:|---:|")
         for r in rows:
@@ -341,11 +400,12 @@ def main() -> None:
                   f"| {r['ratio']:.2f} | {r['fa3_ms']:.4f} | {r['floor_ms']:.4f} "
                   f"| {r['err']:.1e} |", flush=True)  # fmt: skip
         print("\nMixed steps, one layer (graph replay):\n")
-        print("| step | unified ms | one tiled launch ms | floor ms | rel err |")
-        print("|---|---:|---:|---:|---:|")
+        print("| step | unified ms | one tiled launch ms | FA4 ms (err) | floor ms | rel err |")
+        print("|---|---:|---:|---:|---:|---:|")
         rep["mixed"] = [mixed_row(m, shape, gen, sweep) for m in MIXED_ROWS]
         for r in rep["mixed"]:
             print(f"| {r['name']} | {r['ms']:.3f} | {r['one_launch_ms']:.3f} "
+                  f"| {r['fa4_ms']:.3f} ({r['fa4_err']:.1e}) "
                   f"| {r['floor_ms']:.3f} | {r['err']:.1e} |")  # fmt: skip
         if sweep:
             print("\n| step (its tiled launch alone) | BLOCK_M, BLOCK_N, warps, stages | ms "

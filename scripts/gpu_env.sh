@@ -23,6 +23,11 @@ fi
 # $SITE stays while the machine is warm: what an earlier call put there (the wheels, the
 # default model from scripts/default_model_carry.sh) serves later calls too.
 if [ -d "$SITE" ]; then export PYTHONPATH=src:$SITE; fi
+# NVIDIA's CuTe DSL (FlashAttention 4's, scripts/wheels_carry.sh) is found through a .pth file,
+# which folders on PYTHONPATH do not run: its folder goes on the path here.
+if [ -d "$SITE/nvidia_cutlass_dsl/dsl_packages" ]; then
+  export PYTHONPATH=$PYTHONPATH:$SITE/nvidia_cutlass_dsl/dsl_packages
+fi
 # gguf is a dependency the machine lacks: without it nothing of the package imports (a server
 # then dies while starting, a bench at its first import). Say so now, not minutes later.
 python3 -c "import gguf" 2>/dev/null || echo "gpu_env.sh: gguf does not import: carry .whl" \
