@@ -270,7 +270,7 @@ def prefill_row(num_seqs, length, context, shape, gen, sweep, fa3) -> dict:
         row["fa3_ms"] = fa3_ms(case, length, context + length, scale)
     row["fa4_ms"], row["fa4_err"], row["fa4_first_ms"] = fa4_ms(case, length, context + length,
                                                                 scale)  # fmt: skip
-    if row["fa4_ms"] == row["fa4_ms"]:  # installed: also on pages of one 128-key tile
+    if not math.isnan(row["fa4_ms"]):  # it ran: also on pages of one 128-key tile
         big = repaged(case, 128)
         row["fa4_page128_ms"] = fa4_ms(big, length, context + length, scale)[0]
         del big

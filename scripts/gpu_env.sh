@@ -22,7 +22,7 @@ if [ -n "$missing" ]; then
 fi
 # $SITE stays while the machine is warm: what an earlier call put there (the wheels, the
 # default model from scripts/default_model_carry.sh) serves later calls too.
-if [ -d "$SITE" ]; then export PYTHONPATH=src:$SITE; fi
+export PYTHONPATH=src:$SITE  # scripts give another tree's src in place of src: ${PYTHONPATH#src:}
 # NVIDIA's CuTe DSL (FlashAttention 4's, scripts/wheels_carry.sh) is found through a .pth file,
 # which folders on PYTHONPATH do not run: its folder goes on the path here.
 if [ -d "$SITE/nvidia_cutlass_dsl/dsl_packages" ]; then
