@@ -45,19 +45,8 @@ case "${1:-}" in
     echo "$sha  $dst/wheels.tar" | sha256sum -c --quiet
     mkdir -p "$dst/wheels" && tar -xf "$dst/wheels.tar" -C "$dst/wheels"
     rm "$dst"/wheels.tar*
-    # as gpu_env.sh: only the distributions the site does not hold yet
-    missing=$(python3 - "$SITE" "$dst/wheels" <<'EOF'
-import pathlib, re, sys
-norm = lambda name: re.sub(r"[-_.]+", "_", name).lower()
-site, wheels = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-have = {norm(d.name.split("-")[0]) for d in site.glob("*.dist-info")}
-print(" ".join(str(w) for w in sorted(wheels.glob("*.whl")) if norm(w.name.split("-")[0]) not in have))
-EOF
-)
-    # shellcheck disable=SC2086  # one path per word
-    [ -z "$missing" ] || python3 -m pip install -q --no-index --no-deps --no-compile \
-      --no-cache-dir --target "$SITE" $missing
-    echo "$name: installed into $SITE: $(basename -a $missing 2>/dev/null | tr '\n' ' ')" ;;
+    installed=$(bash "$(dirname "$0")/install_wheels.sh" "$SITE" "$dst/wheels")
+    echo "$name: installed into $SITE:" $installed ;;
   *)
     sed -n '2,12p' "$0"; exit 2 ;;
 esac
