@@ -126,6 +126,22 @@ def graph_ms(fn) -> float:
     return decode_bench.median_ms(decode_bench.capture(fn).replay)
 
 
+def first_call(run):
+    """`run()`'s result and its wall ms: the first call at these sizes, where a backend builds
+    its plan (cuDNN) or compiles (FA4's JIT)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = run()
+    torch.cuda.synchronize()
+    return result, (time.perf_counter() - start) * 1e3
+
+
+def refused(name: str, e: Exception) -> tuple[float, float, float]:
+    """NaNs for a backend that refused the call, the reason printed."""
+    print(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+    return (float("nan"),) * 3
+
+
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
 
 
@@ -160,11 +176,7 @@ def sdpa_ms(case, q_lens, scale, backend: str) -> tuple[float, float, float]:
                 out[a:b] = o[0].transpose(0, 1)
 
     try:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        run()  # the first call at these lengths: cuDNN builds its plan for each new shape
-        torch.cuda.synchronize()
-        first_ms = (time.perf_counter() - start) * 1e3
+        _, first_ms = first_call(run)  # cuDNN builds its plan for each new shape
         err = rel_error(out, case, scale)
         try:
             ms = graph_ms(run)
@@ -172,8 +184,7 @@ def sdpa_ms(case, q_lens, scale, backend: str) -> tuple[float, float, float]:
             ms = decode_bench.median_ms(run, rep=50)
         return ms, err, first_ms
     except RuntimeError as e:
-        print(f"SDPA {backend}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
-        return (float("nan"),) * 3
+        return refused(f"SDPA {backend}", e)
 
 
 def fa3_ms(case, max_query_len: int, max_seq_len: int, scale: float) -> float:
@@ -222,15 +233,10 @@ def fa4_ms(
         return out
 
     try:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = run()
-        torch.cuda.synchronize()
-        first_ms = (time.perf_counter() - start) * 1e3
+        out, first_ms = first_call(run)
         return graph_ms(run), rel_error(out, case, scale), first_ms
     except Exception as e:  # a shape or layout it does not take: report and go on
-        print(f"FA4: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
-        return (float("nan"),) * 3
+        return refused("FA4", e)
 
 
 def repaged(case, page: int):
