@@ -4,6 +4,7 @@
 # FlashAttention 4 (flash-attn-4 and NVIDIA's CuTe DSL, ~98 MB) for benchmarks/unified_attention.py's
 # FA4 column, or Ray (~80 MB) for its GPU tests.
 #   here:        bash scripts/wheels_carry.sh split NAME WHEEL...   -> .carry/NAME/part1..N
+#                (the wheels of one folder)
 #                (fa4: bash scripts/wheels_carry.sh fetch-fa4 downloads and splits them)
 #   GPU call I:  carry [".carry/NAME/partI"]; bash scripts/wheels_carry.sh take NAME I
 #                -> after the last part, the wheels whose distribution /tmp/site lacks are
