@@ -49,5 +49,5 @@ case "${1:-}" in
     installed=$(bash "$(dirname "$0")/install_wheels.sh" "$SITE" "$dst/wheels")
     echo "$name: installed into $SITE:" $installed ;;
   *)
-    sed -n '2,13p' "$0"; exit 2 ;;
+    sed -n '2,12p' "$0"; exit 2 ;;
 esac
