@@ -211,6 +211,21 @@ def test_skinny_gemm_gpu_fp8_dots(dot):
 
 
 @fp8
+@pytest.mark.parametrize("layer", list(SHAPES_8B))
+def test_skinny_gemm_gpu_fp8_x_quantized_per_token(layer):
+    """x given in FP8 with a scale per row (`x_scale`, as the norm kernels quantize it): the
+    8B shapes at the default configs, with the PDL prefetch, and at a forced split."""
+    n, k = SHAPES_8B[layer]
+    check = checks.check_silu if layer == "gate_up" else checks.check_gemm
+    width = n // 2 if layer == "gate_up" else n
+    pre = sg.GemmConfig(block_n=64, block_k=128, split_k=4, prefetch=True)
+    for m in (1, 3, 16, 40):
+        check("cuda", torch.bfloat16, m, width, k, seed=m, fp8=True, x_fp8=True)
+        check("cuda", torch.bfloat16, m, width, k, pre, seed=m, fp8=True, x_fp8=True)
+    check("cuda", torch.float16, 5, width, k, seed=7, fp8=True, x_fp8=True)
+
+
+@fp8
 def test_skinny_gemm_gpu_fp8_dot_takes_block_k_of_32():
     x, w = torch.ones(1, 64, device="cuda", dtype=torch.bfloat16), torch.ones(64, 64, device="cuda")
     cfg = sg.GemmConfig(block_n=64, block_k=16)
