@@ -33,6 +33,9 @@ W once at the memory bandwidth:
   fused variant its scaled gate and up for the activation. A weight in x's dtype is the same
   kernel with `scale_ptr` None: its conversion and scaling compile to nothing (the same PTX
   as before FP8). Triton converts e4m3 from compute capability 8.9 (TritonOps decides).
+  x may come in FP8 already, quantized per token by the norm before the layer (`x_scale`,
+  layers/fp8.py): its tiles then go to the dot as loaded, accumulating across K as bf16's
+  do, and its row scales multiply the sums at the end, beside W's.
 - Configs come from a fixed rule (`default_config`), not `triton.autotune`, so that every rank
   and run rounds alike: BLOCK_N 64, BLOCK_K 128 (clamped to small shapes), and split-K doubled
   while the programs fill less than FILL of the SMs and each range keeps MIN_K_PER_SPLIT.
