@@ -133,6 +133,15 @@ def test_launchers_reject_bad_inputs():
         sg.skinny_gemm(x, q, weight_scale=torch.ones(47))
     with pytest.raises(ValueError, match="weight_scale must be float32"):
         sg.skinny_gemm_silu(x, q, weight_scale=scale.half())
+    x8, x_scale = x.to(sg.FP8), torch.ones(3)
+    with pytest.raises(ValueError, match="x_scale takes x and weight in"):
+        sg.skinny_gemm(x, q, weight_scale=scale, x_scale=x_scale)  # x not FP8
+    with pytest.raises(ValueError, match="x_scale takes x and weight in"):
+        sg.skinny_gemm(x8, w, x_scale=x_scale, out_dtype=torch.float32)  # no weight_scale
+    with pytest.raises(ValueError, match=r"x_scale must be float32 \[3\]"):
+        sg.skinny_gemm(x8, q, weight_scale=scale, x_scale=torch.ones(3, 1), out_dtype=x.dtype)
+    with pytest.raises(ValueError, match="result's dtype"):
+        sg.skinny_gemm(x8, q, weight_scale=scale, x_scale=x_scale)  # no out_dtype
 
 
 @cuda

@@ -314,6 +314,8 @@ def _output(
 ) -> torch.Tensor:
     """The result's tensor: `out`, checked, or a new one in `dtype` (None: x's)."""
     dtype = dtype or x.dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"the result's dtype must be one of {DTYPES} (out_dtype, for x in FP8)")
     if out is None:
         return torch.empty(shape, dtype=dtype, device=x.device)
     if tuple(out.shape) != shape or out.dtype != dtype or out.device != x.device:
