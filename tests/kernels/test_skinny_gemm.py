@@ -138,6 +138,8 @@ def test_launchers_reject_bad_inputs():
         sg.skinny_gemm(x, q, weight_scale=scale, x_scale=x_scale)  # x not FP8
     with pytest.raises(ValueError, match="x_scale takes x and weight in"):
         sg.skinny_gemm(x8, w, x_scale=x_scale, out_dtype=torch.float32)  # no weight_scale
+    with pytest.raises(ValueError, match="x_scale takes x and weight in"):
+        sg.skinny_gemm(x8, w, weight_scale=scale, x_scale=x_scale, out_dtype=x.dtype)  # w not FP8
     with pytest.raises(ValueError, match=r"x_scale must be float32 \[3\]"):
         sg.skinny_gemm(x8, q, weight_scale=scale, x_scale=torch.ones(3, 1), out_dtype=x.dtype)
     with pytest.raises(ValueError, match="result's dtype"):

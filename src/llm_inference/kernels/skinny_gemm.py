@@ -280,7 +280,7 @@ def _check(
     if not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x must have 1 to {MAX_ROWS} rows, got {x.shape[0]}")
     if x_scale is not None:
-        if x.dtype != FP8 or scale is None:
+        if x.dtype != FP8 or weight.dtype != FP8 or scale is None:
             raise ValueError(f"x_scale takes x and weight in {FP8} (with weight_scale): {x.dtype}")
         _check_scale("x_scale", x_scale, x)
     elif x.dtype not in DTYPES or weight.dtype != (x.dtype if scale is None else FP8):
