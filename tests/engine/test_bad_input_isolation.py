@@ -153,7 +153,8 @@ def test_async_llm_refusals_leave_the_streams_alone(tiny_ckpt):
     (an empty string is an empty prompt); the streams finish with the answers they give alone,
     the engine runs on, and every block is free afterwards."""
     prompts = ["Hello world", "Paris is the capital", "The quick brown fox"]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    # 40 slowed steps: the streams outlast the refusals even on a loaded machine
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     text_cases = [("", r"^the prompt is empty$"),
                   ("Hello " * 600, r"^the prompt has \d+ tokens, which leaves no room to generate "
                                    r"within max_model_len=512$")]  # fmt: skip
@@ -204,7 +205,8 @@ def test_server_bad_requests_beside_a_running_stream(tiny_ckpt):
     srv = h.start_server(tiny_ckpt, core_setup=slow_steps)
     try:
         client = openai.OpenAI(base_url=srv.v1, api_key=h.API_KEY, max_retries=0)
-        kw = dict(model=h.MODEL_NAME, prompt="Hello world", temperature=0.0, max_tokens=16,
+        # 48 slowed steps (~4 s): the stream outlasts the refusals even on a loaded machine
+        kw = dict(model=h.MODEL_NAME, prompt="Hello world", temperature=0.0, max_tokens=48,
                   extra_body={"ignore_eos": True})  # fmt: skip
         stream = iter(client.completions.create(stream=True, **kw))
         first = next(stream)
