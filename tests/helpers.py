@@ -257,14 +257,27 @@ def triton_compiles():
         triton.knobs.runtime.jit_post_compile_hook = old
 
 
-def load_script(path):
-    """A script (benchmarks/*.py) as a module, without running its main."""
+def load_script(path, name: str | None = None):
+    """A script (benchmarks/*.py) as a module, without running its main. With `name`, loaded
+    once under that name in sys.modules (before it runs: a dataclass in it looks itself up
+    there), for a file whose own name others share (a conftest.py)."""
     import importlib.util
+    import sys
 
-    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name or Path(path).stem, path)
     module = importlib.util.module_from_spec(spec)
+    if name is not None:
+        sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def answers(outs) -> list[list[tuple]]:
+    """Each RequestOutput's completions as (token ids, text, finish reason): what two runs
+    compare."""
+    return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]
 
 
 # FP8 on the GPU (torch._scaled_mm, Triton's float8_e4m3fn) needs compute capability 8.9+.

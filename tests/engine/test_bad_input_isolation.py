@@ -12,35 +12,23 @@ test_openai_server.py; this file checks the isolation and the block count around
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import child_processes, slow_steps, wait_gone
+from helpers import answers, child_processes, load_script, slow_steps, wait_gone
 
 from llm_inference import LLM, AsyncLLM, SamplingParams
 from llm_inference import StructuredOutputsParams as S
 from llm_inference.config import CheckpointError
 from llm_inference.structured_output import manager as manager_module
 
-
-def _entrypoints_conftest():
-    """tests/entrypoints/conftest.py (its live-server helpers) as a module of its own name:
-    `conftest` is whichever conftest pytest imported last."""
-    name = "entrypoints_conftest"
-    if name not in sys.modules:
-        path = Path(__file__).parents[1] / "entrypoints" / "conftest.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # before running it: its dataclass looks itself up there
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-server_helpers = _entrypoints_conftest()
+# tests/entrypoints/conftest.py (its live-server helpers) under a name of its own: `conftest`
+# is whichever conftest pytest imported last
+server_helpers = load_script(
+    Path(__file__).parents[1] / "entrypoints" / "conftest.py", "entrypoints_conftest"
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 # (request id, prompt ids, params, exception, message): each refused by LLMEngine.add_request
@@ -68,10 +56,6 @@ GOOD = [
     ("c", [8, 9], SamplingParams(temperature=1.0, seed=3, max_tokens=16,
                                  structured_outputs=S(choice=["yes please", "no", "maybe"]))),
 ]  # fmt: skip
-
-
-def answers(outs) -> list[list[tuple]]:
-    return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]
 
 
 @pytest.fixture(scope="module")
