@@ -1,0 +1,77 @@
+"""FlashAttention 4 for a step's prompt chunks, where the flash-attn-4 package is installed.
+
+Its CuTe DSL kernels (Hopper and Blackwell) have the structure our tiled Triton kernel cannot
+express in Triton 3.6 (producer warps, TMA, two consumer warpgroups in ping-pong), and prompt
+attention is where our kernel trails FlashAttention (benchmarks/DECISIONS.md). So on those GPUs
+a step with prompt chunks sends them to FlashAttention's varlen call on the same paged cache,
+and everything else stays ours: the decodes of every step (our decode kernel is at or under
+FA3's time), FP8 caches, other GPUs, the CPU's interpreter and the reference path.
+
+In a mixed step FlashAttention computes only the chunks' rows: sequences of one query row get
+`seqused_q` 0, and the decode kernel then writes their rows of the same output
+(TritonOps.unified_attention).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+CACHE_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def _varlen_func():
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except ImportError:  # not installed, or its CuTe DSL does not load here
+        return None
+    return flash_attn_varlen_func
+
+
+def available(device: torch.device) -> bool:
+    """Whether `device` runs FlashAttention 4 (CUDA, compute capability 9.x or 10.x, the
+    package importable)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] not in (9, 10):
+        return False
+    return _varlen_func() is not None
+
+
+def applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether it takes this step's layout: the cache in the query's dtype (not FP8), a head
+    size it compiles (8 to 256, a multiple of 8; our models: 64 and 128)."""
+    head_dim = q.shape[-1]
+    same_dtype = k_cache.dtype == q.dtype and q.dtype in CACHE_DTYPES
+    return same_dtype and 8 <= head_dim <= 256 and head_dim % 8 == 0
+
+
+def prompt_rows(cu_seqlens_q: torch.Tensor) -> torch.Tensor:
+    """[S] int32: each sequence's query rows for FlashAttention, 0 for a decode's one row (and
+    for padding sequences, which own none)."""
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    return torch.where(q_lens > 1, q_lens, 0)
+
+
+def prompt_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+) -> torch.Tensor:
+    """Causal attention of the prompt chunks' rows of `q` [T, Hq, D] over the paged cache
+    (`k_cache` [num_blocks, block_size, Hkv, D], the layout FlashAttention pages), as
+    reference.unified_attention computes them; the other rows of the result are left for the
+    decode kernel to write. `max_query_len` and `max_seq_len` bound the step (Python ints: a
+    CUDA graph's replays must stay within them)."""
+    out, _ = _varlen_func()(
+        q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seqused_q=prompt_rows(cu_seqlens_q),
+        max_seqlen_q=max_query_len, max_seqlen_k=max_seq_len, seqused_k=seq_lens,
+        page_table=block_table, softmax_scale=scale, causal=True,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,151 @@
+"""Prompt chunks through FlashAttention 4 (kernels/flash_attention.py), where the flash-attn-4
+package runs: which steps TritonOps sends there and how the decodes join them (CPU, with the
+two kernels replaced by recorders), and on a GPU with the package, mixed steps against the
+float32 reference, eagerly and replayed in a CUDA graph with new contents."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import unified_attention_checks as checks  # noqa: E402
+from triton_kernel_checks import ATTN_TOL  # noqa: E402
+
+from llm_inference.kernels import flash_attention, triton_ops  # noqa: E402
+
+# A mixed step: chunks from 0 and after deep contexts, decodes at 1..32,767 tokens of context,
+# empty padding sequences (test_unified_attention.py's).
+GPU_Q = [2048, 1, 1, 17, 300, 0, 1, 1024, 5, 1, 64, 0]
+GPU_CTX = [0, 32767, 5, 1000, 30000, 7, 4096, 2048, 31, 0, 16, 3]
+needs_fa4 = pytest.mark.skipif(
+    not (torch.cuda.is_available() and flash_attention.available(torch.device("cuda"))),
+    reason="needs a Hopper or Blackwell GPU and the flash-attn-4 package",
+)
+
+
+def test_decodes_and_padding_sequences_get_no_flash_rows():
+    cu = torch.tensor([0, 1, 301, 302, 302, 340], dtype=torch.int32)
+    assert flash_attention.prompt_rows(cu).tolist() == [0, 300, 0, 0, 38]
+
+
+def test_it_applies_to_half_precision_caches_of_head_sizes_it_compiles():
+    q = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 16, 2, 128, dtype=torch.bfloat16)
+    assert flash_attention.applies(q, cache)
+    assert not flash_attention.applies(q, cache.to(torch.float8_e4m3fn))  # FP8 cache: ours
+    assert not flash_attention.applies(q.float(), cache.float())
+    assert not flash_attention.applies(q[..., :100], cache[..., :100])  # not a multiple of 8
+    assert not flash_attention.available(torch.device("cpu"))
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """TritonOps on the CPU as if FlashAttention ran: both kernels replaced by recorders."""
+    calls = []
+
+    def flash(q, k_cache, v_cache, table, cu, lens, scale, max_query_len, max_seq_len):
+        calls.append(("flash", max_query_len, max_seq_len))
+        return torch.full_like(q, 7.0)
+
+    def ours(q, k_cache, v_cache, table, cu, lens, scale, out, max_query_len, max_seq_len,
+             *rest, pdl):  # fmt: skip
+        calls.append(("ours", max_query_len, max_seq_len, None if out is None else out[0, 0, 0]))
+        return out
+
+    monkeypatch.setattr(flash_attention, "available", lambda device: True)
+    monkeypatch.setattr(flash_attention, "prompt_attention", flash)
+    monkeypatch.setattr(triton_ops, "unified_attention", ours)
+    return triton_ops.TritonOps("cpu"), calls
+
+
+def _case(dtype=torch.bfloat16):
+    q = torch.zeros(10, 8, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 16, 2, 64, dtype=dtype)
+    table, cu = torch.zeros(3, 4, dtype=torch.int32), torch.tensor([0, 1, 9, 10], dtype=torch.int32)
+    return q, cache, cache, table, cu, torch.tensor([5, 20, 3], dtype=torch.int32), 0.125
+
+
+def test_a_step_with_chunks_sends_them_to_flash_and_its_decodes_to_ours(recorded):
+    ops, calls = recorded
+    assert ops.flash_prompts
+    out = ops.unified_attention(*_case(), max_query_len=8, max_seq_len=64)
+    # ours writes the decodes into FlashAttention's output, the decode kernel alone
+    assert calls == [("flash", 8, 64), ("ours", 1, 64, 7.0)] and out[0, 0, 0] == 7.0
+    calls.clear()
+    given = torch.zeros(10, 8, 64, dtype=torch.bfloat16)
+    assert ops.unified_attention(*_case(), out=given, max_query_len=8) is given
+    assert calls == [("flash", 8, 64), ("ours", 1, 64, 7.0)]  # bound: the table's capacity
+
+
+def test_decode_steps_and_fp8_caches_stay_on_ours(recorded):
+    ops, calls = recorded
+    ops.unified_attention(*_case(), max_query_len=1, max_seq_len=64)
+    ops.unified_attention(*_case(torch.float8_e4m3fn), max_query_len=8, max_seq_len=64)
+    assert calls == [("ours", 1, 64, None), ("ours", 8, 64, None)]
+
+
+def _assert_rows_close(out, case, scale, what):
+    from llm_inference.kernels import reference
+
+    q, k_cache, v_cache, table, cu, lens = case
+    ref = reference.unified_attention(q.float(), k_cache, v_cache, table, cu, lens, scale)
+    bounds = cu.tolist()
+    for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        if b > a:
+            assert torch.isfinite(out[a:b]).all(), f"{what}: seq {s} not finite"
+            err = ((out[a:b].float() - ref[a:b]).norm() / ref[a:b].norm()).item()
+            assert err < ATTN_TOL[q.dtype], f"{what}: error {err:.2e} at seq {s} ({b - a} rows)"
+
+
+@needs_fa4
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(32, 8, 64), (32, 8, 128), (24, 8, 128)])
+def test_flash_prompts_match_the_reference_on_cuda(shape):
+    """Chunks from 0 and after deep contexts beside decodes and empty sequences, block sizes 16
+    and 32; unused cache rows hold NaN."""
+    ops = triton_ops.TritonOps("cuda")
+    assert ops.flash_prompts
+    gen = torch.Generator().manual_seed(shape[2])
+    for block_size in (16, 32):
+        case, _ = checks.make_case("cuda", torch.bfloat16, GPU_Q, GPU_CTX, shape,
+                                   block_size, gen)  # fmt: skip
+        lens = [c + n for c, n in zip(GPU_CTX, GPU_Q)]
+        out = ops.unified_attention(*case, shape[2] ** -0.5, max_query_len=max(GPU_Q),
+                                    max_seq_len=max(lens))  # fmt: skip
+        _assert_rows_close(out, case, shape[2] ** -0.5, f"block size {block_size}")
+
+
+@needs_fa4
+@pytest.mark.cuda
+def test_flash_prompts_replay_in_a_cuda_graph():
+    """Captured at fixed sizes as the engine's mixed-step graphs are, then replayed on new
+    query lengths, contexts, tables and caches."""
+    ops = triton_ops.TritonOps("cuda")
+    num_seqs, max_query_len, max_len, block_size = 8, 512, 4096, 16
+    num_tokens = num_seqs * max_query_len + 5
+    width, num_blocks = max_len // block_size, num_seqs * max_len // block_size + 5
+    gen = torch.Generator().manual_seed(0)
+
+    def draw():
+        q_lens = torch.randint(0, max_query_len + 1, (num_seqs,), generator=gen).tolist()
+        q_lens[0] = 1  # a decode among them
+        ctx = [int(torch.randint(0, max_len - n + 1, (), generator=gen)) for n in q_lens]
+        return checks.make_case("cuda", torch.bfloat16, q_lens, ctx, (32, 8, 128), block_size,
+                                gen, num_tokens - sum(q_lens), width, num_blocks)[0]  # fmt: skip
+
+    static = draw()
+    out = torch.empty_like(static[0])
+    call = lambda: ops.unified_attention(*static, 0.088, out, max_query_len, max_len)
+    call()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for replay in range(3):
+        for dst, src in zip(static, draw()):
+            dst.copy_(src)
+        graph.replay()
+        _assert_rows_close(out, static, 0.088, f"replay {replay}")
