@@ -32,7 +32,8 @@ def test_decodes_and_padding_sequences_get_no_flash_rows():
     assert flash_attention.prompt_rows(cu).tolist() == [0, 300, 0, 0, 38]
 
 
-def test_it_applies_to_half_precision_caches_of_head_sizes_it_compiles():
+def test_it_applies_to_half_precision_caches_of_head_sizes_it_compiles(monkeypatch):
+    monkeypatch.setattr(flash_attention, "_runs", lambda *layout: True)
     q = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
     cache = torch.zeros(2, 16, 2, 128, dtype=torch.bfloat16)
     assert flash_attention.applies(q, cache)
@@ -40,6 +41,21 @@ def test_it_applies_to_half_precision_caches_of_head_sizes_it_compiles():
     assert not flash_attention.applies(q.float(), cache.float())
     assert not flash_attention.applies(q[..., :100], cache[..., :100])  # not a multiple of 8
     assert not flash_attention.available(torch.device("cpu"))
+
+
+def test_a_layout_whose_first_call_fails_keeps_the_triton_kernel(monkeypatch):
+    """A compiler or runtime piece missing on the machine: a warning, not a failed step."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no ptxas")
+
+    monkeypatch.setattr(flash_attention, "_varlen_func", lambda: broken)
+    flash_attention._runs.cache_clear()
+    q = torch.zeros(4, 8, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 16, 2, 64, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="FlashAttention 4 does not run here.*no ptxas"):
+        assert not flash_attention.applies(q, cache)
+    flash_attention._runs.cache_clear()
 
 
 @pytest.fixture
@@ -57,6 +73,7 @@ def recorded(monkeypatch):
         return out
 
     monkeypatch.setattr(flash_attention, "available", lambda device: True)
+    monkeypatch.setattr(flash_attention, "_runs", lambda *layout: True)
     monkeypatch.setattr(flash_attention, "prompt_attention", flash)
     monkeypatch.setattr(triton_ops, "unified_attention", ours)
     return triton_ops.TritonOps("cpu"), calls

@@ -15,6 +15,7 @@ In a mixed step FlashAttention computes only the chunks' rows: sequences of one 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -40,10 +41,32 @@ def available(device: torch.device) -> bool:
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether it takes this step's layout: the cache in the query's dtype (not FP8), a head
-    size it compiles (8 to 256, a multiple of 8; our models: 64 and 128)."""
-    head_dim = q.shape[-1]
+    size it compiles (8 to 256, a multiple of 8; our models: 64 and 128), and a first small
+    call of that layout ran here (`_runs`)."""
+    head_dim, group = q.shape[-1], q.shape[1] // k_cache.shape[2]
     same_dtype = k_cache.dtype == q.dtype and q.dtype in CACHE_DTYPES
-    return same_dtype and 8 <= head_dim <= 256 and head_dim % 8 == 0
+    if not (same_dtype and 8 <= head_dim <= 256 and head_dim % 8 == 0):
+        return False
+    return _runs(q.device, q.dtype, head_dim, group)
+
+
+@functools.cache
+def _runs(device: torch.device, dtype: torch.dtype, head_dim: int, group: int) -> bool:
+    """Whether a 16-token prompt of this layout compiles and runs (the CuTe DSL compiles at the
+    first call: the engine's warm-up makes it, before any graph capture). Where it fails, a
+    warning, and the prompt chunks keep the Triton kernel."""
+    q = torch.zeros(16, group, head_dim, dtype=dtype, device=device)
+    cache = torch.zeros(1, 16, 1, head_dim, dtype=dtype, device=device)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 16], dtype=torch.int32, device=device)
+    try:
+        prompt_attention(q, cache, cache, table, cu, cu[1:], 1.0, 16, 16)
+        torch.cuda.synchronize(device)
+    except Exception as e:  # its compiler or runtime missing a piece here
+        warnings.warn(f"FlashAttention 4 does not run here ({type(e).__name__}: {e}): prompt "
+                      f"chunks take the Triton kernel", stacklevel=2)  # fmt: skip
+        return False
+    return True
 
 
 def prompt_rows(cu_seqlens_q: torch.Tensor) -> torch.Tensor:
