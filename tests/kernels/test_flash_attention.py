@@ -69,7 +69,8 @@ def recorded(monkeypatch):
 
     def ours(q, k_cache, v_cache, table, cu, lens, scale, out, max_query_len, max_seq_len,
              *rest, pdl):  # fmt: skip
-        calls.append(("ours", max_query_len, max_seq_len, None if out is None else out[0, 0, 0]))
+        written = None if out is None else out[0, 0, 0]
+        calls.append(("ours", max_query_len, max_seq_len, written, rest[0]))  # rest[0]: the order
         return out
 
     monkeypatch.setattr(flash_attention, "available", lambda device: True)
@@ -89,20 +90,22 @@ def _case(dtype=torch.bfloat16):
 def test_a_step_with_chunks_sends_them_to_flash_and_its_decodes_to_ours(recorded):
     ops, calls = recorded
     assert ops.flash_prompts
-    out = ops.unified_attention(*_case(), max_query_len=8, max_seq_len=64)
-    # ours writes the decodes into FlashAttention's output, the decode kernel alone
-    assert calls == [("flash", 8, 64), ("ours", 1, 64, 7.0)] and out[0, 0, 0] == 7.0
+    order = torch.arange(3, dtype=torch.int32)
+    out = ops.unified_attention(*_case(), max_query_len=8, max_seq_len=64, seq_order=order)
+    # ours writes the decodes into FlashAttention's output, the decode kernel alone, in batch
+    # order (as in any step with chunks)
+    assert calls == [("flash", 8, 64), ("ours", 1, 64, 7.0, None)] and out[0, 0, 0] == 7.0
     calls.clear()
     given = torch.zeros(10, 8, 64, dtype=torch.bfloat16)
     assert ops.unified_attention(*_case(), out=given, max_query_len=8) is given
-    assert calls == [("flash", 8, 64), ("ours", 1, 64, 7.0)]  # bound: the table's capacity
+    assert calls == [("flash", 8, 64), ("ours", 1, 64, 7.0, None)]  # bound: the capacity
 
 
 def test_decode_steps_and_fp8_caches_stay_on_ours(recorded):
     ops, calls = recorded
     ops.unified_attention(*_case(), max_query_len=1, max_seq_len=64)
     ops.unified_attention(*_case(torch.float8_e4m3fn), max_query_len=8, max_seq_len=64)
-    assert calls == [("ours", 1, 64, None), ("ours", 8, 64, None)]
+    assert calls == [("ours", 1, 64, None, None), ("ours", 8, 64, None, None)]
 
 
 def _assert_rows_close(out, case, scale, what):

@@ -139,7 +139,8 @@ class TritonOps:
                 max_query_len, max_seq_len,
             )  # fmt: skip
             out = flash if out is None else out.copy_(flash)
-            max_query_len = 1  # what is left: the decodes
+            # what is left: the decodes, in batch order as in any step with chunks
+            max_query_len, seq_order = 1, None
         return unified_attention(
             q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out, max_query_len,
             max_seq_len, seq_order, k_scale, v_scale, pdl=self.pdl,
