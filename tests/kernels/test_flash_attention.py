@@ -159,13 +159,7 @@ def test_flash_prompts_replay_in_a_cuda_graph():
 
     static = draw()
     out = torch.empty_like(static[0])
-    call = lambda: ops.unified_attention(*static, 0.088, out, max_query_len, max_len)
-    call()  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    for replay in range(3):
-        for dst, src in zip(static, draw()):
-            dst.copy_(src)
-        graph.replay()
-        _assert_rows_close(out, static, 0.088, f"replay {replay}")
+    checks.check_replays(
+        lambda: ops.unified_attention(*static, 0.088, out, max_query_len, max_len), static, draw,
+        lambda replay: _assert_rows_close(out, static, 0.088, f"replay {replay}"),
+    )  # fmt: skip
