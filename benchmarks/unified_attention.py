@@ -26,8 +26,9 @@ block tables. Per layer, three tables:
   411-token prompt beside 255 decodes at context 600), and 16 chunks of 256 tokens after 3,840
   cached tokens: the unified op (its decodes in the decode kernel, the chunks in the tiled
   one) against one tiled launch over every row (`ua.launch` with the default tiles: before
-  2026-12-02) and FA4's one call where installed, with the floor: the larger of the FLOP
-  floor and the K/V bytes over COPY_BYTES_PER_S.
+  2026-12-02) and, where FA4 is installed, its one call and its call on the chunks alone
+  followed by our decode kernel (as a mixed step would run them), with the floor: the larger
+  of the FLOP floor and the K/V bytes over COPY_BYTES_PER_S.
 Times: medians over CUDA events after warm-up, L2 flushed before each call by reading 256 MB
 (benchmarks/paged_attention.py). rel err: worst per-sequence relative L2 error against
 reference.unified_attention in float32. `--sweep` adds timings of other tile configs (BLOCK_M,
@@ -125,6 +126,22 @@ def graph_ms(fn) -> float:
     return decode_bench.median_ms(decode_bench.capture(fn).replay)
 
 
+def first_call(run):
+    """`run()`'s result and its wall ms: the first call at these sizes, where a backend builds
+    its plan (cuDNN) or compiles (FA4's JIT)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = run()
+    torch.cuda.synchronize()
+    return result, (time.perf_counter() - start) * 1e3
+
+
+def refused(name: str, e: Exception) -> tuple[float, float, float]:
+    """NaNs for a backend that refused the call, the reason printed."""
+    print(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+    return (float("nan"),) * 3
+
+
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
 
 
@@ -159,11 +176,7 @@ def sdpa_ms(case, q_lens, scale, backend: str) -> tuple[float, float, float]:
                 out[a:b] = o[0].transpose(0, 1)
 
     try:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        run()  # the first call at these lengths: cuDNN builds its plan for each new shape
-        torch.cuda.synchronize()
-        first_ms = (time.perf_counter() - start) * 1e3
+        _, first_ms = first_call(run)  # cuDNN builds its plan for each new shape
         err = rel_error(out, case, scale)
         try:
             ms = graph_ms(run)
@@ -171,8 +184,7 @@ def sdpa_ms(case, q_lens, scale, backend: str) -> tuple[float, float, float]:
             ms = decode_bench.median_ms(run, rep=50)
         return ms, err, first_ms
     except RuntimeError as e:
-        print(f"SDPA {backend}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
-        return (float("nan"),) * 3
+        return refused(f"SDPA {backend}", e)
 
 
 def fa3_ms(case, max_query_len: int, max_seq_len: int, scale: float) -> float:
@@ -192,35 +204,39 @@ def fa3_ms(case, max_query_len: int, max_seq_len: int, scale: float) -> float:
     return graph_ms(fn)
 
 
-def fa4_ms(case, max_query_len: int, max_seq_len: int, scale: float) -> tuple[float, float, float]:
+def fa4_ms(
+    case, max_query_len: int, max_seq_len: int, scale: float, decodes_ours: bool = False
+) -> tuple[float, float, float]:
     """(ms, rel err, the first call's wall ms: its JIT compile) of FlashAttention 4
     (`flash_attn.cute` of the flash-attn-4 package, CuTe DSL kernels for Hopper and Blackwell)
-    on the same paged cache, every sequence of the step in one varlen call; NaNs when it is
-    not installed or refuses the call (the reason printed)."""
+    on the same paged cache, every sequence of the step in one varlen call; `decodes_ours`:
+    the chunks only (`seqused_q` 0 for one-row sequences), then our decode kernel on them into
+    the same output, as a mixed step would run both. NaNs when it is not installed or refuses
+    the call (the reason printed)."""
     try:
         from flash_attn.cute import flash_attn_varlen_func
     except ImportError:
         return (float("nan"),) * 3
     q, k_cache, v_cache, table, cu, lens = case
+    q_lens = cu[1:] - cu[:-1]
+    rows = torch.where(q_lens > 1, q_lens, 0) if decodes_ours else None
 
     @torch.inference_mode()
     def run():
-        return flash_attn_varlen_func(
-            q, k_cache, v_cache, cu_seqlens_q=cu, max_seqlen_q=max_query_len,
+        out = flash_attn_varlen_func(
+            q, k_cache, v_cache, cu_seqlens_q=cu, seqused_q=rows, max_seqlen_q=max_query_len,
             max_seqlen_k=max_seq_len, seqused_k=lens, page_table=table, softmax_scale=scale,
             causal=True,
         )[0]  # fmt: skip
+        if decodes_ours:
+            ua.unified_attention(q, k_cache, v_cache, table, cu, lens, scale, out, 1, max_seq_len)
+        return out
 
     try:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = run()
-        torch.cuda.synchronize()
-        first_ms = (time.perf_counter() - start) * 1e3
+        out, first_ms = first_call(run)
         return graph_ms(run), rel_error(out, case, scale), first_ms
     except Exception as e:  # a shape or layout it does not take: report and go on
-        print(f"FA4: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
-        return (float("nan"),) * 3
+        return refused("FA4", e)
 
 
 def repaged(case, page: int):
@@ -270,7 +286,7 @@ def prefill_row(num_seqs, length, context, shape, gen, sweep, fa3) -> dict:
         row["fa3_ms"] = fa3_ms(case, length, context + length, scale)
     row["fa4_ms"], row["fa4_err"], row["fa4_first_ms"] = fa4_ms(case, length, context + length,
                                                                 scale)  # fmt: skip
-    if row["fa4_ms"] == row["fa4_ms"]:  # installed: also on pages of one 128-key tile
+    if not math.isnan(row["fa4_ms"]):  # it ran: also on pages of one 128-key tile
         big = repaged(case, 128)
         row["fa4_page128_ms"] = fa4_ms(big, length, context + length, scale)[0]
         del big
@@ -313,8 +329,10 @@ def mixed_row(name, shape, gen, sweep) -> dict:
     kv_bytes = sum(c + n for c, n in zip(contexts, q_lens)) * shape[1] * shape[2] * 2 * 2
     floor = max(flops / PEAK_FLOPS, kv_bytes / COPY_BYTES_PER_S) * 1e3
     fa4, fa4_err, _ = fa4_ms(case, max(q_lens), max_len, scale)
+    fa4_ours = fa4_ms(case, max(q_lens), max_len, scale, decodes_ours=True)
     return dict(name=name, err=err, ms=graph_ms(fn), one_launch_ms=graph_ms(one_launch),
                 floor_ms=floor, tiles=tiles, fa4_ms=fa4, fa4_err=fa4_err,
+                fa4_decodes_ours_ms=fa4_ours[0], fa4_decodes_ours_err=fa4_ours[1],
                 sweep=sweep_ms(case, scale, out, sweep, skip_decodes=True))  # fmt: skip
 
 
@@ -400,12 +418,14 @@ def main() -> None:
                   f"| {r['ratio']:.2f} | {r['fa3_ms']:.4f} | {r['floor_ms']:.4f} "
                   f"| {r['err']:.1e} |", flush=True)  # fmt: skip
         print("\nMixed steps, one layer (graph replay):\n")
-        print("| step | unified ms | one tiled launch ms | FA4 ms (err) | floor ms | rel err |")
-        print("|---|---:|---:|---:|---:|---:|")
+        print("| step | unified ms | one tiled launch ms | FA4 ms (err) "
+              "| FA4 chunks + our decodes ms (err) | floor ms | rel err |")  # fmt: skip
+        print("|---|---:|---:|---:|---:|---:|---:|")
         rep["mixed"] = [mixed_row(m, shape, gen, sweep) for m in MIXED_ROWS]
         for r in rep["mixed"]:
             print(f"| {r['name']} | {r['ms']:.3f} | {r['one_launch_ms']:.3f} "
                   f"| {r['fa4_ms']:.3f} ({r['fa4_err']:.1e}) "
+                  f"| {r['fa4_decodes_ours_ms']:.3f} ({r['fa4_decodes_ours_err']:.1e}) "
                   f"| {r['floor_ms']:.3f} | {r['err']:.1e} |")  # fmt: skip
         if sweep:
             print("\n| step (its tiled launch alone) | BLOCK_M, BLOCK_N, warps, stages | ms "

@@ -38,7 +38,8 @@ if [ "${BENCH:-0}" = 1 ]; then
     for round in $(seq "${ROUNDS:-2}"); do
       for side in ${OLD_SRC:+old} new; do
         src=src; [ "$side" = old ] && src=$OLD_SRC
-        bench="env PYTHONPATH=$src:/tmp/site python3 $src/llm_inference/entrypoints/bench.py"  # that tree's
+        # that tree's package, then gpu_env.sh's path after its src
+        bench="env PYTHONPATH=$src:${PYTHONPATH#src:} python3 $src/llm_inference/entrypoints/bench.py"
         echo "== $shape round $round $side ($src)"
         [ "${BATCHES:-}" = none ] || timeout 200 $bench latency --model "$shape" \
           ${ENGINE_ARGS:-} --batches "${BATCHES:-1,8,64,256}" \

@@ -7,22 +7,10 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=src
 # those of distributions /tmp/site does not hold yet (beside vLLM's carried site, only what it
 # lacks, such as gguf: its own versions stay).
 SITE=${SITE:-/tmp/site}
-missing=$(python3 - "$SITE" .whl <<'EOF'
-import pathlib, re, sys
-norm = lambda name: re.sub(r"[-_.]+", "_", name).lower()
-site, wheels = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-have = {norm(d.name.split("-")[0]) for d in site.glob("*.dist-info")}
-print(" ".join(str(w) for w in sorted(wheels.glob("*.whl")) if norm(w.name.split("-")[0]) not in have))
-EOF
-)
-if [ -n "$missing" ]; then
-  # shellcheck disable=SC2086  # one path per word
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
-    $missing
-fi
+bash "$(dirname "${BASH_SOURCE[0]}")/install_wheels.sh" "$SITE" .whl >/dev/null
 # $SITE stays while the machine is warm: what an earlier call put there (the wheels, the
 # default model from scripts/default_model_carry.sh) serves later calls too.
-if [ -d "$SITE" ]; then export PYTHONPATH=src:$SITE; fi
+export PYTHONPATH=src:$SITE  # scripts give another tree's src in place of src: ${PYTHONPATH#src:}
 # NVIDIA's CuTe DSL (FlashAttention 4's, scripts/wheels_carry.sh) is found through a .pth file,
 # which folders on PYTHONPATH do not run: its folder goes on the path here.
 if [ -d "$SITE/nvidia_cutlass_dsl/dsl_packages" ]; then

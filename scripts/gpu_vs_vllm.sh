@@ -43,7 +43,8 @@ if [ "${MIXES:-0}" = 1 ]; then
       --json "$OUT/ours_${SHAPE}_mix_$mix.json" 2>&1 | grep -v "it/s" | tail -2
     if [ -n "${OTHER_SRC:-}" ]; then
       echo "== $OTHER_SRC"
-      PYTHONPATH=$OTHER_SRC:/tmp/site timeout 200 python3 "$OTHER_SRC/llm_inference/entrypoints/bench.py" \
+      PYTHONPATH=$OTHER_SRC:${PYTHONPATH#src:} timeout 200 \
+        python3 "$OTHER_SRC/llm_inference/entrypoints/bench.py" \
         throughput $common --disable-detokenize ${MIX[$mix]} \
         --json "$OUT/other_${SHAPE}_mix_$mix.json" 2>&1 | grep -v "it/s" | tail -2
     fi

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Wheels too large for one GPU-machine call (a call carries 64 MiB in all, the tree included),
 # in parts of at most 48 MiB, one call each, installed into /tmp/site after the last:
-# FlashAttention 4 (flash-attn-4 and NVIDIA's CuTe DSL, ~98 MB) for benchmarks/unified_attention.py's
-# FA4 column, or Ray (~80 MB) for its GPU tests.
+# FlashAttention 4 (flash-attn-4, NVIDIA's CuTe DSL: its Python package is libs-core, its
+# compiler libs-cu13; ~108 MB) for benchmarks/unified_attention.py's FA4 column,
+# or Ray (~80 MB) for its GPU tests.
 #   here:        bash scripts/wheels_carry.sh split NAME WHEEL...   -> .carry/NAME/part1..N
+#                (the wheels of one folder)
 #                (fa4: bash scripts/wheels_carry.sh fetch-fa4 downloads and splits them)
 #   GPU call I:  carry [".carry/NAME/partI"]; bash scripts/wheels_carry.sh take NAME I
 #                -> after the last part, the wheels whose distribution /tmp/site lacks are
@@ -31,8 +33,9 @@ case "${1:-}" in
     pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d "$d" \
       flash-attn-4==4.0.0b40 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
-      nvidia-cutlass-dsl-libs-cu13==4.8.1 quack-kernels==0.6.5 einops==0.8.1 \
-      torch-c-dlpack-ext==0.1.5 apache-tvm-ffi==0.1.15.post2
+      nvidia-cutlass-dsl-libs-cu13==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1 \
+      quack-kernels==0.6.5 einops==0.8.1 torch-c-dlpack-ext==0.1.5 apache-tvm-ffi==0.1.15.post2 \
+      cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 protobuf==6.33.2
     bash "$0" split fa4 "$d"/*.whl
     rm -rf "$d" ;;
   take)
@@ -45,19 +48,8 @@ case "${1:-}" in
     echo "$sha  $dst/wheels.tar" | sha256sum -c --quiet
     mkdir -p "$dst/wheels" && tar -xf "$dst/wheels.tar" -C "$dst/wheels"
     rm "$dst"/wheels.tar*
-    # as gpu_env.sh: only the distributions the site does not hold yet
-    missing=$(python3 - "$SITE" "$dst/wheels" <<'EOF'
-import pathlib, re, sys
-norm = lambda name: re.sub(r"[-_.]+", "_", name).lower()
-site, wheels = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-have = {norm(d.name.split("-")[0]) for d in site.glob("*.dist-info")}
-print(" ".join(str(w) for w in sorted(wheels.glob("*.whl")) if norm(w.name.split("-")[0]) not in have))
-EOF
-)
-    # shellcheck disable=SC2086  # one path per word
-    [ -z "$missing" ] || python3 -m pip install -q --no-index --no-deps --no-compile \
-      --no-cache-dir --target "$SITE" $missing
-    echo "$name: installed into $SITE: $(basename -a $missing 2>/dev/null | tr '\n' ' ')" ;;
+    installed=$(bash "$(dirname "$0")/install_wheels.sh" "$SITE" "$dst/wheels")
+    echo "$name: installed into $SITE:" $installed ;;
   *)
     sed -n '2,12p' "$0"; exit 2 ;;
 esac

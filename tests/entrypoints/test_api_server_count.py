@@ -238,17 +238,21 @@ def test_front_ends_share_one_socket_where_the_kernel_cannot_balance(monkeypatch
 @pytest.mark.parametrize(
     "cpus, engine_args, want",
     [(2, {}, 1), (7, {}, 1), (8, {}, 2), (16, {}, 4), (64, {}, 4),
-     (16, {"data_parallel_size": 2}, 1), (16, {"engine_process": False}, 1)],
+     (16, {"data_parallel_size": 2}, 1), (16, {"engine_process": False}, 1),
+     (16, {"device": "cpu"}, 1)],
 )  # fmt: skip
 def test_default_front_ends_follow_the_cpus(monkeypatch, cpus, engine_args, want):
-    """One front end per four CPUs the server may use, at most four; one with data parallel
-    cores or the core on a thread (they take one)."""
+    """One front end per four CPUs the server may use, at most four, on a GPU; one with data
+    parallel cores or the core on a thread (they take one) and on the CPU (its forward takes
+    the cores)."""
     monkeypatch.setattr(front_ends.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    monkeypatch.setattr(front_ends, "resolve_device", lambda device: device or "cuda")
     assert front_ends.default_count(engine_args) == want
 
 
 def test_default_front_ends_are_one_where_sockets_cannot_be_balanced(monkeypatch):
     monkeypatch.setattr(front_ends.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(front_ends, "resolve_device", lambda device: "cuda")
     monkeypatch.setattr(front_ends.sys, "platform", "darwin")
     assert front_ends.default_count({}) == 1
 

@@ -135,8 +135,8 @@ def _add_serve_parsers(sub) -> None:
         type=int,
         default=None,
         help="HTTP front ends, each a process on the same port and engine core, sharing the "
-        "streams' output processing (default: one per 4 CPUs, at most 4; 1 off Linux, with "
-        "data parallel cores or --no-engine-process)",
+        "streams' output processing (default: one per 4 CPUs, at most 4, on a GPU; 1 off "
+        "Linux, on the CPU, with data parallel cores or --no-engine-process)",
     )
     s.add_argument(
         "--chat-template",

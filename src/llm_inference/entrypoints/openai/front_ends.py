@@ -38,6 +38,7 @@ import sys
 import threading
 from pathlib import Path
 
+from llm_inference.engine.arg_utils import resolve_device
 from llm_inference.engine.metrics import ServingMetrics
 
 METRICS_SHARE_S = 1.0
@@ -50,10 +51,14 @@ def default_count(engine_args: dict) -> int:
     CPUs this process may run on, at most MAX_DEFAULT_COUNT (on a 16-CPU H200 host four kept
     800 streams at one token a chunk, p99 ITL 32 ms against one front end's 75:
     benchmarks/DECISIONS.md); one where the sockets cannot be balanced (not Linux), with data
-    parallel cores or without an engine process (those take one)."""
-    if not _own_sockets() or engine_args.get("data_parallel_size", 1) > 1:
-        return 1
-    if not engine_args.get("engine_process", True):
+    parallel cores or without an engine process (those take one), and on the CPU, whose
+    forward wants the cores a front end would take."""
+    if (
+        not _own_sockets()
+        or engine_args.get("data_parallel_size", 1) > 1
+        or not engine_args.get("engine_process", True)
+        or resolve_device(engine_args.get("device")) == "cpu"
+    ):
         return 1
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(MAX_DEFAULT_COUNT, (cpus or 1) // CPUS_PER_FRONT_END))
