@@ -32,11 +32,14 @@ def test_decodes_and_padding_sequences_get_no_flash_rows():
     assert flash_attention.prompt_rows(cu).tolist() == [0, 300, 0, 0, 38]
 
 
-def test_it_applies_to_half_precision_caches_of_head_sizes_it_compiles(monkeypatch):
+def test_it_applies_to_large_steps_on_half_precision_caches_of_head_sizes_it_compiles(
+    monkeypatch,
+):
     monkeypatch.setattr(flash_attention, "_runs", lambda *layout: True)
-    q = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
+    q = torch.zeros(flash_attention.MIN_TOKENS, 8, 128, dtype=torch.bfloat16)
     cache = torch.zeros(2, 16, 2, 128, dtype=torch.bfloat16)
     assert flash_attention.applies(q, cache)
+    assert not flash_attention.applies(q[1:], cache)  # fewer tokens: our one launch
     assert not flash_attention.applies(q, cache.to(torch.float8_e4m3fn))  # FP8 cache: ours
     assert not flash_attention.applies(q.float(), cache.float())
     assert not flash_attention.applies(q[..., :100], cache[..., :100])  # not a multiple of 8
@@ -51,7 +54,7 @@ def test_a_layout_whose_first_call_fails_keeps_the_triton_kernel(monkeypatch):
 
     monkeypatch.setattr(flash_attention, "_varlen_func", lambda: broken)
     flash_attention._runs.cache_clear()
-    q = torch.zeros(4, 8, 64, dtype=torch.bfloat16)
+    q = torch.zeros(flash_attention.MIN_TOKENS, 8, 64, dtype=torch.bfloat16)
     cache = torch.zeros(2, 16, 2, 64, dtype=torch.bfloat16)
     with pytest.warns(UserWarning, match="FlashAttention 4 does not run here.*no ptxas"):
         assert not flash_attention.applies(q, cache)
@@ -60,7 +63,8 @@ def test_a_layout_whose_first_call_fails_keeps_the_triton_kernel(monkeypatch):
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """TritonOps on the CPU as if FlashAttention ran: both kernels replaced by recorders."""
+    """TritonOps on the CPU as if FlashAttention ran: both kernels replaced by recorders;
+    steps of 10 tokens (`_case`'s) large enough for it."""
     calls = []
 
     def flash(q, k_cache, v_cache, table, cu, lens, scale, max_query_len, max_seq_len):
@@ -74,6 +78,7 @@ def recorded(monkeypatch):
         return out
 
     monkeypatch.setattr(flash_attention, "available", lambda device: True)
+    monkeypatch.setattr(flash_attention, "MIN_TOKENS", 10)
     monkeypatch.setattr(flash_attention, "_runs", lambda *layout: True)
     monkeypatch.setattr(flash_attention, "prompt_attention", flash)
     monkeypatch.setattr(triton_ops, "unified_attention", ours)
@@ -101,11 +106,14 @@ def test_a_step_with_chunks_sends_them_to_flash_and_its_decodes_to_ours(recorded
     assert calls == [("flash", 8, 64), ("ours", 1, 64, 7.0, None)]  # bound: the capacity
 
 
-def test_decode_steps_and_fp8_caches_stay_on_ours(recorded):
+def test_decode_steps_small_steps_and_fp8_caches_stay_on_ours(recorded, monkeypatch):
     ops, calls = recorded
     ops.unified_attention(*_case(), max_query_len=1, max_seq_len=64)
     ops.unified_attention(*_case(torch.float8_e4m3fn), max_query_len=8, max_seq_len=64)
-    assert calls == [("ours", 1, 64, None, None), ("ours", 8, 64, None, None)]
+    monkeypatch.setattr(flash_attention, "MIN_TOKENS", 11)
+    ops.unified_attention(*_case(), max_query_len=8, max_seq_len=64)
+    ours = ("ours", 8, 64, None, None)
+    assert calls == [("ours", 1, 64, None, None), ours, ours]
 
 
 def _assert_rows_close(out, case, scale, what):

@@ -9,7 +9,9 @@ FA3's time), FP8 caches, other GPUs, the CPU's interpreter and the reference pat
 
 In a mixed step FlashAttention computes only the chunks' rows: sequences of one query row get
 `seqused_q` 0, and the decode kernel then writes their rows of the same output
-(TritonOps.unified_attention).
+(TritonOps.unified_attention). That is two launches where our tiled kernel makes one, which
+pays only where the chunks hold enough work: steps of fewer than MIN_TOKENS tokens (a CUDA
+graph's: its bucket's) keep our one launch (benchmarks/DECISIONS.md).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import warnings
 import torch
 
 CACHE_DTYPES = (torch.float16, torch.bfloat16)
+MIN_TOKENS = 2048  # steps of fewer tokens keep the tiled kernel (the module docstring)
 
 
 @functools.cache
@@ -40,11 +43,13 @@ def available(device: torch.device) -> bool:
 
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether it takes this step's layout: the cache in the query's dtype (not FP8), a head
-    size it compiles (8 to 256, a multiple of 8; our models: 64 and 128), and a first small
-    call of that layout ran here (`_runs`)."""
+    """Whether it takes this step: at least MIN_TOKENS tokens, the cache in the query's dtype
+    (not FP8), a head size it compiles (8 to 256, a multiple of 8; our models: 64 and 128),
+    and a first small call of that layout ran here (`_runs`)."""
     head_dim, group = q.shape[-1], q.shape[1] // k_cache.shape[2]
     same_dtype = k_cache.dtype == q.dtype and q.dtype in CACHE_DTYPES
+    if q.shape[0] < MIN_TOKENS:
+        return False
     if not (same_dtype and 8 <= head_dim <= 256 and head_dim % 8 == 0):
         return False
     return _runs(q.device, q.dtype, head_dim, group)
