@@ -19,7 +19,8 @@
 # kernel seconds by kernel (a second, profiled run; vLLM's engine core then runs in-process, so
 # take that run's speed figures from a call without PROFILE). MIX_LIST picks the mixes.
 # OTHER_SRC (another checkout's src/, carried, as gpu_check.sh's OLD_SRC) runs that tree's
-# bench on each mix too, after ours: other_SHAPE_mix_*.json (a branch against main and vLLM).
+# bench after ours on the same workloads: on each mix (other_SHAPE_mix_*.json), or its decode
+# and throughput (other_SHAPE[_tp2]_{latency,throughput}.json): a branch against main and vLLM.
 # JSON lands in $OUT under the names benchmarks/side_by_side.py reads
 # (vllm_SHAPE[_tp2].json, ours_SHAPE[_tp2]_{latency,throughput}.json, vllm_prefill_SHAPE.txt,
 # hf_SHAPE.json); `python3 benchmarks/side_by_side.py $OUT table.md plot.png` makes the table.
@@ -28,6 +29,16 @@ set -uo pipefail
 SHAPE=${SHAPE:-llama-3.2-1b}; TP=${TP:-1}
 SUFFIX=$([ "$TP" = 1 ] || echo "_tp$TP")
 VC=/tmp/vc/call4
+ours_and_other() {  # NAME ARGS...: our bench, then OTHER_SRC's, each at most 300 s
+  local name=$1; shift
+  timeout 300 $B "$@" --json "$OUT/ours_$name.json" 2>&1 | grep -v "it/s" | tail -7
+  if [ -n "${OTHER_SRC:-}" ]; then
+    echo "== $OTHER_SRC"
+    PYTHONPATH=$OTHER_SRC:${PYTHONPATH#src:} timeout 300 \
+      python3 "$OTHER_SRC/llm_inference/entrypoints/bench.py" "$@" \
+      --json "$OUT/other_$name.json" 2>&1 | grep -v "it/s" | tail -7
+  fi
+}
 if [ "${MIXES:-0}" = 1 ]; then
   common="--model $SHAPE --max-model-len 16384"  # vLLM's side: token ids only, always
   declare -A MIX=(
@@ -39,15 +50,9 @@ if [ "${MIXES:-0}" = 1 ]; then
     (export PYTHONPATH=src:/tmp/site PATH=/tmp/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0
      timeout 300 python3 benchmarks/vllm_throughput.py $common ${MIX[$mix]} ${PROFILE:+--profile} \
        --json "$OUT/vllm_${SHAPE}_mix_$mix.json" 2>&1 | grep -v "it/s\|WARN\|INFO" | tail -1)
-    timeout 200 $B throughput $common --disable-detokenize ${MIX[$mix]} ${PROFILE:+--profile 1} \
-      --json "$OUT/ours_${SHAPE}_mix_$mix.json" 2>&1 | grep -v "it/s" | tail -2
-    if [ -n "${OTHER_SRC:-}" ]; then
-      echo "== $OTHER_SRC"
-      PYTHONPATH=$OTHER_SRC:${PYTHONPATH#src:} timeout 200 \
-        python3 "$OTHER_SRC/llm_inference/entrypoints/bench.py" \
-        throughput $common --disable-detokenize ${MIX[$mix]} \
-        --json "$OUT/other_${SHAPE}_mix_$mix.json" 2>&1 | grep -v "it/s" | tail -2
-    fi
+    # shellcheck disable=SC2086  # one option per word
+    ours_and_other "${SHAPE}_mix_$mix" throughput $common --disable-detokenize ${MIX[$mix]} \
+      ${PROFILE:+--profile 1}
   done
   exit
 fi
@@ -70,11 +75,10 @@ case $SHAPE in
        --tensor-parallel-size "$TP" --json "$OUT/vllm_${SHAPE}${SUFFIX}.json" 2>&1 \
        | grep -v "it/s\|WARN\|INFO" | tail -9) ;;
 esac
-$B latency --model "$SHAPE" --tensor-parallel-size "$TP" \
-  --json "$OUT/ours_${SHAPE}${SUFFIX}_latency.json" 2>&1 | grep -v "it/s" | tail -7
+ours_and_other "${SHAPE}${SUFFIX}_latency" latency --model "$SHAPE" --tensor-parallel-size "$TP"
 # Token ids only, as vllm_bench.py asks of vLLM (detokenize=False).
-$B throughput --model "$SHAPE" --tensor-parallel-size "$TP" --disable-detokenize \
-  --json "$OUT/ours_${SHAPE}${SUFFIX}_throughput.json" 2>&1 | tail -1
+ours_and_other "${SHAPE}${SUFFIX}_throughput" throughput --model "$SHAPE" \
+  --tensor-parallel-size "$TP" --disable-detokenize
 if [ "${PREFILL:-0}" = 1 ]; then
   $B prefill --model "$SHAPE" --max-model-len 8192 \
     --json "$OUT/ours_${SHAPE}_prefill.json" 2>&1 | grep -v "it/s" | tail -2
