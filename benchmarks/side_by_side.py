@@ -7,9 +7,11 @@ benchmarks/vllm_throughput.py --latency: the same decode keys, its own throughpu
 `vllm_prefill_SHAPE.txt` (prefill_bench.py's output, optional), `hf_SHAPE.json`
 (benchmarks/hf_decode.py) and the mixes `{ours,vllm}_SHAPE_mix_NAME.json` (scripts/gpu_vs_vllm.sh
 MIXES=1); writes a markdown table (and one of the mixes, where there are any) and a PNG of
-decode ms per step against batch size (one panel per shape: ours, vLLM, transformers, floor).
+decode ms per step against batch size (one panel per shape: ours, vLLM, transformers, floor);
+with mixes also OUT_mixes.png, each engine's output tok/s over vLLM's per mix. A mix's
+`other_SHAPE_mix_NAME.json` (gpu_vs_vllm.sh OTHER_SRC=) joins both, named OTHER_NAME.
 
-    python3 benchmarks/side_by_side.py RESULTS_DIR OUT.md OUT.png
+    python3 benchmarks/side_by_side.py RESULTS_DIR OUT.md OUT.png [OTHER_NAME]
 """
 
 from __future__ import annotations
@@ -136,28 +138,70 @@ def plot(rows: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def mix_table(folder: Path) -> str:
-    """Ours against vLLM on each mix both ran: output and total tok/s, and their ratio."""
-    lines = []
+def mix_rows(folder: Path) -> list[dict]:
+    """One row per mix that ours and vLLM both ran (`{ours,vllm,other}_SHAPE_mix_NAME.json`):
+    each engine's bench JSON, `other` None where no other tree ran it."""
+    rows = []
     for path in sorted(folder.glob("ours_*_mix_*.json")):
-        ours, vl = load(folder, path.name), load(folder, path.name.replace("ours_", "vllm_", 1))
+        vl = load(folder, path.name.replace("ours_", "vllm_", 1))
         if vl is None:
             continue
         shape, mix = path.stem.removeprefix("ours_").split("_mix_")
-        w = ours["workload"]
+        other = load(folder, path.name.replace("ours_", "other_", 1))
+        rows.append(dict(shape=shape, mix=mix, ours=load(folder, path.name), vllm=vl, other=other))
+    return rows
+
+
+def mix_table(rows: list[dict], other_name: str) -> str:
+    """Ours (and the other tree's) against vLLM on each mix: output and total tok/s, ratios."""
+    if not rows:
+        return ""
+    lines = [
+        "",
+        "| shape | mix | engine | out tok/s | total tok/s | / vLLM |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        w = r["ours"]["workload"]
         n, lin, lout = w["num_prompts"], w["mean_prompt_len"], w["mean_output_len"]
         what = f"{n} x {lin:.0f} in / {lout:.0f} out"
-        ratio = ours["output_tok_per_s"] / vl["output_tok_per_s"]
-        lines.append(f"| {shape} | {mix} ({what}) | {ours['output_tok_per_s']:,.0f} | "
-                     f"{vl['output_tok_per_s']:,.0f} | {ours['total_tok_per_s']:,.0f} | "
-                     f"{vl['total_tok_per_s']:,.0f} | {ratio:.2f}x |")  # fmt: skip
-    if not lines:
-        return ""
-    head = (
-        "\n| shape | mix | ours out tok/s | vLLM out tok/s | ours total tok/s | "
-        "vLLM total tok/s | ours / vLLM |\n|---|---|---:|---:|---:|---:|---:|\n"
+        for key, name in (("ours", "llm_inference"), ("other", other_name), ("vllm", "vLLM")):
+            run = r[key]
+            if run is not None:
+                ratio = run["output_tok_per_s"] / r["vllm"]["output_tok_per_s"]
+                lines.append(f"| {r['shape']} | {r['mix']} ({what}) | {name} | "
+                             f"{run['output_tok_per_s']:,.0f} | {run['total_tok_per_s']:,.0f} | "
+                             f"{ratio:.3f}x |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot_mixes(rows: list[dict], path: Path, other_name: str) -> None:
+    """Bars: each engine's output tok/s over vLLM's, per mix and shape; a line at 1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    engines = [("ours", "llm_inference")] + (
+        [("other", other_name)] if any(r["other"] for r in rows) else []
     )
-    return head + "\n".join(lines) + "\n"
+    fig, ax = plt.subplots(figsize=(2 + (0.8 + 0.5 * len(engines)) * len(rows), 4.2))
+    width = 0.8 / len(engines)
+    for i, (key, name) in enumerate(engines):
+        xs = [j + (i - (len(engines) - 1) / 2) * width for j in range(len(rows))]
+        ratios = [
+            r[key]["output_tok_per_s"] / r["vllm"]["output_tok_per_s"] if r[key] else 0
+            for r in rows
+        ]
+        bars = ax.bar(xs, ratios, width, label=name)
+        ax.bar_label(bars, [f"{v:.3f}" if v else "" for v in ratios], fontsize=7)
+    ax.axhline(1.0, color="k", lw=1, ls="--", label="vLLM 0.26.0")
+    ax.set_xticks(range(len(rows)), [f"{r['shape']}\n{r['mix']}" for r in rows], fontsize=8)
+    ax.set_ylabel("output tok/s / vLLM's (same start)")
+    ax.set_title("Realistic mixes against vLLM, bf16, H200")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main() -> None:
@@ -166,8 +210,13 @@ def main() -> None:
     found = folder.glob("ours_*_latency.json")
     shapes = sorted(p.name.removeprefix("ours_").removesuffix("_latency.json") for p in found)
     rows = {s: collect(folder, s) for s in shapes}
-    out_md.write_text(table(rows) + mix_table(folder))
-    plot(rows, out_png)
+    mixes = mix_rows(folder)
+    other_name = sys.argv[4] if len(sys.argv) > 4 else "other tree"
+    out_md.write_text((table(rows) if rows else "") + mix_table(mixes, other_name))
+    if rows:
+        plot(rows, out_png)
+    if mixes:
+        plot_mixes(mixes, out_png.with_name(out_png.stem + "_mixes.png"), other_name)
     print(out_md.read_text())
 
 

@@ -43,3 +43,29 @@ def test_a_row_per_shape_with_either_vllm_json(tmp_path, monkeypatch, capsys):
     assert "| qwen3-8b | vLLM / ours | 1.14 | 1.14 | 1.14 | 1.14 | 1.11x |" in lines
     assert "| llama-3.2-1b | vLLM / ours | 4.00 | 4.00 | 4.00 | 4.00 | 2.00x |" in lines
     assert out_png.stat().st_size > 0 and "qwen3-8b" in capsys.readouterr().out
+
+
+def test_mixes_get_a_row_per_engine_and_a_plot_of_their_ratios(tmp_path, monkeypatch):
+    def run(out_tok_s: float) -> dict:
+        workload = {"num_prompts": 16, "mean_prompt_len": 12000.0, "mean_output_len": 256.0}
+        return {
+            "output_tok_per_s": out_tok_s,
+            "total_tok_per_s": 47 * out_tok_s,
+            "workload": workload,
+        }
+
+    _write(tmp_path, "ours_llama-3.1-8b_mix_long.json", run(475.0))
+    _write(tmp_path, "other_llama-3.1-8b_mix_long.json", run(494.0))
+    _write(tmp_path, "vllm_llama-3.1-8b_mix_long.json", run(500.0))
+    _write(tmp_path, "ours_llama-3.1-8b_mix_chat.json", run(7000.0))  # no vLLM run: no row
+    out_md, out_png = tmp_path / "table.md", tmp_path / "plot.png"
+    argv = ["side_by_side.py", str(tmp_path), str(out_md), str(out_png), "fa4-prompts"]
+    monkeypatch.setattr(sys, "argv", argv)
+    _script().main()
+    lines = out_md.read_text().splitlines()
+    what = "| llama-3.1-8b | long (16 x 12000 in / 256 out) |"
+    assert f"{what} llm_inference | 475 | 22,325 | 0.950x |" in lines
+    assert f"{what} fa4-prompts | 494 | 23,218 | 0.988x |" in lines
+    assert f"{what} vLLM | 500 | 23,500 | 1.000x |" in lines
+    assert not any("chat" in line for line in lines)
+    assert (tmp_path / "plot_mixes.png").stat().st_size > 0 and not out_png.exists()
