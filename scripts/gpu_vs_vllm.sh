@@ -29,12 +29,12 @@ set -uo pipefail
 SHAPE=${SHAPE:-llama-3.2-1b}; TP=${TP:-1}
 SUFFIX=$([ "$TP" = 1 ] || echo "_tp$TP")
 VC=/tmp/vc/call4
-ours_and_other() {  # NAME ARGS...: our bench, then OTHER_SRC's, each at most 300 s
+ours_and_other() {  # NAME ARGS...: our bench, then OTHER_SRC's (each cut at 540 s: a hang)
   local name=$1; shift
-  timeout 300 $B "$@" --json "$OUT/ours_$name.json" 2>&1 | grep -v "it/s" | tail -7
+  timeout 540 $B "$@" --json "$OUT/ours_$name.json" 2>&1 | grep -v "it/s" | tail -7
   if [ -n "${OTHER_SRC:-}" ]; then
     echo "== $OTHER_SRC"
-    PYTHONPATH=$OTHER_SRC:${PYTHONPATH#src:} timeout 300 \
+    PYTHONPATH=$OTHER_SRC:${PYTHONPATH#src:} timeout 540 \
       python3 "$OTHER_SRC/llm_inference/entrypoints/bench.py" "$@" \
       --json "$OUT/other_$name.json" 2>&1 | grep -v "it/s" | tail -7
   fi
