@@ -133,12 +133,12 @@ def _assert_rows_close(out, case, scale, what):
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape", [(32, 8, 64), (32, 8, 128), (24, 8, 128)])
 def test_flash_prompts_match_the_reference_on_cuda(shape):
-    """Chunks from 0 and after deep contexts beside decodes and empty sequences, block sizes 16
-    and 32; unused cache rows hold NaN."""
+    """Chunks from 0 and after deep contexts beside decodes and empty sequences, block sizes 16,
+    32 and 128; unused cache rows hold NaN."""
     ops = triton_ops.TritonOps("cuda")
     assert ops.flash_prompts
     gen = torch.Generator().manual_seed(shape[2])
-    for block_size in (16, 32):
+    for block_size in (16, 32, 128):  # 128: the block FlashAttention loads by TMA
         case, _ = checks.make_case("cuda", torch.bfloat16, GPU_Q, GPU_CTX, shape,
                                    block_size, gen)  # fmt: skip
         lens = [c + n for c, n in zip(GPU_CTX, GPU_Q)]

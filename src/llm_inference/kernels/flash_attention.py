@@ -45,24 +45,28 @@ def available(device: torch.device) -> bool:
 def applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether it takes this step: at least MIN_TOKENS tokens, the cache in the query's dtype
     (not FP8), a head size it compiles (8 to 256, a multiple of 8; our models: 64 and 128),
-    and a first small call of that layout ran here (`_runs`)."""
+    and a first small call of that layout (its block size too) ran here (`_runs`)."""
     head_dim, group = q.shape[-1], q.shape[1] // k_cache.shape[2]
     same_dtype = k_cache.dtype == q.dtype and q.dtype in CACHE_DTYPES
     if q.shape[0] < MIN_TOKENS:
         return False
     if not (same_dtype and 8 <= head_dim <= 256 and head_dim % 8 == 0):
         return False
-    return _runs(q.device, q.dtype, head_dim, group)
+    return _runs(q.device, q.dtype, head_dim, group, k_cache.shape[1])
 
 
 @functools.cache
-def _runs(device: torch.device, dtype: torch.dtype, head_dim: int, group: int) -> bool:
+def _runs(
+    device: torch.device, dtype: torch.dtype, head_dim: int, group: int, block_size: int
+) -> bool:
     """Whether a 16-token prompt of this layout compiles and runs (the CuTe DSL compiles at the
-    first call: the engine's warm-up makes it, before any graph capture). Where it fails, a
-    warning, and the prompt chunks keep the Triton kernel."""
+    first call: the engine's memory profile makes it, before any graph capture; its paths
+    differ by block size). Where it fails, a warning, and the prompt chunks keep the Triton
+    kernel."""
+    blocks = -(-16 // block_size)
     q = torch.zeros(16, group, head_dim, dtype=dtype, device=device)
-    cache = torch.zeros(1, 16, 1, head_dim, dtype=dtype, device=device)
-    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    cache = torch.zeros(blocks, block_size, 1, head_dim, dtype=dtype, device=device)
+    table = torch.arange(blocks, dtype=torch.int32, device=device)[None]
     cu = torch.tensor([0, 16], dtype=torch.int32, device=device)
     try:
         prompt_attention(q, cache, cache, table, cu, cu[1:], 1.0, 16, 16)
