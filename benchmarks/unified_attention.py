@@ -146,12 +146,11 @@ SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_
 
 
 def sdpa_ms(case, q_lens, scale, backend: str) -> tuple[float, float, float]:
-    """(ms, rel err, the first call's wall ms) of PyTorch SDPA on one backend, per sequence
-    one call: over its new
-    tokens' K/V where it has no cached context (causal; the step's k/v would serve as they
-    are), else over its whole K/V gathered from the cache inside the timed call (a
-    lower-right causal mask); GQA by enable_gqa; graph-replayed, eager where the backend
-    refuses capture; NaNs where it refuses the call (the reason printed)."""
+    """(ms, rel err, the first call's wall ms) of PyTorch SDPA on one backend, one call per
+    sequence: over its new tokens' K/V where it has no cached context (causal; the step's k/v
+    would serve as they are), else over its whole K/V gathered from the cache inside the timed
+    call (a lower-right causal mask); GQA by enable_gqa; graph-replayed, eager where the
+    backend refuses capture; NaNs where it refuses the call (the reason printed)."""
     q, k_cache, v_cache, table, cu, seq_lens = case
     bounds, lens, block = cu.tolist(), seq_lens.tolist(), k_cache.shape[1]
     blocks = [table[s, : -(-n // block)].long() for s, n in enumerate(lens)]

@@ -18,6 +18,8 @@
 # JSON as {ours,vllm}_SHAPE_mix_{chat,prefill,long}.json. PROFILE=1 adds each engine's GPU
 # kernel seconds by kernel (a second, profiled run; vLLM's engine core then runs in-process, so
 # take that run's speed figures from a call without PROFILE). MIX_LIST picks the mixes.
+# QUANT=fp8 gives both engines `--quantization fp8` (vLLM's decode then goes through
+# benchmarks/vllm_throughput.py --latency for every shape; JSON names as without it).
 # OTHER_SRC (another checkout's src/, carried, as gpu_check.sh's OLD_SRC) runs that tree's
 # bench after ours on the same workloads: on each mix (other_SHAPE_mix_*.json), or its decode
 # and throughput (other_SHAPE[_tp2]_{latency,throughput}.json): a branch against main and vLLM.
@@ -28,6 +30,7 @@ set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"  # $OUT, the environment, $B
 SHAPE=${SHAPE:-llama-3.2-1b}; TP=${TP:-1}
 SUFFIX=$([ "$TP" = 1 ] || echo "_tp$TP")
+Q=${QUANT:+--quantization $QUANT}
 VC=/tmp/vc/call4
 ours_and_other() {  # NAME ARGS...: our bench, then OTHER_SRC's (each cut at 540 s: a hang)
   local name=$1; shift
@@ -40,7 +43,7 @@ ours_and_other() {  # NAME ARGS...: our bench, then OTHER_SRC's (each cut at 540
   fi
 }
 if [ "${MIXES:-0}" = 1 ]; then
-  common="--model $SHAPE --max-model-len 16384"  # vLLM's side: token ids only, always
+  common="--model $SHAPE --max-model-len 16384 $Q"  # vLLM's side: token ids only, always
   declare -A MIX=(
     [chat]="--dataset lognormal --num-prompts 600 --temperature 0.8 --top-p 0.95"
     [prefill]="--dataset fixed --num-prompts 256 --input-len 2000 --output-len 8"
@@ -60,7 +63,7 @@ if [ "${HF:-0}" = 1 ]; then
   timeout 540 python3 benchmarks/hf_decode.py "$SHAPE" "$OUT/hf_$SHAPE.json" 2>&1 | grep bs
   exit
 fi
-case $SHAPE in
+case ${QUANT:+quant}$SHAPE in
   llama-3.2-1b|llama-3.2-3b)
     (export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0
      TP=$TP OUT=$OUT timeout 280 python3 $VC/vllm_bench.py "$SHAPE" 2>&1 \
@@ -71,14 +74,14 @@ case $SHAPE in
      fi) ;;
   *)  # writes the random checkpoint our bench then reads
     (export PYTHONPATH=src:/tmp/site PATH=/tmp/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0
-     timeout 360 python3 benchmarks/vllm_throughput.py --model "$SHAPE" --latency \
+     timeout 360 python3 benchmarks/vllm_throughput.py --model "$SHAPE" --latency $Q \
        --tensor-parallel-size "$TP" --json "$OUT/vllm_${SHAPE}${SUFFIX}.json" 2>&1 \
        | grep -v "it/s\|WARN\|INFO" | tail -9) ;;
 esac
-ours_and_other "${SHAPE}${SUFFIX}_latency" latency --model "$SHAPE" --tensor-parallel-size "$TP"
+ours_and_other "${SHAPE}${SUFFIX}_latency" latency --model "$SHAPE" --tensor-parallel-size "$TP" $Q
 # Token ids only, as vllm_bench.py asks of vLLM (detokenize=False).
 ours_and_other "${SHAPE}${SUFFIX}_throughput" throughput --model "$SHAPE" \
-  --tensor-parallel-size "$TP" --disable-detokenize
+  --tensor-parallel-size "$TP" --disable-detokenize $Q
 if [ "${PREFILL:-0}" = 1 ]; then
   $B prefill --model "$SHAPE" --max-model-len 8192 \
     --json "$OUT/ours_${SHAPE}_prefill.json" 2>&1 | grep -v "it/s" | tail -2

@@ -51,5 +51,5 @@ case "${1:-}" in
     installed=$(bash "$(dirname "$0")/install_wheels.sh" "$SITE" "$dst/wheels")
     echo "$name: installed into $SITE:" $installed ;;
   *)
-    sed -n '2,12p' "$0"; exit 2 ;;
+    awk 'NR > 1 { if (!/^#/) exit; print }' "$0"; exit 2 ;;  # the header's comment lines
 esac

@@ -183,8 +183,8 @@ def default_tiles(
     least 16 (tensor cores). The long-prefill tiles: 128 rows x 128 keys, 4 warps at head_dim
     64, from a query of LONG_QUERY tokens; 256 rows x 64 keys, 8 warps at head_dim 128, from
     LONG_TILE_TOKENS tokens in the step where a sequence fills 256 rows (in fewer tokens its
-    fewer programs leave SMs idle: a lone 411-token chunk 25% slower). Measured with a mixed
-    step's decodes in the decode kernel (benchmarks/DECISIONS.md)."""
+    fewer programs leave SMs idle). Measured with a mixed step's decodes in the decode kernel
+    (benchmarks/DECISIONS.md, "Attention tiles by the step's size")."""
     if max_query_len >= LONG_QUERY and head_dim == 64:
         return 128, 128, 4, 3
     if head_dim == 128 and num_tokens >= LONG_TILE_TOKENS and max_query_len * group >= 256:

@@ -48,11 +48,11 @@ CPUS_PER_FRONT_END = 4
 
 def default_count(engine_args: dict) -> int:
     """`serve`'s front ends when --api-server-count is not given: one per CPUS_PER_FRONT_END
-    CPUs this process may run on, at most MAX_DEFAULT_COUNT (on a 16-CPU H200 host four kept
-    800 streams at one token a chunk, p99 ITL 32 ms against one front end's 75:
-    benchmarks/DECISIONS.md); one where the sockets cannot be balanced (not Linux), with data
-    parallel cores or without an engine process (those take one), and on the CPU, whose
-    forward wants the cores a front end would take."""
+    CPUs this process may run on, at most MAX_DEFAULT_COUNT (measured on a 16-CPU host:
+    benchmarks/DECISIONS.md, "`serve` defaults to one front end per four CPUs"); one where the
+    sockets cannot be balanced (not Linux), with data parallel cores or without an engine
+    process (those take one), and on the CPU, whose forward wants the cores a front end would
+    take."""
     if (
         not _own_sockets()
         or engine_args.get("data_parallel_size", 1) > 1
