@@ -18,7 +18,9 @@ floor is the weight bytes at the measured device-to-device copy bandwidth.
 --batches say otherwise (the kernel takes up to 64 rows), with two more columns on the decoder
 layers' weights in FP8 (one float32 scale per row, as layers/fp8.py keeps them): the skinny GEMM
 on them (Triton FP8, what the engine's decode steps run: the default config's dot,
-LLM_INFERENCE_FP8_DOT) and the engine's path for larger steps (_scaled_mm: activations quantized
+LLM_INFERENCE_FP8_DOT), the same kernel given x already in FP8 (quantized per token before the
+timed call, as a norm kernel could hand it over: `x_scale`, the FP8 x FP8 dot on the tiles as
+loaded) and the engine's path for larger steps (_scaled_mm: activations quantized
 per token, torch._scaled_mm, then silu_and_mul for gate_up+act). `err FP8` compares the Triton
 FP8 column with cuBLAS on the dequantized weight (bf16 rounding, and with the FP8 dot the
 activations' FP8 rounding). The LM head stays bf16 (its FP8 step totals take its Triton time);
@@ -130,16 +132,20 @@ def time_calls(fn, weights: list[torch.Tensor]) -> float:
     return statistics.median(times) * 1e3 / calls
 
 
-def implementations(layer: str, fp8: bool = False) -> dict:
+def implementations(layer: str, fp8: bool = False, x8: tuple | None = None) -> dict:
     """{column: fn(x, w)} for a layer; gate_up+act runs on the gate_up weights. `fp8` adds
-    triton_fp8 and scaled_mm, whose w is an (FP8 weight, row scales) pair (not for the LM
-    head, which stays bf16)."""
+    triton_fp8, triton_fp8x (on `x8`, x quantized per token: FP8 and its scales [M]) and
+    scaled_mm, whose w is an (FP8 weight, row scales) pair (not for the LM head, which stays
+    bf16)."""
     act = layer == "gate_up+act"
     gemm = sg.skinny_gemm_silu if act else sg.skinny_gemm
     then = silu_and_mul if act else (lambda y: y)
     impls = {"cublas": lambda x, w: then(F.linear(x, w)), "triton": lambda x, w: gemm(x, w)}
     if fp8 and layer != "lm_head":
         impls["triton_fp8"] = lambda x, w: gemm(x, w[0], weight_scale=w[1])
+        impls["triton_fp8x"] = lambda x, w: gemm(
+            x8[0], w[0], weight_scale=w[1], x_scale=x8[1], out_dtype=x.dtype
+        )
         impls["scaled_mm"] = lambda x, w: then(fp8_linear(x, w[0], w[1], None, scaled_mm=True))
     return impls
 
@@ -159,7 +165,11 @@ def run_model(name: str, m: dict, batches: list[int], fp8: bool = False) -> list
             cfg = sg.default_config(n // 2 if fused else n, k, sms)  # bf16; FP8 takes fp8=True
             for b in batches:
                 x = torch.randn(b, k, device=DEVICE, dtype=DTYPE)
-                impls = implementations(shown, fp8)
+                x8 = None  # x quantized per token, for triton_fp8x
+                if fp8_weights:
+                    q8, s8 = quantize_rows(x)
+                    x8 = (q8, s8.view(-1))
+                impls = implementations(shown, fp8, x8)
                 row = {"model": name, "layer": shown, "N": n, "K": k, "M": b,
                        "weight_bytes": n * k * DTYPE.itemsize,
                        "config": {**cfg.__dict__, "split": sg.split_plan(k, cfg)[0]}}  # fmt: skip
@@ -170,8 +180,10 @@ def run_model(name: str, m: dict, batches: list[int], fp8: bool = False) -> list
                     row["fp8_bytes"] = fp8_bytes(n, k)
                     row["err_fp8"] = rel_err(impls["triton_fp8"](x, (q, scale)),
                                              impls["cublas"](x, dense))  # fmt: skip
+                    row["err_fp8x"] = rel_err(impls["triton_fp8x"](x, (q, scale)),
+                                              impls["cublas"](x, dense))  # fmt: skip
                 for impl, fn in impls.items():
-                    copies = fp8_weights if impl in ("triton_fp8", "scaled_mm") else weights
+                    copies = weights if impl in ("cublas", "triton") else fp8_weights
                     row[f"{impl}_us"] = time_calls(lambda w, fn=fn, x=x: fn(x, w), copies)
                 rows.append(row)
         del weights, fp8_weights
@@ -193,6 +205,7 @@ def step_totals(name: str, m: dict, rows: list[dict], floor_bw: float) -> list[d
         }
         if "triton_fp8_us" in t["qkv"]:
             picks["triton_fp8"] = lambda r: r.get("triton_fp8_us", r["triton_us"])
+            picks["triton_fp8x"] = lambda r: r.get("triton_fp8x_us", r["triton_us"])
             picks["scaled_mm"] = lambda r: r.get("scaled_mm_us", r["triton_us"])
         step = {
             f"{key}_us": m["layers"] * sum(pick(t[lay]) for lay in PER_LAYER) + pick(t["lm_head"])
@@ -282,14 +295,16 @@ def print_tables(rows, steps, sweep_rows) -> None:
         print("\nFP8 weights: the skinny GEMM on them (Triton FP8) and _scaled_mm (x "
               "quantized per token), against bf16:\n")  # fmt: skip
         print("| model | layer | M | cuBLAS bf16 us | Triton bf16 us | Triton FP8 us "
-              "| _scaled_mm us | FP8 / bf16 Triton | Triton FP8 GB/s | err FP8 |")  # fmt: skip
-        print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "| Triton FP8, x FP8 us | _scaled_mm us | FP8 / bf16 Triton | Triton FP8 GB/s "
+              "| err FP8 | err x FP8 |")  # fmt: skip
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in fp8_rows:
             fp8_us = r["triton_fp8_us"]
             print(f"| {r['model']} | {r['layer']} | {r['M']} | {r['cublas_us']:.1f} "
-                  f"| {r['triton_us']:.1f} | {fp8_us:.1f} | {r['scaled_mm_us']:.1f} "
+                  f"| {r['triton_us']:.1f} | {fp8_us:.1f} | {r['triton_fp8x_us']:.1f} "
+                  f"| {r['scaled_mm_us']:.1f} "
                   f"| {fp8_us / r['triton_us']:.2f} | {gbps(r['fp8_bytes'], fp8_us):.0f} "
-                  f"| {r['err_fp8']:.1e} |")  # fmt: skip
+                  f"| {r['err_fp8']:.1e} | {r['err_fp8x']:.1e} |")  # fmt: skip
     print("\nOne decode step's matmuls (layers x (qkv + o + gate_up+act + down) + LM head):\n")
     print("| model | M | cuBLAS us | Triton us | best per shape us | floor us | Triton GB/s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -300,13 +315,14 @@ def print_tables(rows, steps, sweep_rows) -> None:
     fp8_steps = [s for s in steps if "triton_fp8_us" in s]
     if fp8_steps:
         print("\nThe same step on FP8 weights (the LM head bf16, Triton):\n")
-        print("| model | M | Triton bf16 us | Triton FP8 us | _scaled_mm us | FP8 / bf16 Triton "
-              "| FP8 floor us | Triton FP8 GB/s |")  # fmt: skip
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        print("| model | M | Triton bf16 us | Triton FP8 us | Triton FP8, x FP8 us "
+              "| _scaled_mm us | FP8 / bf16 Triton | FP8 floor us | Triton FP8 GB/s |")  # fmt: skip
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for s in fp8_steps:
             fp8_us = s["triton_fp8_us"]
             print(f"| {s['model']} | {s['M']} | {s['triton_us']:.0f} | {fp8_us:.0f} "
-                  f"| {s['scaled_mm_us']:.0f} | {fp8_us / s['triton_us']:.2f} "
+                  f"| {s['triton_fp8x_us']:.0f} | {s['scaled_mm_us']:.0f} "
+                  f"| {fp8_us / s['triton_us']:.2f} "
                   f"| {s['fp8_floor_us']:.0f} | {gbps(s['fp8_bytes'], fp8_us):.0f} |")  # fmt: skip
     if sweep_rows:
         print(f"\nSweep: the {SWEEP_SHOWN} fastest per shape, the fastest of each FP8 dot and the "

@@ -38,10 +38,11 @@ def test_run_ours_on_the_tiny_checkpoint(so, tiny_ckpt, monkeypatch):
          "--num-requests", "4", "--max-tokens", "24", "--rounds", "1", "--phases"]
     )  # fmt: skip
     from llm_inference.engine.engine_core import EngineCore
+    from llm_inference.sample.sampler import Sampler
 
-    step = EngineCore.step
+    step, forward = EngineCore.step, Sampler.forward
     res = so.run(args)
-    assert EngineCore.step is step  # --phases put the engine's methods back
+    assert EngineCore.step is step and Sampler.forward is forward  # --phases put them back
     json.dumps(res)  # the --json file
     assert [r["kind"] for r in res["runs"]] == ["unconstrained", "json"]
     plain, constrained = res["runs"]
@@ -57,6 +58,9 @@ def test_run_ours_on_the_tiny_checkpoint(so, tiny_ckpt, monkeypatch):
     assert steps >= 3 and phases["json"]["bitmask fill"]["calls"] >= steps - 2
     assert phases["json"]["sampling launch (constrained)"]["calls"] > 0
     assert "bitmask fill" not in phases["unconstrained"]
+    for kind in phases.values():  # the sampler's own phase, in both kinds: nearly every step
+        calls = kind["engine core call (a step)"]["calls"]
+        assert kind["sampler launch (Sampler.forward)"]["calls"] >= calls - 2
     assert all(p["median_ms"] > 0 for kind in phases.values() for p in kind.values())
     assert "| bitmask fill | " in table
 

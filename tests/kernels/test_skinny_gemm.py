@@ -133,6 +133,17 @@ def test_launchers_reject_bad_inputs():
         sg.skinny_gemm(x, q, weight_scale=torch.ones(47))
     with pytest.raises(ValueError, match="weight_scale must be float32"):
         sg.skinny_gemm_silu(x, q, weight_scale=scale.half())
+    x8, x_scale = x.to(sg.FP8), torch.ones(3)
+    with pytest.raises(ValueError, match="x_scale takes x and weight in"):
+        sg.skinny_gemm(x, q, weight_scale=scale, x_scale=x_scale)  # x not FP8
+    with pytest.raises(ValueError, match="x_scale takes x and weight in"):
+        sg.skinny_gemm(x8, w, x_scale=x_scale, out_dtype=torch.float32)  # no weight_scale
+    with pytest.raises(ValueError, match="x_scale takes x and weight in"):
+        sg.skinny_gemm(x8, w, weight_scale=scale, x_scale=x_scale, out_dtype=x.dtype)  # w not FP8
+    with pytest.raises(ValueError, match=r"x_scale must be float32 \[3\]"):
+        sg.skinny_gemm(x8, q, weight_scale=scale, x_scale=torch.ones(3, 1), out_dtype=x.dtype)
+    with pytest.raises(ValueError, match="result's dtype"):
+        sg.skinny_gemm(x8, q, weight_scale=scale, x_scale=x_scale)  # no out_dtype
 
 
 @cuda
@@ -208,6 +219,21 @@ def test_skinny_gemm_gpu_fp8_dots(dot):
             checks.check_gemm("cuda", torch.bfloat16, m, 1000, 3000, cfg, seed=m, fp8=True)
             checks.check_silu("cuda", torch.bfloat16, m, 700, 2900, cfg, seed=m, fp8=True)
     checks.check_gemm("cuda", torch.float16, 3, 4096, 4096, cfg, seed=9, fp8=True)
+
+
+@fp8
+@pytest.mark.parametrize("layer", list(SHAPES_8B))
+def test_skinny_gemm_gpu_fp8_x_quantized_per_token(layer):
+    """x given in FP8 with a scale per row (`x_scale`, as the norm kernels quantize it): the
+    8B shapes at the default configs, with the PDL prefetch, and at a forced split."""
+    n, k = SHAPES_8B[layer]
+    check = checks.check_silu if layer == "gate_up" else checks.check_gemm
+    width = n // 2 if layer == "gate_up" else n
+    pre = sg.GemmConfig(block_n=64, block_k=128, split_k=4, prefetch=True)
+    for m in (1, 3, 16, 40):
+        check("cuda", torch.bfloat16, m, width, k, seed=m, fp8=True, x_fp8=True)
+        check("cuda", torch.bfloat16, m, width, k, pre, seed=m, fp8=True, x_fp8=True)
+    check("cuda", torch.float16, 5, width, k, seed=7, fp8=True, x_fp8=True)
 
 
 @fp8

@@ -31,7 +31,7 @@ def test_fp8_defaults_and_shapes(bench):
         "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
         "down": (4096, 14336), "lm_head": (128256, 4096),
     }  # fmt: skip
-    fp8_columns = ["cublas", "triton", "triton_fp8", "scaled_mm"]
+    fp8_columns = ["cublas", "triton", "triton_fp8", "triton_fp8x", "scaled_mm"]
     assert list(bench.implementations("gate_up+act", fp8=True)) == fp8_columns
     assert list(bench.implementations("lm_head", fp8=True)) == ["cublas", "triton"]  # bf16
     assert list(bench.implementations("qkv")) == ["cublas", "triton"]
@@ -39,7 +39,8 @@ def test_fp8_defaults_and_shapes(bench):
 
 def _rows(bench, fp8: bool) -> list[dict]:
     """One batch of the 8B: bf16 times of 10, 20, 30, 40, 50 us per layer (cuBLAS twice the
-    Triton time), FP8 ones half the bf16 Triton time, _scaled_mm 0.8 of it."""
+    Triton time), FP8 ones half the bf16 Triton time (given x in FP8, 0.4 of it), _scaled_mm
+    0.8 of it."""
     shapes = bench.layer_shapes(bench.MODELS["Llama-3.1-8B"])
     rows = []
     for i, layer in enumerate(("qkv", "o", "gate_up+act", "down", "lm_head")):
@@ -49,8 +50,8 @@ def _rows(bench, fp8: bool) -> list[dict]:
                "weight_bytes": 2 * n * k, "config": {"block_n": 64, "block_k": 128, "split": 1},
                "err": 1e-3, "cublas_us": 2 * us, "triton_us": us}  # fmt: skip
         if fp8 and layer != "lm_head":
-            row.update(triton_fp8_us=us / 2, scaled_mm_us=0.8 * us, err_fp8=2e-3,
-                       fp8_bytes=bench.fp8_bytes(n, k))  # fmt: skip
+            row.update(triton_fp8_us=us / 2, triton_fp8x_us=0.4 * us, scaled_mm_us=0.8 * us,
+                       err_fp8=2e-3, err_fp8x=3e-3, fp8_bytes=bench.fp8_bytes(n, k))  # fmt: skip
         rows.append(row)
     return rows
 
@@ -64,6 +65,7 @@ def test_step_totals_on_fp8_weights_keep_the_lm_head_bf16(bench):
     assert step["triton_us"] == pytest.approx(layers * 100 + 50)
     assert step["cublas_us"] == pytest.approx(2 * (layers * 100 + 50))
     assert step["triton_fp8_us"] == pytest.approx(layers * 50 + 50)  # the head at bf16 Triton
+    assert step["triton_fp8x_us"] == pytest.approx(layers * 40 + 50)
     assert step["scaled_mm_us"] == pytest.approx(layers * 80 + 50)
     shapes = bench.layer_shapes(m)
     per_layer = [shapes[name] for name in ("qkv", "o", "gate_up", "down")]
@@ -80,6 +82,8 @@ def test_tables_show_the_fp8_columns(bench, capsys):
     bench.print_tables(rows, bench.step_totals("Llama-3.1-8B", m, rows, BW), [])
     out = capsys.readouterr().out.splitlines()
     gbps = f"{6144 * (4096 + 4) / 5e3:.0f}"  # qkv's FP8 bytes and scales in 5 us
-    assert f"| Llama-3.1-8B | qkv | 1 | 20.0 | 10.0 | 5.0 | 8.0 | 0.50 | {gbps} | 2.0e-03 |" in out
-    assert any(line.startswith("| Llama-3.1-8B | 1 | 3250 | 1650 | 2610 | 0.51 |") for line in out)
+    qkv = f"| Llama-3.1-8B | qkv | 1 | 20.0 | 10.0 | 5.0 | 4.0 | 8.0 | 0.50 | {gbps} | 2.0e-03 |"
+    assert qkv + " 3.0e-03 |" in out
+    step = "| Llama-3.1-8B | 1 | 3250 | 1650 | 1330 | 2610 | 0.51 |"
+    assert any(line.startswith(step) for line in out)
     assert not any(line.startswith("| Llama-3.1-8B | lm_head | 1 |") for line in out)  # bf16

@@ -249,8 +249,9 @@ def test_rms_norm_quant_is_rms_norm_then_quantize_rows_in_float32():
 def test_norms_hand_qkv_and_gate_up_their_input_quantized():
     """A decoder's RMSNorm before an FP8 layer quantizes its output in the same op
     (`rms_norm_quant`) where the layer would quantize its input (float32 here: the same
-    product as norm, then the layer's own quantization); not before a decode step's skinny
-    GEMM, nor where a static input scale is the layer's to apply."""
+    product as norm, then the layer's own quantization), before a decode step's skinny GEMM
+    too (it takes the FP8 values and scales); not where a static input scale is the layer's
+    to apply."""
     calls = []
 
     class Spy(ReferenceOps):
@@ -280,8 +281,8 @@ def test_norms_hand_qkv_and_gate_up_their_input_quantized():
     h, new_res = norm(x, res.clone(), quantize=True)
     assert isinstance(h, Fp8Activation) and h.dtype == x.dtype and torch.equal(new_res, want_res)
     assert torch.equal(layer(h), want) and calls == ["quantize_rows"]  # none more
-    ops.skinny = True  # a decode step: the skinny GEMM quantizes its own tiles
-    assert not layer.takes_quantized(x)
+    ops.skinny = True  # a decode step: the skinny GEMM takes x quantized too
+    assert layer.takes_quantized(x)
     static = QKVParallelLinear(
         64, 16, 4, 2, ops, Fp8Config(Fp8Format("tensor", static_input_scale=True))
     )

@@ -81,7 +81,8 @@ class KernelOps(Protocol):
     def skinny_applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether `linear` and `gate_up_silu` take a skinny GEMM for x and weight (decode-sized
         steps; the reference ops never do). Where they do, they also take an FP8 weight with
-        its float32 scale per row, `weight_scale=` (layers/fp8.py's decode steps)."""
+        its float32 scale per row, `weight_scale=`, and x in FP8 too with its scale per row,
+        `x_scale=` and `out_dtype=` (layers/fp8.py's decode steps)."""
         ...
 
     def unified_attention(

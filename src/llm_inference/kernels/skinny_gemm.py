@@ -33,6 +33,9 @@ W once at the memory bandwidth:
   fused variant its scaled gate and up for the activation. A weight in x's dtype is the same
   kernel with `scale_ptr` None: its conversion and scaling compile to nothing (the same PTX
   as before FP8). Triton converts e4m3 from compute capability 8.9 (TritonOps decides).
+  x may come in FP8 already, quantized per token by the norm before the layer (`x_scale`,
+  layers/fp8.py): its tiles then go to the dot as loaded, accumulating across K as bf16's
+  do, and its row scales multiply the sums at the end, beside W's.
 - Configs come from a fixed rule (`default_config`), not `triton.autotune`, so that every rank
   and run rounds alike: BLOCK_N 64, BLOCK_K 128 (clamped to small shapes), and split-K doubled
   while the programs fill less than FILL of the SMs and each range keeps MIN_K_PER_SPLIT.
@@ -128,11 +131,11 @@ def launch_config(n: int, k: int, device: torch.device, fp8: bool) -> GemmConfig
 
 
 @triton.jit
-def _x_operand(xt, FP8_DOT: tl.constexpr):
+def _x_operand(xt, FP8_DOT: tl.constexpr, X_FP8: tl.constexpr):
     """The x^T tile [BLOCK_K, BLOCK_M] as the dot takes it, with a scale per row of x
-    ([BLOCK_M]): FP8_DOT, quantized to FP8 (each row's largest magnitude to 448); else x
-    itself, scale 1."""
-    if FP8_DOT:
+    ([BLOCK_M]): FP8_DOT (and x not FP8 already, X_FP8), quantized to FP8 (each row's largest
+    magnitude to 448); else x itself, scale 1."""
+    if FP8_DOT and not X_FP8:
         x32 = xt.to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(x32), axis=0), _MIN_AMAX) / _FP8_MAX
         return (x32 / scale[None, :]).to(tl.float8e4nv), scale
@@ -141,11 +144,11 @@ def _x_operand(xt, FP8_DOT: tl.constexpr):
 
 
 @triton.jit
-def _dot(w, xo, x_scale, acc, PRECISION: tl.constexpr, FP8_DOT: tl.constexpr):
+def _dot(w, xo, x_scale, acc, PRECISION: tl.constexpr, FP8_DOT: tl.constexpr, X_FP8: tl.constexpr):
     """acc + w @ x^T, w [BLOCK_N, BLOCK_K] in x's dtype or FP8, (xo, x_scale) _x_operand's:
-    an FP8 x FP8 dot whose sums take the scales, or a dot in x's dtype (`.to` is no
-    instruction when w is in it already)."""
-    if FP8_DOT:
+    an FP8 x FP8 dot on a tile quantized here, whose sums take its scales, or a dot in x's
+    dtype (`.to` is no instruction when w is in it already: FP8 x FP8 where x is FP8)."""
+    if FP8_DOT and not X_FP8:
         acc += tl.dot(w, xo) * x_scale[None, :]
     else:
         acc = tl.dot(w.to(xo.dtype), xo, acc, input_precision=PRECISION)
@@ -154,11 +157,11 @@ def _dot(w, xo, x_scale, acc, PRECISION: tl.constexpr, FP8_DOT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os,
-    k_per_split,
+    x_ptr, x_scale_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    stride_os, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FUSED: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8_DOT: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8_DOT: tl.constexpr, X_FP8: tl.constexpr,
 ):  # fmt: skip
     """Program (n, s): columns [n * BLOCK_N, +BLOCK_N) over K range s. N is the output width
     (I when FUSED: up rows start N rows below gate rows). PARTIAL: store float32 sums to the
@@ -166,7 +169,9 @@ def _skinny_gemm_kernel(
     the first weight tile is loaded before the previous kernel is waited for (PDL) and before
     the input, the first K step peeled off the loop. `scale_ptr` None: W is in x's dtype (its
     `.to` is no instruction); else W is FP8, the dot FP8 x FP8 on x quantized per tile
-    (FP8_DOT) or in x's dtype, and the sums are multiplied by their row's scale."""
+    (FP8_DOT) or in x's dtype, and the sums are multiplied by their row's scale. X_FP8: x is
+    FP8 already, quantized per token (`x_scale_ptr`, a float32 scale per row of x, multiplies
+    the sums as W's row scales do), and the dot is FP8 x FP8 on the tiles as loaded."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -191,10 +196,10 @@ def _skinny_gemm_kernel(
         if PDL:
             wait_then_release()
         xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
-        xo, xs = _x_operand(xt, FP8_DOT)
-        acc = _dot(w, xo, xs, acc, PRECISION, FP8_DOT)
+        xo, xs = _x_operand(xt, FP8_DOT, X_FP8)
+        acc = _dot(w, xo, xs, acc, PRECISION, FP8_DOT, X_FP8)
         if FUSED:
-            acc_up = _dot(w_up, xo, xs, acc_up, PRECISION, FP8_DOT)
+            acc_up = _dot(w_up, xo, xs, acc_up, PRECISION, FP8_DOT, X_FP8)
         w_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -213,10 +218,10 @@ def _skinny_gemm_kernel(
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
             if FUSED:
                 w_up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0)
-        xo, xs = _x_operand(xt, FP8_DOT)
-        acc = _dot(w, xo, xs, acc, PRECISION, FP8_DOT)
+        xo, xs = _x_operand(xt, FP8_DOT, X_FP8)
+        acc = _dot(w, xo, xs, acc, PRECISION, FP8_DOT, X_FP8)
         if FUSED:
-            acc_up = _dot(w_up, xo, xs, acc_up, PRECISION, FP8_DOT)
+            acc_up = _dot(w_up, xo, xs, acc_up, PRECISION, FP8_DOT, X_FP8)
         w_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -224,6 +229,11 @@ def _skinny_gemm_kernel(
         acc *= tl.load(scale_ptr + rows)[:, None]
         if FUSED:
             acc_up *= tl.load(scale_ptr + rows + N)[:, None]
+    if X_FP8:
+        x_scale = tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
+        acc *= x_scale
+        if FUSED:
+            acc_up *= x_scale
     out_ptrs = out_ptr + pid_s * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
     mask = (offs_n < N)[:, None] & m_mask[None, :]
     if PARTIAL:
@@ -261,7 +271,7 @@ def _reduce_kernel(
 
 
 def _check(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, x_scale: torch.Tensor | None
 ) -> tuple[int, int, int]:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -269,19 +279,17 @@ def _check(
         )
     if not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x must have 1 to {MAX_ROWS} rows, got {x.shape[0]}")
-    if x.dtype not in DTYPES or weight.dtype != (x.dtype if scale is None else FP8):
+    if x_scale is not None:
+        if x.dtype != FP8 or weight.dtype != FP8 or scale is None:
+            raise ValueError(f"x_scale takes x and weight in {FP8} (with weight_scale): {x.dtype}")
+        _check_scale("x_scale", x_scale, x)
+    elif x.dtype not in DTYPES or weight.dtype != (x.dtype if scale is None else FP8):
         raise ValueError(
             f"x must have a dtype of {DTYPES} and weight the same, or {FP8} with weight_scale: "
             f"{x.dtype}, {weight.dtype}"
         )
-    if scale is not None and (
-        scale.shape != weight.shape[:1] or scale.dtype != torch.float32 or scale.stride(0) != 1
-        or scale.device != weight.device
-    ):  # fmt: skip
-        raise ValueError(
-            f"weight_scale must be float32 [{weight.shape[0]}] contiguous on the weight's device, "
-            f"got {scale.dtype} {tuple(scale.shape)}"
-        )
+    if scale is not None:
+        _check_scale("weight_scale", scale, weight)
     if x.device != weight.device:
         raise ValueError(f"x is on {x.device}, weight on {weight.device}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -289,11 +297,29 @@ def _check(
     return x.shape[0], x.shape[1], weight.shape[0]
 
 
-def _output(out: torch.Tensor | None, shape: tuple[int, int], x: torch.Tensor) -> torch.Tensor:
+def _check_scale(name: str, scale: torch.Tensor, of: torch.Tensor) -> None:
+    """A float32 scale per row of `of`, contiguous on its device."""
+    if (
+        scale.shape != of.shape[:1] or scale.dtype != torch.float32 or scale.stride(0) != 1
+        or scale.device != of.device
+    ):  # fmt: skip
+        raise ValueError(
+            f"{name} must be float32 [{of.shape[0]}] contiguous on {of.device}, "
+            f"got {scale.dtype} {tuple(scale.shape)}"
+        )
+
+
+def _output(
+    out: torch.Tensor | None, shape: tuple[int, int], x: torch.Tensor, dtype: torch.dtype | None
+) -> torch.Tensor:
+    """The result's tensor: `out`, checked, or a new one in `dtype` (None: x's)."""
+    dtype = dtype or x.dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"the result's dtype must be one of {DTYPES} (out_dtype, for x in FP8)")
     if out is None:
-        return torch.empty(shape, dtype=x.dtype, device=x.device)
-    if tuple(out.shape) != shape or out.dtype != x.dtype or out.device != x.device:
-        raise ValueError(f"out must be {shape} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+        return torch.empty(shape, dtype=dtype, device=x.device)
+    if tuple(out.shape) != shape or out.dtype != dtype or out.device != x.device:
+        raise ValueError(f"out must be {shape} {dtype}, got {tuple(out.shape)} {out.dtype}")
     if out.stride(1) != 1:
         raise ValueError("out must be contiguous in its last dim")
     return out
@@ -308,12 +334,12 @@ def split_plan(k: int, config: GemmConfig) -> tuple[int, int]:
 
 
 def _launch(
-    x, weight, scale, out, n: int, fused: bool, config: GemmConfig | None, pdl: bool
+    x, x_scale, weight, scale, out, n: int, fused: bool, config: GemmConfig | None, pdl: bool
 ) -> torch.Tensor:
     m, k = x.shape
     cfg = config or launch_config(n, k, x.device, fp8=scale is not None)
     fp8_dot = scale is not None and cfg.fp8_dot
-    if fp8_dot and cfg.block_k < 32:
+    if (fp8_dot or x_scale is not None) and cfg.block_k < 32:
         raise ValueError(f"the FP8 dot takes block_k >= 32, got {cfg.block_k}")
     split, k_per_split = split_plan(k, cfg)
     blocks = triton.cdiv(n, cfg.block_n)
@@ -322,11 +348,11 @@ def _launch(
     dest = torch.empty((split, m, width), dtype=torch.float32, device=x.device) if partial else out
     stride_om, stride_os = (width, m * width) if partial else (out.stride(0), 0)
     _skinny_gemm_kernel[(blocks, split)](
-        x, weight, scale, dest, m, n, k, x.stride(0), weight.stride(0), stride_om, stride_os,
-        k_per_split, BLOCK_M=block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FUSED=fused,
-        PARTIAL=partial, EVEN_K=split * k_per_split == k,
+        x, x_scale, weight, scale, dest, m, n, k, x.stride(0), weight.stride(0), stride_om,
+        stride_os, k_per_split, BLOCK_M=block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        FUSED=fused, PARTIAL=partial, EVEN_K=split * k_per_split == k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl,
-        PREFETCH=cfg.prefetch or pdl, FP8_DOT=fp8_dot,
+        PREFETCH=cfg.prefetch or pdl, FP8_DOT=fp8_dot, X_FP8=x_scale is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(pdl),
     )  # fmt: skip
     if partial:
@@ -342,16 +368,20 @@ def skinny_gemm(
     weight: torch.Tensor,
     *,
     weight_scale: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
     config: GemmConfig | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T -> [M, N] in x's dtype, 1 <= M <= MAX_ROWS, accumulated in
     float32. `weight_scale` [N] float32: weight is FP8 and stands for weight * weight_scale[:,
-    None]. `config` None: `default_config` for the shape and device. `pdl`: launch with
-    programmatic dependent launch (kernels/pdl.py)."""
-    m, _, n = _check(x, weight, weight_scale)
-    return _launch(x, weight, weight_scale, _output(out, (m, n), x), n, False, config, pdl)
+    None]. `x_scale` [M] float32: x is FP8 too, quantized per token, standing for x *
+    x_scale[:, None], and the result is in `out_dtype`. `config` None: `default_config` for
+    the shape and device. `pdl`: launch with programmatic dependent launch (kernels/pdl.py)."""
+    m, _, n = _check(x, weight, weight_scale, x_scale)
+    out = _output(out, (m, n), x, out_dtype)
+    return _launch(x, x_scale, weight, weight_scale, out, n, False, config, pdl)
 
 
 def skinny_gemm_silu(
@@ -359,15 +389,19 @@ def skinny_gemm_silu(
     weight: torch.Tensor,
     *,
     weight_scale: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
     config: GemmConfig | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """silu(x @ gate^T) * (x @ up^T) -> [M, I], where weight = [gate; up] is [2I, K] (the
     gate_up projection's layout; reference.silu_and_mul of skinny_gemm, in one kernel);
-    `weight_scale` [2I] as in skinny_gemm, each half scaled by its own rows' scales."""
-    m, _, two_i = _check(x, weight, weight_scale)
+    `weight_scale` [2I] as in skinny_gemm, each half scaled by its own rows' scales; `x_scale`
+    and `out_dtype` as in skinny_gemm."""
+    m, _, two_i = _check(x, weight, weight_scale, x_scale)
     if two_i % 2:
         raise ValueError(f"weight must be [2*I, K] (gate then up), got {tuple(weight.shape)}")
     inter = two_i // 2
-    return _launch(x, weight, weight_scale, _output(out, (m, inter), x), inter, True, config, pdl)
+    out = _output(out, (m, inter), x, out_dtype)
+    return _launch(x, x_scale, weight, weight_scale, out, inter, True, config, pdl)

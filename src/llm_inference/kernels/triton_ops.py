@@ -76,34 +76,46 @@ class TritonOps:
 
     def skinny_applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether the skinny GEMM computes x @ weight^T: 2-D x of 1 to `skinny_rows` rows on this
-        device type, float16 or bfloat16, the weight of the same dtype or FP8 (`skinny_fp8`), both
-        contiguous in their last dim."""
+        device type, float16 or bfloat16 with the weight of the same dtype or FP8 (`skinny_fp8`),
+        or both FP8, both contiguous in their last dim."""
+        fp8_weight = weight.dtype == sg.FP8 and self.skinny_fp8
         return (
             x.device.type == self.device.type
             and x.dim() == 2
             and 1 <= x.shape[0] <= self.skinny_rows
-            and x.dtype in SKINNY_DTYPES
-            and (weight.dtype == x.dtype or (weight.dtype == sg.FP8 and self.skinny_fp8))
+            and (
+                (x.dtype in SKINNY_DTYPES and (weight.dtype == x.dtype or fp8_weight))
+                or (x.dtype == sg.FP8 and fp8_weight)
+            )
             and x.stride(-1) == 1
             and weight.stride(-1) == 1
         )
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """`weight_scale`: weight is FP8 with that float32 scale per row (only where
+        self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
+        x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """`weight_scale`: weight is FP8 with that float32 scale per row; `x_scale`: x is FP8
+        too, with that scale per row, and the result in `out_dtype` (both only where
         `skinny_applies`)."""
         if self.skinny_applies(x, weight):
-            return sg.skinny_gemm(x, weight, weight_scale=weight_scale, pdl=self.pdl)
+            return sg.skinny_gemm(
+                x, weight, weight_scale=weight_scale, x_scale=x_scale, out_dtype=out_dtype,
+                pdl=self.pdl,
+            )  # fmt: skip
         return F.linear(x, weight)
 
     def gate_up_silu(
-        self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None
-    ) -> torch.Tensor:
+        self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
+        x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """Where the skinny GEMM applies, gate_up and SiLU-and-mul in one kernel (no [T, 2I]
-        intermediate); else F.linear, then silu_and_mul. `weight_scale` as in `linear`."""
+        intermediate); else F.linear, then silu_and_mul. The scales as in `linear`."""
         if self.skinny_applies(x, weight):
-            return sg.skinny_gemm_silu(x, weight, weight_scale=weight_scale, pdl=self.pdl)
+            return sg.skinny_gemm_silu(
+                x, weight, weight_scale=weight_scale, x_scale=x_scale, out_dtype=out_dtype,
+                pdl=self.pdl,
+            )  # fmt: skip
         return silu_and_mul(F.linear(x, weight))
 
     # ---- the kernels that launch with PDL ------------------------------------------------

@@ -15,10 +15,12 @@ Every checkpoint form (config.Fp8Format) ends in that one layout after loading
 `apply` computes x @ W^T one of two ways:
 - where the kernel ops take a skinny GEMM (`ops.skinny_applies`: steps of at most 32 rows on
   the Triton ops, compute capability 8.9+), the Triton skinny GEMM reads the FP8 weight and
-  its row scales and quantizes each x tile itself (a scale per row and 128 columns) for an
-  FP8 x FP8 dot: such a step's time is the weight bytes, with no kernel before it. The MLP's
-  gate_up is fused with SiLU-and-mul there, as unquantized layers' is; a static input scale
-  goes unused;
+  its row scales for an FP8 x FP8 dot: such a step's time is the weight bytes. x comes
+  quantized per token from the RMSNorm before qkv_proj and gate_up_proj (below), its tiles
+  going to the dot as loaded; o_proj's and down_proj's x, in the model dtype, the kernel
+  quantizes per tile itself (a scale per row and 128 columns), with no kernel before it. The
+  MLP's gate_up is fused with SiLU-and-mul there, as unquantized layers' is; a static input
+  scale goes unused;
 - else x is quantized (`ops.quantize_rows`: one Triton kernel on the Triton ops) and
   multiplied with W: on CUDA with compute capability 8.9 or more
   through `torch._scaled_mm` with row-wise scales (per-token x per-channel); elsewhere the
@@ -26,8 +28,8 @@ Every checkpoint form (config.Fp8Format) ends in that one layout after loading
   rounding. The MLP's gate_up there hands down_proj its SiLU-and-mul already quantized per
   token (`ops.silu_and_mul_quant`, one kernel for the activation and the quantization: an
   `Fp8Activation`), unless the checkpoint's static input scales ask for another quantization.
-  The RMSNorms before qkv_proj and gate_up_proj hand them their input quantized so too
-  (`takes_quantized`, `ops.rms_norm_quant`).
+  The RMSNorms before qkv_proj and gate_up_proj hand them their input quantized so too, in
+  steps of any size (`takes_quantized`, `ops.rms_norm_quant`).
 
 Under tensor parallelism a scale follows its weight rows: sharded with a column-parallel
 layer's outputs, whole on every rank of a row-parallel one (its output is whole); a shard of
@@ -82,6 +84,16 @@ def fp8_linear(
         return y.to(dtype)
     w = (weight.float() * weight_scale[:, None]).to(dtype)
     return F.linear((q.float() * x_scale).to(dtype), w)
+
+
+def _operand(x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+    """The tensor a skinny GEMM reads: x, or a quantized x's FP8 values."""
+    return x.q if isinstance(x, Fp8Activation) else x
+
+
+def _scale(x: torch.Tensor | Fp8Activation) -> tuple:
+    """The skinny GEMM's (x_scale, out_dtype) for a quantized x: its scales [T] and dtype."""
+    return (x.scale.view(-1), x.dtype) if isinstance(x, Fp8Activation) else ()
 
 
 def scaled_mm_supported(weight: torch.Tensor) -> bool:
@@ -194,9 +206,9 @@ class Fp8LinearMethod(LinearMethodBase):
     def apply(
         self, layer: nn.Module, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if isinstance(x, torch.Tensor) and self.ops.skinny_applies(x, layer.weight):
-            # a decode step: the skinny GEMM quantizes x per tile
-            y = self.ops.linear(x, layer.weight, weight_scale=layer.weight_scale)
+        if self.ops.skinny_applies(_operand(x), layer.weight):
+            # a decode step: the skinny GEMM, on x quantized per token or quantizing it per tile
+            y = self.ops.linear(_operand(x), layer.weight, layer.weight_scale, *_scale(x))
         else:
             y = fp8_linear(
                 x, layer.weight, layer.weight_scale, layer.input_scale, self.scaled_mm,
@@ -205,7 +217,7 @@ class Fp8LinearMethod(LinearMethodBase):
         return y if bias is None else y.add_(bias)
 
     def takes_quantized(self, layer: nn.Module, x: torch.Tensor) -> bool:
-        return not self.fmt.static_input_scale and not self.ops.skinny_applies(x, layer.weight)
+        return not self.fmt.static_input_scale
 
     def apply_gate_up_silu(
         self, layer: nn.Module, x: torch.Tensor | Fp8Activation
@@ -214,8 +226,8 @@ class Fp8LinearMethod(LinearMethodBase):
         unquantized layers' is; else quantized per token with the activation, for down_proj
         (also FP8: every decoder linear layer is) to take as it is, unless the checkpoint's
         static input scales ask for its own quantization."""
-        if isinstance(x, torch.Tensor) and self.ops.skinny_applies(x, layer.weight):
-            return self.ops.gate_up_silu(x, layer.weight, weight_scale=layer.weight_scale)
+        if self.ops.skinny_applies(_operand(x), layer.weight):
+            return self.ops.gate_up_silu(_operand(x), layer.weight, layer.weight_scale, *_scale(x))
         if self.fmt.static_input_scale:
             return super().apply_gate_up_silu(layer, x)
         y = self.apply(layer, x)
