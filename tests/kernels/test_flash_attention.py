@@ -54,8 +54,8 @@ def test_a_layout_whose_first_call_fails_keeps_the_triton_kernel(monkeypatch):
 
     monkeypatch.setattr(flash_attention, "_varlen_func", lambda: broken)
     flash_attention._runs.cache_clear()
-    q = torch.zeros(flash_attention.MIN_TOKENS, 8, 64, dtype=torch.bfloat16)
-    cache = torch.zeros(2, 16, 2, 64, dtype=torch.bfloat16)
+    q = torch.zeros(flash_attention.MIN_TOKENS, 8, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 16, 2, 128, dtype=torch.bfloat16)
     with pytest.warns(UserWarning, match="FlashAttention 4 does not run here.*no ptxas"):
         assert not flash_attention.applies(q, cache)
     flash_attention._runs.cache_clear()
@@ -86,8 +86,10 @@ def recorded(monkeypatch):
 
 
 def _case(dtype=torch.bfloat16):
-    q = torch.zeros(10, 8, 64, dtype=torch.bfloat16)
-    cache = torch.zeros(4, 16, 2, 64, dtype=dtype)
+    """A step of 10 tokens at head size 128 and block size 16 (a layout FlashAttention takes):
+    a decode, a chunk of 8 rows, a decode."""
+    q = torch.zeros(10, 8, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 16, 2, 128, dtype=dtype)
     table, cu = torch.zeros(3, 4, dtype=torch.int32), torch.tensor([0, 1, 9, 10], dtype=torch.int32)
     return q, cache, cache, table, cu, torch.tensor([5, 20, 3], dtype=torch.int32), 0.125
 
@@ -101,7 +103,7 @@ def test_a_step_with_chunks_sends_them_to_flash_and_its_decodes_to_ours(recorded
     # order (as in any step with chunks)
     assert calls == [("flash", 8, 64), ("ours", 1, 64, 7.0, None)] and out[0, 0, 0] == 7.0
     calls.clear()
-    given = torch.zeros(10, 8, 64, dtype=torch.bfloat16)
+    given = torch.zeros(10, 8, 128, dtype=torch.bfloat16)
     assert ops.unified_attention(*_case(), out=given, max_query_len=8) is given
     assert calls == [("flash", 8, 64), ("ours", 1, 64, 7.0, None)]  # bound: the capacity
 

@@ -7,6 +7,10 @@ a step with prompt chunks sends them to FlashAttention's varlen call on the same
 and everything else stays ours: the decodes of every step (our decode kernel is at or under
 FA3's time), FP8 caches, other GPUs, the CPU's interpreter and the reference path.
 
+It takes head size 128 only (`HEAD_SIZES`: at 64 it trails our kernel, benchmarks/DECISIONS.md)
+and the page sizes checked against the reference on a GPU, 16 and 32 (`BLOCK_SIZES`); other
+head and page sizes keep the Triton kernel (`applies`).
+
 In a mixed step FlashAttention computes only the chunks' rows: sequences of one query row get
 `seqused_q` 0, and the decode kernel then writes their rows of the same output
 (TritonOps.unified_attention). That is two launches where our tiled kernel makes one, which
@@ -23,6 +27,8 @@ import torch
 
 CACHE_DTYPES = (torch.float16, torch.bfloat16)
 MIN_TOKENS = 2048  # steps of fewer tokens keep the tiled kernel (the module docstring)
+HEAD_SIZES = (128,)  # at 64 it trails our tiled kernel (benchmarks/DECISIONS.md)
+BLOCK_SIZES = (16, 32)  # the page sizes checked against the reference on a GPU (`applies`)
 
 
 @functools.cache
@@ -44,15 +50,16 @@ def available(device: torch.device) -> bool:
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether it takes this step: at least MIN_TOKENS tokens, the cache in the query's dtype
-    (not FP8), a head size it compiles (8 to 256, a multiple of 8; our models: 64 and 128),
-    and a first small call of that layout (its block size too) ran here (`_runs`)."""
-    head_dim, group = q.shape[-1], q.shape[1] // k_cache.shape[2]
-    same_dtype = k_cache.dtype == q.dtype and q.dtype in CACHE_DTYPES
-    if q.shape[0] < MIN_TOKENS:
+    (not FP8), a head size in HEAD_SIZES, a page size in BLOCK_SIZES, and a first small call of
+    that layout ran here (`_runs`). BLOCK_SIZES are the page sizes whose output was checked
+    against the reference on a GPU (at 128 it was NaN where unused cache rows hold NaN); other
+    sizes keep the Triton kernel until checked."""
+    head_dim, block_size = q.shape[-1], k_cache.shape[1]
+    if q.shape[0] < MIN_TOKENS or head_dim not in HEAD_SIZES or block_size not in BLOCK_SIZES:
         return False
-    if not (same_dtype and 8 <= head_dim <= 256 and head_dim % 8 == 0):
+    if not (k_cache.dtype == q.dtype and q.dtype in CACHE_DTYPES):
         return False
-    return _runs(q.device, q.dtype, head_dim, group, k_cache.shape[1])
+    return _runs(q.device, q.dtype, head_dim, q.shape[1] // k_cache.shape[2], block_size)
 
 
 @functools.cache
