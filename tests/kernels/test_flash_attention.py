@@ -32,17 +32,19 @@ def test_decodes_and_padding_sequences_get_no_flash_rows():
     assert flash_attention.prompt_rows(cu).tolist() == [0, 300, 0, 0, 38]
 
 
-def test_it_applies_to_large_steps_on_half_precision_caches_of_head_sizes_it_compiles(
+def test_it_applies_to_large_half_precision_steps_at_head_size_128_and_pages_of_16_or_32(
     monkeypatch,
 ):
     monkeypatch.setattr(flash_attention, "_runs", lambda *layout: True)
     q = torch.zeros(flash_attention.MIN_TOKENS, 8, 128, dtype=torch.bfloat16)
     cache = torch.zeros(2, 16, 2, 128, dtype=torch.bfloat16)
     assert flash_attention.applies(q, cache)
+    assert flash_attention.applies(q, cache.new_zeros(2, 32, 2, 128))
     assert not flash_attention.applies(q[1:], cache)  # fewer tokens: our one launch
     assert not flash_attention.applies(q, cache.to(torch.float8_e4m3fn))  # FP8 cache: ours
     assert not flash_attention.applies(q.float(), cache.float())
-    assert not flash_attention.applies(q[..., :100], cache[..., :100])  # not a multiple of 8
+    assert not flash_attention.applies(q[..., :64], cache[..., :64])  # head size 64: ours
+    assert not flash_attention.applies(q, cache.new_zeros(2, 128, 2, 128))  # not checked yet
     assert not flash_attention.available(torch.device("cpu"))
 
 
@@ -85,11 +87,11 @@ def recorded(monkeypatch):
     return triton_ops.TritonOps("cpu"), calls
 
 
-def _case(dtype=torch.bfloat16):
-    """A step of 10 tokens at head size 128 and block size 16 (a layout FlashAttention takes):
-    a decode, a chunk of 8 rows, a decode."""
-    q = torch.zeros(10, 8, 128, dtype=torch.bfloat16)
-    cache = torch.zeros(4, 16, 2, 128, dtype=dtype)
+def _case(dtype=torch.bfloat16, head_size=128, block_size=16):
+    """A step of 10 tokens (a decode, a chunk of 8 rows, a decode); by default at head size 128
+    and block size 16, a layout FlashAttention takes."""
+    q = torch.zeros(10, 8, head_size, dtype=torch.bfloat16)
+    cache = torch.zeros(4, block_size, 2, head_size, dtype=dtype)
     table, cu = torch.zeros(3, 4, dtype=torch.int32), torch.tensor([0, 1, 9, 10], dtype=torch.int32)
     return q, cache, cache, table, cu, torch.tensor([5, 20, 3], dtype=torch.int32), 0.125
 
@@ -118,6 +120,15 @@ def test_decode_steps_small_steps_and_fp8_caches_stay_on_ours(recorded, monkeypa
     assert calls == [("ours", 1, 64, None, None), ours, ours]
 
 
+def test_head_size_64_and_block_size_128_stay_on_ours(recorded):
+    """The 1B's head size (slower through FlashAttention) and a page size not checked against
+    the reference on a GPU: the whole step in our one launch, `_runs` notwithstanding."""
+    ops, calls = recorded
+    ops.unified_attention(*_case(head_size=64), max_query_len=8, max_seq_len=64)
+    ops.unified_attention(*_case(block_size=128), max_query_len=8, max_seq_len=64)
+    assert calls == [("ours", 8, 64, None, None)] * 2
+
+
 def _assert_rows_close(out, case, scale, what):
     from llm_inference.kernels import reference
 
@@ -134,19 +145,33 @@ def _assert_rows_close(out, case, scale, what):
 @needs_fa4
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape", [(32, 8, 64), (32, 8, 128), (24, 8, 128)])
-def test_flash_prompts_match_the_reference_on_cuda(shape):
+def test_flash_prompts_match_the_reference_on_cuda(shape, monkeypatch):
     """Chunks from 0 and after deep contexts beside decodes and empty sequences, block sizes 16,
-    32 and 128; unused cache rows hold NaN."""
+    32 and 128; unused cache rows hold NaN. FlashAttention takes the chunks exactly where
+    `applies` says (head size 128, block size 16 or 32), the Triton kernel the other cases; the
+    result matches the reference in every case."""
     ops = triton_ops.TritonOps("cuda")
     assert ops.flash_prompts
+    real, flash_blocks = flash_attention.prompt_attention, []
+
+    def counted(q, k_cache, *rest):
+        flash_blocks.append(k_cache.shape[1])
+        return real(q, k_cache, *rest)
+
+    monkeypatch.setattr(flash_attention, "prompt_attention", counted)
     gen = torch.Generator().manual_seed(shape[2])
-    for block_size in (16, 32, 128):  # 128: the block FlashAttention loads by TMA
+    for block_size in (16, 32, 128):  # 128: FlashAttention's TMA block, its NaN once
+        what = f"head size {shape[2]}, block size {block_size}"
         case, _ = checks.make_case("cuda", torch.bfloat16, GPU_Q, GPU_CTX, shape,
                                    block_size, gen)  # fmt: skip
+        takes = flash_attention.applies(case[0], case[1])  # before: `_runs`'s call is cleared
+        assert takes == (shape[2] == 128 and block_size in (16, 32)), what
+        flash_blocks.clear()
         lens = [c + n for c, n in zip(GPU_CTX, GPU_Q)]
         out = ops.unified_attention(*case, shape[2] ** -0.5, max_query_len=max(GPU_Q),
                                     max_seq_len=max(lens))  # fmt: skip
-        _assert_rows_close(out, case, shape[2] ** -0.5, f"block size {block_size}")
+        assert flash_blocks == ([block_size] if takes else []), what
+        _assert_rows_close(out, case, shape[2] ** -0.5, what)
 
 
 @needs_fa4
@@ -168,6 +193,7 @@ def test_flash_prompts_replay_in_a_cuda_graph():
                                 gen, num_tokens - sum(q_lens), width, num_blocks)[0]  # fmt: skip
 
     static = draw()
+    assert flash_attention.applies(static[0], static[1])  # head size 128, block size 16
     out = torch.empty_like(static[0])
     checks.check_replays(
         lambda: ops.unified_attention(*static, 0.088, out, max_query_len, max_len), static, draw,
