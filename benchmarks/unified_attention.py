@@ -27,7 +27,8 @@ block tables. Per layer, three tables:
   cached tokens: the unified op (its decodes in the decode kernel, the chunks in the tiled
   one) against one tiled launch over every row (`ua.launch` with the default tiles: before
   2026-12-02) and, where FA4 is installed, its call on the chunks followed by our decode
-  kernel (the engine's path for steps of flash_attention.MIN_TOKENS or more), with the floor:
+  kernel (the engine's path for steps of flash_attention.MIN_TOKENS or more at head size 128
+  and pages of 16 or 32 tokens: flash_attention.applies), with the floor:
   the larger of the FLOP floor and the K/V bytes over COPY_BYTES_PER_S.
 Times: medians over CUDA events after warm-up, L2 flushed before each call by reading 256 MB
 (benchmarks/paged_attention.py). rel err: worst per-sequence relative L2 error against
@@ -205,7 +206,8 @@ def fa3_ms(case, max_query_len: int, max_seq_len: int, scale: float) -> float:
 
 def fa4_ms(case, max_query_len: int, max_seq_len: int, scale: float) -> tuple[float, float, float]:
     """(ms, rel err, the first call's wall ms: its JIT compile) of the engine's path where
-    FlashAttention 4 takes a step (kernels/flash_attention.py, whatever the step's size): its
+    FlashAttention 4 takes a step (kernels/flash_attention.py; timed here at any step, head and
+    page size, where the engine sends it only the steps `flash_attention.applies` takes): its
     varlen call on the prompt chunks, then our decode kernel on the one-row sequences into the
     same output. NaNs when it is not installed or refuses the call (the reason printed)."""
     q, k_cache, v_cache, table, cu, lens = case
