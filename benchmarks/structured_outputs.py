@@ -256,6 +256,7 @@ PHASES = (
     ("executor.executor", "Executor", "execute_model", "step launch"),
     ("executor.model_runner", "ModelRunner", "_forward", "forward launch (model_runner._forward)"),
     ("executor.model_runner", "ModelRunner", "_grammar_mask", "mask to the device (_grammar_mask)"),
+    ("sample.grammar", "MaskStaging", "build", "- its packing and copy (MaskStaging.build)"),
     ("executor.model_runner", "ModelRunner", "sampling_metadata", "sampling_metadata"),
     ("sample.sampler", "Sampler", "forward", "sampler launch (Sampler.forward)"),
     ("executor.model_runner", "ModelRunner", "_keep_sampled", "tokens' copy (_keep_sampled)"),
