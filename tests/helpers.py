@@ -140,6 +140,26 @@ def slow_steps(core) -> None:
     core.step = slow
 
 
+NEVER_COMPILES = "never"  # a spec whose grammar text holds it fails in `slow_steps_failing_grammar`
+
+
+def slow_steps_failing_grammar(core) -> None:
+    """An AsyncLLM `core_setup`: steps slowed as `slow_steps` slows them, and xgrammar's compile
+    of every spec whose grammar text holds NEVER_COMPILES raises RuntimeError("xgrammar ran out
+    of states"): a spec that parsed in the front end failing in the core."""
+    from llm_inference.structured_output import manager
+
+    slow_steps(core)
+    real = manager.compile_grammar
+
+    def compile_grammar(compiler, key):
+        if NEVER_COMPILES in key[1]:
+            raise RuntimeError("xgrammar ran out of states")
+        return real(compiler, key)
+
+    manager.compile_grammar = compile_grammar
+
+
 def report_gc_freeze(core) -> None:
     """An AsyncLLM `core_setup`: the core's stats() also report how many objects the cyclic GC
     holds frozen where the core runs (gc.get_freeze_count())."""
