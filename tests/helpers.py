@@ -140,24 +140,29 @@ def slow_steps(core) -> None:
     core.step = slow
 
 
-NEVER_COMPILES = "never"  # a spec whose grammar text holds it fails in `slow_steps_failing_grammar`
+NEVER_COMPILES = "never"  # a spec whose grammar text holds it fails in `failing_compiles`
 
 
-def slow_steps_failing_grammar(core) -> None:
-    """An AsyncLLM `core_setup`: steps slowed as `slow_steps` slows them, and xgrammar's compile
-    of every spec whose grammar text holds NEVER_COMPILES raises RuntimeError("xgrammar ran out
-    of states"): a spec that parsed in the front end failing in the core."""
-    from llm_inference.structured_output import manager
-
-    slow_steps(core)
-    real = manager.compile_grammar
+def failing_compiles(real):
+    """structured_output.manager's compile_grammar (`real`) but raising RuntimeError("xgrammar
+    ran out of states") for every spec whose grammar text holds NEVER_COMPILES: a spec that
+    parsed in the front end failing in the core."""
 
     def compile_grammar(compiler, key):
         if NEVER_COMPILES in key[1]:
             raise RuntimeError("xgrammar ran out of states")
         return real(compiler, key)
 
-    manager.compile_grammar = compile_grammar
+    return compile_grammar
+
+
+def slow_steps_failing_grammar(core) -> None:
+    """An AsyncLLM `core_setup`: steps slowed as `slow_steps` slows them, and grammars compiled
+    as `failing_compiles` compiles them."""
+    from llm_inference.structured_output import manager
+
+    slow_steps(core)
+    manager.compile_grammar = failing_compiles(manager.compile_grammar)
 
 
 def report_gc_freeze(core) -> None:

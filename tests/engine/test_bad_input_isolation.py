@@ -21,6 +21,7 @@ from helpers import (
     NEVER_COMPILES,
     answers,
     child_processes,
+    failing_compiles,
     load_script,
     slow_steps_failing_grammar,
     wait_gone,
@@ -114,15 +115,9 @@ def test_a_grammar_failing_to_compile_ends_only_its_request(llm, monkeypatch, ca
     request end with "abort", no tokens and the error, naming the spec, as their stop_reason;
     the core says why too, the requests beside it finish as they do alone, and nothing is left:
     no block, no request, no grammar compiling."""
-    failing = S(regex=r"[0-9]{4}-never")
-    real = manager_module.compile_grammar
-
-    def compile_grammar(compiler, key):
-        if key[1] == failing.regex:
-            raise RuntimeError("xgrammar ran out of states")
-        return real(compiler, key)
-
-    monkeypatch.setattr(manager_module, "compile_grammar", compile_grammar)
+    failing = S(regex=f"[0-9]{{4}}-{NEVER_COMPILES}")
+    compiles = failing_compiles(manager_module.compile_grammar)
+    monkeypatch.setattr(manager_module, "compile_grammar", compiles)
     prompts = [[5, 6, 7], [8, 9], list(range(10, 40))]
     params = [GREEDY, SamplingParams(structured_outputs=failing, n=2, seed=1), GOOD[2][2]]
     alone = answers(llm.generate([prompts[0], prompts[2]], [params[0], params[2]],
