@@ -150,7 +150,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Complete each prompt: text, a list of token ids, or vLLM's prompt dicts
         ({"prompt": text}, {"prompt_token_ids": ids}). Without `sampling_params` decoding is
-        greedy. Outputs come back in input order."""
+        greedy. Outputs come back in input order. A request the engine refuses is a ValueError
+        naming the prompt, before any runs; one whose grammar then fails to compile comes back
+        with finish reason "abort" and the error as its completions' `stop_reason`."""
         self._engine()
         prompt_list = self._normalize_prompts(prompts)
         params = self._normalize_params(sampling_params, len(prompt_list), max_new_tokens)
