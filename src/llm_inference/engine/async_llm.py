@@ -257,9 +257,7 @@ class AsyncLLM:
                         raise item
                 delta = merge_deltas(items)
                 done = delta.finished
-                error = next((c.stop_reason for c in delta.outputs
-                              if c.finish_reason == "abort" and c.stop_reason), None)  # fmt: skip
-                if error is not None:  # the engine ended it: its grammar failed to compile
+                if done and (error := _engine_error(delta)):
                     raise ValueError(error)
                 if output_kind is RequestOutputKind.DELTA:
                     yield delta
@@ -475,6 +473,13 @@ def _dead(message: str, cause: BaseException | None) -> EngineDeadError:
     err = EngineDeadError(message)
     err.__cause__ = cause
     return err
+
+
+def _engine_error(out: RequestOutput) -> str | None:
+    """Why the engine ended a finished request itself (its grammar failed to compile: the
+    error, naming the spec, is an aborted completion's stop_reason); None otherwise."""
+    return next((c.stop_reason for c in out.outputs
+                 if c.finish_reason == "abort" and c.stop_reason), None)  # fmt: skip
 
 
 def _deliver(batch: list[tuple[_Stream, object]]) -> None:
