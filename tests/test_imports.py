@@ -1,8 +1,8 @@
-"""The import rules (ARCHITECTURE.md): entrypoints -> engine -> core, executor and
-structured_output; executor -> models -> layers -> kernels; executor -> sample -> kernels;
-layers, sample and executor -> distributed; never the other way. Every part may import config
-and envs, which import only the standard library; core/ imports no torch. And the package's
-module import graph has no cycle.
+"""The import rules (ARCHITECTURE.md): entrypoints -> engine -> core, executor,
+structured_output, models and kernels; executor -> models -> layers -> kernels; executor ->
+sample; layers, sample and executor -> distributed; never the other way. Every part may import
+the leaves (LEAVES); config and envs import only the standard library; core/ imports no torch.
+And the package's module import graph has no cycle.
 
 Imports are read from the source (ast), at any depth: module-level and inside functions alike
 (an import deferred into a function is still an edge of the graph); those under

@@ -228,10 +228,12 @@ class AsyncLLM:
         says which), with their finish reasons; concatenating a completion's deltas gives its
         cumulative output. FINAL_ONLY yields one cumulative output, when the request finishes.
         When several outputs are waiting (a consumer that lags), they are merged into one.
-        Raises ValueError for a request the engine refuses, EngineDeadError if the engine
-        stopped."""
+        Raises ValueError (TypeError for sampling_params of another type) for a request the
+        engine refuses, EngineDeadError if the engine stopped."""
         self._check_alive()
-        params = sampling_params or SamplingParams(temperature=0.0)
+        params = SamplingParams(temperature=0.0) if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):  # as LLMEngine.validate_request says it
+            raise TypeError(f"sampling_params must be SamplingParams, not {type(params).__name__}")
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         ids = prompt if isinstance(prompt, list) else self.tokenizer(prompt).input_ids
         text = prompt if isinstance(prompt, str) else None

@@ -11,8 +11,9 @@ Decode steps (one token per sequence, max_query_len 1) use batch-size buckets (1
 (slot -1) and attend to one cached token: their outputs are ignored.
 
 Mixed steps (max_query_len > 1) use token-count buckets T_b, each captured with num_seqs =
-`max_num_seqs` and max_query_len = T_b: never the decode kernel; the tiled kernel's grid,
-T_b // BLOCK_Q + max_num_seqs programs, covers any step of at most T_b tokens, with the tile
+`max_num_seqs` and max_query_len = T_b: the decode kernel over `max_num_seqs` sequences (it
+takes the one-row ones) and the tiled kernel, whose grid, T_b // BLOCK_Q + max_num_seqs
+programs, covers any step of at most T_b tokens, with the tile
 `default_tiles` gives for T_b (any tile is exact). Padding changes no real row
 (`InputBuffers.pad_mixed` says why).
 

@@ -410,11 +410,19 @@ def _field_error(e: ValueError, req: _SamplingFields) -> APIError:
     return APIError(400, field + message[len(param) :], param=field)
 
 
+# Fields of both requests that the engine checks (against the vocabulary): its error about one
+# starts with the field's name, and is the field's, not the prompt's.
+ENGINE_CHECKED_FIELDS = ("logit_bias", "allowed_token_ids")
+
+
 def _api_error(e: BaseException, num_prompts: int) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, (ValueError, TypeError)):
-        return APIError(400, str(e) if num_prompts == 1 else f"a prompt: {e}", param="prompt")
+        message = str(e)
+        if (field := message.split(" ", 1)[0]) in ENGINE_CHECKED_FIELDS:
+            return APIError(400, message, param=field)
+        return APIError(400, message if num_prompts == 1 else f"a prompt: {e}", param="prompt")
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), type="server_error", code="engine_dead")
     return APIError(500, f"internal error: {e!r}", type="server_error")
