@@ -215,7 +215,7 @@ def test_server_bad_requests_beside_a_running_stream(tiny_ckpt):
             (dict(prompt=""), "prompt", "the prompt is empty"),
             (dict(prompt=[5, 999]), "prompt", "token ids must be integers in [0, 320)"),
             (dict(prompt="Hello " * 600), "prompt", "leaves no room to generate within"),
-            (dict(prompt=["Hi", "Hello " * 600], max_tokens=None), "prompt", "a prompt: the"),
+            (dict(prompt=["Hi", "Hello " * 600], max_tokens=None), "prompt", "prompt 1: the"),
             (dict(temperature=-1.0), "temperature", "temperature must be finite and >= 0"),
             (dict(top_p=2.0), "top_p", "top_p must be in (0, 1], got 2.0"),
             (dict(extra_body={"top_k": -5}), "top_k", "top_k must be -1 or 0 (disabled)"),

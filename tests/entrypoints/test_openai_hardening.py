@@ -265,6 +265,11 @@ def test_beam_search_checks_the_length_as_a_plain_request(live_server):
     plain = error(post(live_server, "/v1/completions", body))
     beam = error(post(live_server, "/v1/completions", {**body, "use_beam_search": True}))
     assert beam == plain and "exceeds max_model_len=512" in beam["message"]
+    # of several prompts, the one it is about, counted from 0 as LLM.generate's errors count
+    body = {**body, "prompt": [[1, 2], [1] * 500]}
+    plain = error(post(live_server, "/v1/completions", body))
+    beam = error(post(live_server, "/v1/completions", {**body, "use_beam_search": True}))
+    assert beam == plain and beam["message"].startswith("prompt 1: "), beam
 
 
 @pytest.mark.parametrize(

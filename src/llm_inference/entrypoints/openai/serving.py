@@ -248,11 +248,12 @@ class OpenAIServing:
         firsts = await until_disconnected(
             raw, asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
         )
-        errors = [e for e in firsts if isinstance(e, BaseException)]
+        errors = [(i, e) for i, e in enumerate(firsts) if isinstance(e, BaseException)]
         if errors:
             for g in gens:
                 await g.aclose()
-            raise _api_error(errors[0], len(prompts))
+            index, error = errors[0]
+            raise _api_error(error, len(prompts), index)
         return [prepend(first, g) for first, g in zip(firsts, gens)]
 
     async def _beam_search(self, raw, prompts: list[Prompt], params, builder, req):
@@ -275,11 +276,11 @@ class OpenAIServing:
             )  # fmt: skip
         except ValueError as e:
             raise _field_error(e, req) from e
-        try:  # the one length check (llm_engine.py) with max_tokens: the rounds check less
-            for _, ids in prompts:
+        for i, (_, ids) in enumerate(prompts):  # the one length check (llm_engine.py) with
+            try:  # max_tokens: the rounds check less
                 check_request_length(max_len, len(ids), params.max_tokens)
-        except ValueError as e:
-            raise _api_error(e, len(prompts)) from e
+            except ValueError as e:
+                raise _api_error(e, len(prompts), i) from e
         work = asyncio.gather(*(async_beam_search(self.llm, ids, search, f"{builder.id}-{i}")
                                 for i, (_, ids) in enumerate(prompts)))  # fmt: skip
         try:
@@ -415,14 +416,17 @@ def _field_error(e: ValueError, req: _SamplingFields) -> APIError:
 ENGINE_CHECKED_FIELDS = ("logit_bias", "allowed_token_ids")
 
 
-def _api_error(e: BaseException, num_prompts: int) -> APIError:
+def _api_error(e: BaseException, num_prompts: int, index: int | None = None) -> APIError:
+    """The APIError of an engine's error about the request (of `num_prompts` prompts; `index`:
+    the prompt it is about, where known, counted from 0 as LLM.generate's errors count)."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, (ValueError, TypeError)):
         message = str(e)
         if (field := message.split(" ", 1)[0]) in ENGINE_CHECKED_FIELDS:
             return APIError(400, message, param=field)
-        return APIError(400, message if num_prompts == 1 else f"a prompt: {e}", param="prompt")
+        which = "a prompt" if index is None else f"prompt {index}"
+        return APIError(400, message if num_prompts == 1 else f"{which}: {e}", param="prompt")
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), type="server_error", code="engine_dead")
     return APIError(500, f"internal error: {e!r}", type="server_error")
