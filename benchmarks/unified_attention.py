@@ -13,8 +13,8 @@ block tables. Per layer, three tables:
   its plan: whether cuDNN's fused attention could take such chunks),
   with `--fa3` vLLM's FlashAttention 3 on the same paged cache
   (`vllm.vllm_flash_attn`, when vLLM is installed; graph-replayed), FlashAttention 4 on it
-  where the flash-attn-4 package is installed (`flash_attn.cute`, one varlen call, with its
-  first call's JIT compile, and again on a copy of the cache in 128-token pages, which it
+  where the flash-attn-4 package is installed (kernels/flash_attention.py's varlen call, with
+  its first call's JIT compile, and again on a copy of the cache in 128-token pages, which it
   loads by TMA; scripts/wheels_carry.sh brings it), the causal FLOP floor at
   793 TFLOP/s (4 x L x (c + (L + 1) / 2) x Hq x D flops per sequence of L new tokens after c
   cached) and the Triton kernel's achieved TFLOP/s.
@@ -26,9 +26,10 @@ block tables. Per layer, three tables:
   411-token prompt beside 255 decodes at context 600), and 16 chunks of 256 tokens after 3,840
   cached tokens: the unified op (its decodes in the decode kernel, the chunks in the tiled
   one) against one tiled launch over every row (`ua.launch` with the default tiles: before
-  2026-12-02) and, where FA4 is installed, its one call and its call on the chunks alone
-  followed by our decode kernel (as a mixed step would run them), with the floor: the larger
-  of the FLOP floor and the K/V bytes over COPY_BYTES_PER_S.
+  2026-12-02) and, where FA4 is installed, its call on the chunks followed by our decode
+  kernel (the engine's path for steps of flash_attention.MIN_TOKENS or more at head size 128
+  and pages of 16 or 32 tokens: flash_attention.applies), with the floor:
+  the larger of the FLOP floor and the K/V bytes over COPY_BYTES_PER_S.
 Times: medians over CUDA events after warm-up, L2 flushed before each call by reading 256 MB
 (benchmarks/paged_attention.py). rel err: worst per-sequence relative L2 error against
 reference.unified_attention in float32. `--sweep` adds timings of other tile configs (BLOCK_M,
@@ -57,8 +58,8 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from llm_inference.kernels import flash_attention, reference
 from llm_inference.kernels import paged_attention as pa
-from llm_inference.kernels import reference
 from llm_inference.kernels import unified_attention as ua
 
 SHAPES = {"Llama-3.2-1B": (32, 8, 64), "Llama-3.2-3B": (24, 8, 128),
@@ -203,32 +204,22 @@ def fa3_ms(case, max_query_len: int, max_seq_len: int, scale: float) -> float:
     return graph_ms(fn)
 
 
-def fa4_ms(
-    case, max_query_len: int, max_seq_len: int, scale: float, decodes_ours: bool = False
-) -> tuple[float, float, float]:
-    """(ms, rel err, the first call's wall ms: its JIT compile) of FlashAttention 4
-    (`flash_attn.cute` of the flash-attn-4 package, CuTe DSL kernels for Hopper and Blackwell)
-    on the same paged cache, every sequence of the step in one varlen call; `decodes_ours`:
-    the chunks only (`seqused_q` 0 for one-row sequences), then our decode kernel on them into
-    the same output, as a mixed step would run both. NaNs when it is not installed or refuses
-    the call (the reason printed)."""
-    try:
-        from flash_attn.cute import flash_attn_varlen_func
-    except ImportError:
-        return (float("nan"),) * 3
+def fa4_ms(case, max_query_len: int, max_seq_len: int, scale: float) -> tuple[float, float, float]:
+    """(ms, rel err, the first call's wall ms: its JIT compile) of the engine's path where
+    FlashAttention 4 takes a step (kernels/flash_attention.py; timed here at any step, head and
+    page size, where the engine sends it only the steps `flash_attention.applies` takes): its
+    varlen call on the prompt chunks, then our decode kernel on the one-row sequences into the
+    same output. NaNs when it is not installed or refuses the call (the reason printed)."""
     q, k_cache, v_cache, table, cu, lens = case
-    q_lens = cu[1:] - cu[:-1]
-    rows = torch.where(q_lens > 1, q_lens, 0) if decodes_ours else None
+    if not flash_attention.available(q.device):
+        return (float("nan"),) * 3
 
     @torch.inference_mode()
     def run():
-        out = flash_attn_varlen_func(
-            q, k_cache, v_cache, cu_seqlens_q=cu, seqused_q=rows, max_seqlen_q=max_query_len,
-            max_seqlen_k=max_seq_len, seqused_k=lens, page_table=table, softmax_scale=scale,
-            causal=True,
-        )[0]  # fmt: skip
-        if decodes_ours:
-            ua.unified_attention(q, k_cache, v_cache, table, cu, lens, scale, out, 1, max_seq_len)
+        out = flash_attention.prompt_attention(
+            q, k_cache, v_cache, table, cu, lens, scale, max_query_len, max_seq_len
+        )
+        ua.unified_attention(q, k_cache, v_cache, table, cu, lens, scale, out, 1, max_seq_len)
         return out
 
     try:
@@ -328,10 +319,8 @@ def mixed_row(name, shape, gen, sweep) -> dict:
     kv_bytes = sum(c + n for c, n in zip(contexts, q_lens)) * shape[1] * shape[2] * 2 * 2
     floor = max(flops / PEAK_FLOPS, kv_bytes / COPY_BYTES_PER_S) * 1e3
     fa4, fa4_err, _ = fa4_ms(case, max(q_lens), max_len, scale)
-    fa4_ours = fa4_ms(case, max(q_lens), max_len, scale, decodes_ours=True)
     return dict(name=name, err=err, ms=graph_ms(fn), one_launch_ms=graph_ms(one_launch),
                 floor_ms=floor, tiles=tiles, fa4_ms=fa4, fa4_err=fa4_err,
-                fa4_decodes_ours_ms=fa4_ours[0], fa4_decodes_ours_err=fa4_ours[1],
                 sweep=sweep_ms(case, scale, out, sweep, skip_decodes=True))  # fmt: skip
 
 
@@ -417,14 +406,13 @@ def main() -> None:
                   f"| {r['ratio']:.2f} | {r['fa3_ms']:.4f} | {r['floor_ms']:.4f} "
                   f"| {r['err']:.1e} |", flush=True)  # fmt: skip
         print("\nMixed steps, one layer (graph replay):\n")
-        print("| step | unified ms | one tiled launch ms | FA4 ms (err) "
-              "| FA4 chunks + our decodes ms (err) | floor ms | rel err |")  # fmt: skip
-        print("|---|---:|---:|---:|---:|---:|---:|")
+        print("| step | unified ms | one tiled launch ms | FA4 chunks + our decodes ms (err) "
+              "| floor ms | rel err |")  # fmt: skip
+        print("|---|---:|---:|---:|---:|---:|")
         rep["mixed"] = [mixed_row(m, shape, gen, sweep) for m in MIXED_ROWS]
         for r in rep["mixed"]:
             print(f"| {r['name']} | {r['ms']:.3f} | {r['one_launch_ms']:.3f} "
                   f"| {r['fa4_ms']:.3f} ({r['fa4_err']:.1e}) "
-                  f"| {r['fa4_decodes_ours_ms']:.3f} ({r['fa4_decodes_ours_err']:.1e}) "
                   f"| {r['floor_ms']:.3f} | {r['err']:.1e} |")  # fmt: skip
         if sweep:
             print("\n| step (its tiled launch alone) | BLOCK_M, BLOCK_N, warps, stages | ms "

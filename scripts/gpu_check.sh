@@ -13,8 +13,9 @@
 #     `git archive REV src | tar -x -C .ab_old`, then carried), of that one, alternating for
 #     ROUNDS rounds: figures move between machine starts, so compare within one call only.
 #     One shape and two rounds fit a 10-minute call. JSON lands in $OUT; the tables print.
-#     BATCHES=none skips the latency, THROUGHPUT=0 the throughput run; WORKLOAD replaces the throughput run's workload options
-#     (for example issue 28's chat-like mix, as scripts/gpu_vs_vllm.sh MIXES=1 runs it);
+#     BATCHES=none skips the latency, THROUGHPUT=0 the throughput run; WORKLOAD replaces the
+#     throughput run's workload options (for example issue 28's chat-like mix, as
+#     scripts/gpu_vs_vllm.sh MIXES=1 runs it);
 #     ENGINE_ARGS go to both runs (for example --quantization fp8).
 #   RUN_TESTS=0 BENCH=1 OLD_SRC=.ab_old/src SHAPES=llama-3.2-3b OUT=$OUT bash scripts/gpu_check.sh
 set -uo pipefail
@@ -44,8 +45,9 @@ if [ "${BENCH:-0}" = 1 ]; then
         [ "${BATCHES:-}" = none ] || timeout 200 $bench latency --model "$shape" \
           ${ENGINE_ARGS:-} --batches "${BATCHES:-1,8,64,256}" \
           --json "$OUT/latency_${shape}_${side}_$round.json" 2>&1 | grep -v "it/s" | tail -7
-        [ "${THROUGHPUT:-1}" = 0 ] || timeout 200 $bench throughput --model "$shape" --disable-detokenize ${ENGINE_ARGS:-} \
-          ${WORKLOAD:-} --json "$OUT/throughput_${shape}_${side}_$round.json" 2>&1 | tail -2
+        [ "${THROUGHPUT:-1}" = 0 ] || timeout 200 $bench throughput --model "$shape" \
+          --disable-detokenize ${ENGINE_ARGS:-} ${WORKLOAD:-} \
+          --json "$OUT/throughput_${shape}_${side}_$round.json" 2>&1 | tail -2
       done
     done
   done

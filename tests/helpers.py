@@ -140,6 +140,26 @@ def slow_steps(core) -> None:
     core.step = slow
 
 
+NEVER_COMPILES = "never"  # a spec whose grammar text holds it fails in `slow_steps_failing_grammar`
+
+
+def slow_steps_failing_grammar(core) -> None:
+    """An AsyncLLM `core_setup`: steps slowed as `slow_steps` slows them, and xgrammar's compile
+    of every spec whose grammar text holds NEVER_COMPILES raises RuntimeError("xgrammar ran out
+    of states"): a spec that parsed in the front end failing in the core."""
+    from llm_inference.structured_output import manager
+
+    slow_steps(core)
+    real = manager.compile_grammar
+
+    def compile_grammar(compiler, key):
+        if NEVER_COMPILES in key[1]:
+            raise RuntimeError("xgrammar ran out of states")
+        return real(compiler, key)
+
+    manager.compile_grammar = compile_grammar
+
+
 def report_gc_freeze(core) -> None:
     """An AsyncLLM `core_setup`: the core's stats() also report how many objects the cyclic GC
     holds frozen where the core runs (gc.get_freeze_count())."""
@@ -257,14 +277,27 @@ def triton_compiles():
         triton.knobs.runtime.jit_post_compile_hook = old
 
 
-def load_script(path):
-    """A script (benchmarks/*.py) as a module, without running its main."""
+def load_script(path, name: str | None = None):
+    """A script (benchmarks/*.py) as a module, without running its main. With `name`, loaded
+    once under that name in sys.modules (before it runs: a dataclass in it looks itself up
+    there), for a file whose own name others share (a conftest.py)."""
     import importlib.util
+    import sys
 
-    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name or Path(path).stem, path)
     module = importlib.util.module_from_spec(spec)
+    if name is not None:
+        sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def answers(outs) -> list[list[tuple]]:
+    """Each RequestOutput's completions as (token ids, text, finish reason): what two runs
+    compare."""
+    return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]
 
 
 # FP8 on the GPU (torch._scaled_mm, Triton's float8_e4m3fn) needs compute capability 8.9+.

@@ -47,7 +47,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort" or None while running
     logprobs: list[Logprobs] | None = None  # one per token in token_ids when requested
-    stop_reason: int | str | None = None  # the stop_token_ids entry or stop string (EOS: None)
+    # the stop_token_ids entry or stop string (EOS: None); with "abort", the engine's error
+    # where the engine ended the request (a grammar that failed to compile; AsyncLLM raises it)
+    stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
 
     @property

@@ -12,35 +12,30 @@ test_openai_server.py; this file checks the isolation and the block count around
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import child_processes, slow_steps, wait_gone
+from helpers import (
+    NEVER_COMPILES,
+    answers,
+    child_processes,
+    load_script,
+    slow_steps_failing_grammar,
+    wait_gone,
+)
 
 from llm_inference import LLM, AsyncLLM, SamplingParams
 from llm_inference import StructuredOutputsParams as S
 from llm_inference.config import CheckpointError
 from llm_inference.structured_output import manager as manager_module
 
-
-def _entrypoints_conftest():
-    """tests/entrypoints/conftest.py (its live-server helpers) as a module of its own name:
-    `conftest` is whichever conftest pytest imported last."""
-    name = "entrypoints_conftest"
-    if name not in sys.modules:
-        path = Path(__file__).parents[1] / "entrypoints" / "conftest.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # before running it: its dataclass looks itself up there
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-server_helpers = _entrypoints_conftest()
+# tests/entrypoints/conftest.py (its live-server helpers) under a name of its own: `conftest`
+# is whichever conftest pytest imported last
+server_helpers = load_script(
+    Path(__file__).parents[1] / "entrypoints" / "conftest.py", "entrypoints_conftest"
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 # (request id, prompt ids, params, exception, message): each refused by LLMEngine.add_request
@@ -68,10 +63,6 @@ GOOD = [
     ("c", [8, 9], SamplingParams(temperature=1.0, seed=3, max_tokens=16,
                                  structured_outputs=S(choice=["yes please", "no", "maybe"]))),
 ]  # fmt: skip
-
-
-def answers(outs) -> list[list[tuple]]:
-    return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +111,9 @@ def test_engine_refuses_bad_requests_while_others_run(llm):
 
 def test_a_grammar_failing_to_compile_ends_only_its_request(llm, monkeypatch, capsys):
     """xgrammar failing on a spec that parsed (check_spec passes it): both completions of that
-    request end with "abort" and no tokens, the core says why, the requests beside it finish
-    as they do alone, and nothing is left: no block, no request, no grammar compiling."""
+    request end with "abort", no tokens and the error, naming the spec, as their stop_reason;
+    the core says why too, the requests beside it finish as they do alone, and nothing is left:
+    no block, no request, no grammar compiling."""
     failing = S(regex=r"[0-9]{4}-never")
     real = manager_module.compile_grammar
 
@@ -136,7 +128,11 @@ def test_a_grammar_failing_to_compile_ends_only_its_request(llm, monkeypatch, ca
     alone = answers(llm.generate([prompts[0], prompts[2]], [params[0], params[2]],
                                  use_tqdm=False))  # fmt: skip
     first, failed, last = llm.generate(prompts, params, use_tqdm=False)
-    assert [(c.finish_reason, c.token_ids) for c in failed.outputs] == [("abort", [])] * 2
+    why = ("structured_outputs.regex: xgrammar failed to compile the grammar: xgrammar ran out "
+           "of states")  # fmt: skip
+    assert [(c.finish_reason, c.token_ids, c.stop_reason) for c in failed.outputs] == [
+        ("abort", [], why)
+    ] * 2
     assert failed.finished
     assert "grammar failed: xgrammar ran out of states" in capsys.readouterr().out
     assert answers([first, last]) == alone
@@ -150,17 +146,21 @@ def test_a_grammar_failing_to_compile_ends_only_its_request(llm, monkeypatch, ca
 def test_async_llm_refusals_leave_the_streams_alone(tiny_ckpt):
     """AsyncLLM with its core in a process of its own (steps slowed, so the streams are still
     running when the refusals come): each bad request raises its own error, text prompts too
-    (an empty string is an empty prompt); the streams finish with the answers they give alone,
-    the engine runs on, and every block is free afterwards."""
+    (an empty string is an empty prompt), and so does a grammar that fails to compile in the
+    core (both of its n=2 completions ended there); the streams finish with the answers they
+    give alone, the engine runs on, and every block is free afterwards."""
     prompts = ["Hello world", "Paris is the capital", "The quick brown fox"]
     # 40 slowed steps: the streams outlast the refusals even on a loaded machine
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     text_cases = [("", r"^the prompt is empty$"),
                   ("Hello " * 600, r"^the prompt has \d+ tokens, which leaves no room to generate "
                                    r"within max_model_len=512$")]  # fmt: skip
+    failing = SamplingParams(structured_outputs=S(regex=f"[0-9]{{4}}-{NEVER_COMPILES}"), n=2)
     bad = [(ids, p, exc, m) for _, ids, p, exc, m in BAD_REQUESTS] + [
         (text, params, ValueError, m) for text, m in text_cases
     ]
+    bad.append((prompts[0], failing, ValueError, r"^structured_outputs\.regex: xgrammar failed "
+                r"to compile the grammar: xgrammar ran out of states$"))  # fmt: skip
 
     async def run(llm, refuse: bool):
         progress = {i: 0 for i in range(len(prompts))}
@@ -183,7 +183,8 @@ def test_async_llm_refusals_leave_the_streams_alone(tiny_ckpt):
             assert all(f"good-{i}" in llm._streams for i in progress), progress
         return await asyncio.gather(*tasks)
 
-    with AsyncLLM(str(tiny_ckpt), core_setup=slow_steps, **server_helpers.ENGINE_ARGS) as llm:
+    setup = slow_steps_failing_grammar
+    with AsyncLLM(str(tiny_ckpt), core_setup=setup, **server_helpers.ENGINE_ARGS) as llm:
         refused_beside = asyncio.run(run(llm, refuse=True))
         stats = server_helpers.wait_all_blocks_free(llm)
         assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
@@ -196,13 +197,15 @@ def test_async_llm_refusals_leave_the_streams_alone(tiny_ckpt):
 
 def test_server_bad_requests_beside_a_running_stream(tiny_ckpt):
     """Through the `openai` client while a streamed completion runs: each bad request is a 400
-    naming the problem and the field; a request of two prompts, one too long, is refused whole
-    (its other prompt, started, is aborted: it would otherwise run for seconds); the stream
+    naming the problem and the field, a grammar that fails to compile in the core too (streamed
+    or not, named as the request names its spec); a request of two prompts, one too long, is
+    refused whole (its other prompt, started, is aborted: it would otherwise run for seconds);
+    the stream
     ends as the same request alone does, and every block is free afterwards."""
     import openai
 
     h = server_helpers
-    srv = h.start_server(tiny_ckpt, core_setup=slow_steps)
+    srv = h.start_server(tiny_ckpt, core_setup=slow_steps_failing_grammar)
     try:
         client = openai.OpenAI(base_url=srv.v1, api_key=h.API_KEY, max_retries=0)
         # 48 slowed steps (~4 s): the stream outlasts the refusals even on a loaded machine
@@ -227,6 +230,16 @@ def test_server_bad_requests_beside_a_running_stream(tiny_ckpt):
              "logit_bias holds token ids outside the vocabulary [0, 320): [999]"),
             (dict(extra_body={"allowed_token_ids": [3, 999]}), "allowed_token_ids",
              "allowed_token_ids holds token ids outside the vocabulary [0, 320): [999]"),
+            (dict(extra_body={"structured_outputs": {"regex": f"a-{NEVER_COMPILES}"}}),
+             "structured_outputs", "structured_outputs.regex: xgrammar failed to compile the "
+             "grammar: xgrammar ran out of states"),
+            (dict(extra_body={"guided_regex": f"a-{NEVER_COMPILES}"}, stream=True),
+             "guided_regex", "guided_regex: xgrammar failed to compile the grammar: "),
+            (dict(extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"enum": [NEVER_COMPILES]}}}}),
+             "response_format", "response_format.json_schema.schema: xgrammar failed to "),
+            (dict(prompt=["Hi", "Hello"], extra_body={"guided_regex": f"b-{NEVER_COMPILES}"}),
+             "guided_regex", "prompt 0: guided_regex: xgrammar failed to compile the grammar"),
         ]  # fmt: skip
         for case, param, message in bad:
             with pytest.raises(openai.BadRequestError) as info:

@@ -16,6 +16,7 @@ import threading
 
 import numpy as np
 import pytest
+from helpers import answers
 
 from llm_inference import LLM, SamplingParams
 from llm_inference import StructuredOutputsParams as S
@@ -88,10 +89,6 @@ def mixed_batch(kinds=tuple(KINDS), seeds=range(3)) -> tuple[list[str], list[Sam
         prompts.append(PROMPTS[i % len(PROMPTS)])
         params.append(plain(i))
     return prompts, params
-
-
-def answers(outs) -> list[list[tuple]]:
-    return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]
 
 
 @pytest.fixture(scope="module")

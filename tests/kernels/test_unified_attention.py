@@ -164,17 +164,11 @@ def test_unified_attention_replays_in_cuda_graph(max_query_len):
 
     static = draw()
     out = torch.full_like(static[0], float("nan"))
-    call = lambda: unified_attention(*static, 0.125, out, max_query_len, max_len)
-    call()  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    for replay in range(3):
-        for dst, src in zip(static, draw()):
-            dst.copy_(src)
-        out.fill_(float("nan"))
-        graph.replay()
-        checks.assert_close(out, static, 0.125, f"replay {replay}")
+    checks.check_replays(
+        lambda: unified_attention(*static, 0.125, out, max_query_len, max_len), static, draw,
+        lambda replay: checks.assert_close(out, static, 0.125, f"replay {replay}"),
+        before=lambda: out.fill_(float("nan")),
+    )  # fmt: skip
 
 
 def test_decode_split_count_follows_the_dispatch_order(monkeypatch):

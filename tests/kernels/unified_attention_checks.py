@@ -124,6 +124,22 @@ def check_unified(device, dtype, q_lens, contexts, shape, block_size, seed, tile
         assert_close(out, case, scale, "decode, longest first", **scales)
 
 
+def check_replays(call, static, draw, check, before=lambda: None, replays: int = 3) -> None:
+    """Capture `call` in a CUDA graph (after one eager call: compiles happen outside the
+    capture), then `replays` times: `draw()`'s new case copied into the `static` one that
+    `call` reads, `before()`, a replay, `check(replay)`."""
+    call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for replay in range(replays):
+        for dst, src in zip(static, draw()):
+            dst.copy_(src)
+        before()
+        graph.replay()
+        check(replay)
+
+
 def dense_attention(q, k, v, context, scale):
     """Causal attention of q [L, Hq, D] at positions context.. over k/v [n, Hkv, D], float64."""
     group = q.shape[1] // k.shape[1]

@@ -95,12 +95,13 @@ class EngineCoreOutput:
     """What the core reports for one request that advanced in a step: plain values only.
 
     `new_token_ids` are the tokens appended in this step (a request that finishes on a stop
-    token includes it). `finish_reason` is "stop", "length" or None while it runs;
+    token includes it). `finish_reason` is "stop", "length", "abort" or None while it runs;
     `stop_reason` is the stop token id when one of the request's stop_token_ids ended it
-    (None for an EOS token, as in vLLM). `prompt_logprobs` (a request
-    that asked for them, in its first record): None, then one Logprobs per prompt token after
-    the first. `output_token_ids`, in a request's finishing record only: every output token
-    it made (so a front end that wants only the end may skip the records before it).
+    (None for an EOS token, as in vLLM), and with "abort" the core's error where the core ended
+    the request (a grammar that failed to compile). `prompt_logprobs` (a request that asked for
+    them, in its first record): None, then one Logprobs per prompt token after the first.
+    `output_token_ids`, in a request's finishing record only: every output token it made (so a
+    front end that wants only the end may skip the records before it).
     """
 
     request_id: str

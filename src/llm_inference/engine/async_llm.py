@@ -229,7 +229,8 @@ class AsyncLLM:
         cumulative output. FINAL_ONLY yields one cumulative output, when the request finishes.
         When several outputs are waiting (a consumer that lags), they are merged into one.
         Raises ValueError (TypeError for sampling_params of another type) for a request the
-        engine refuses, EngineDeadError if the engine stopped."""
+        engine refuses or ends (a grammar that failed to compile: the error names the spec),
+        EngineDeadError if the engine stopped."""
         self._check_alive()
         params = SamplingParams(temperature=0.0) if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):  # as LLMEngine.validate_request says it
@@ -256,6 +257,10 @@ class AsyncLLM:
                         raise item
                 delta = merge_deltas(items)
                 done = delta.finished
+                error = next((c.stop_reason for c in delta.outputs
+                              if c.finish_reason == "abort" and c.stop_reason), None)  # fmt: skip
+                if error is not None:  # the engine ended it: its grammar failed to compile
+                    raise ValueError(error)
                 if output_kind is RequestOutputKind.DELTA:
                     yield delta
                     continue

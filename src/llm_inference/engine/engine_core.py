@@ -208,13 +208,16 @@ class EngineCore:
         )
 
     def _finish_failed_grammars(self) -> list[EngineCoreOutput]:
-        """Finish the requests whose grammar failed to compile: a finishing record each."""
+        """Finish the requests whose grammar failed to compile: a finishing record each, with
+        finish reason "abort" and the error, naming the spec, as its stop_reason."""
         outputs = []
         for request, error in self.structured.take_failed():
             print(f"llm_inference: request {request.request_id!r}: grammar failed: {error}")
             self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
             self._sync_ids.discard(request.request_id)
-            outputs.append(EngineCoreOutput(request.request_id, [], "abort", output_token_ids=[]))
+            kind = request.sampling_params.structured_outputs.kind
+            why = f"structured_outputs.{kind}: xgrammar failed to compile the grammar: {error}"
+            outputs.append(EngineCoreOutput(request.request_id, [], "abort", why, []))
         return outputs
 
     def _update(self) -> list[EngineCoreOutput]:

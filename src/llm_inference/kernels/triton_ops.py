@@ -6,10 +6,11 @@ the reference signatures are optional: `max_seq_len` for paged attention (sets t
 without a host sync) and keyword `out=` buffers for rms_norm and silu_and_mul. unified_attention
 (mixed prefill chunks and decodes in one launch) takes the same bounds as its reference.
 
-Decided once, for the device: `pdl` (programmatic dependent launch for every launcher that
-takes it; kernels/pdl.py, envs.LLM_INFERENCE_PDL), `skinny_rows` (up to how many rows
-`linear` and `gate_up_silu` take the skinny GEMM, 0: never; envs.LLM_INFERENCE_SKINNY_GEMM
-and LLM_INFERENCE_SKINNY_ROWS) and `skinny_fp8`
+Decided once, for the device: `flash_prompts` (prompt chunks through FlashAttention 4 where
+the flash-attn-4 package runs: kernels/flash_attention.py), `pdl` (programmatic dependent
+launch for every launcher that takes it; kernels/pdl.py, envs.LLM_INFERENCE_PDL),
+`skinny_rows` (up to how many rows `linear` and `gate_up_silu` take the skinny GEMM, 0: never;
+envs.LLM_INFERENCE_SKINNY_GEMM and LLM_INFERENCE_SKINNY_ROWS) and `skinny_fp8`
 (whether it may read FP8 weights: Triton converts e4m3 from compute capability 8.9).
 Decided per call, from the shapes: the skinny GEMM where it applies (`skinny_applies`: decode
 batches; inside a CUDA graph, once per graph), else F.linear (cuBLAS); the attention kernel's
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from llm_inference import envs
-from llm_inference.kernels import pdl, sampling
+from llm_inference.kernels import flash_attention, pdl, sampling
 from llm_inference.kernels import skinny_gemm as sg
 from llm_inference.kernels.activation import silu_and_mul
 from llm_inference.kernels.device import num_sms
@@ -69,6 +70,7 @@ class TritonOps:
         self.skinny_rows = envs.LLM_INFERENCE_SKINNY_ROWS if envs.LLM_INFERENCE_SKINNY_GEMM else 0
         cuda = self.device.type == "cuda"
         self.skinny_fp8 = not cuda or torch.cuda.get_device_capability(self.device) >= (8, 9)
+        self.flash_prompts = flash_attention.available(self.device)
 
     # ---- linear layers --------------------------------------------------------------------
 
@@ -138,6 +140,19 @@ class TritonOps:
         max_query_len: int | None = None, max_seq_len: int | None = None, seq_order=None,
         k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> torch.Tensor:  # fmt: skip
+        """With `flash_prompts`, a step's prompt chunks go to FlashAttention 4 and its decodes
+        to the decode kernel, into the same output (kernels/flash_attention.py)."""
+        chunks = max_query_len is None or max_query_len > 1
+        if chunks and self.flash_prompts and flash_attention.applies(q, k_cache):
+            max_query_len = q.shape[0] if max_query_len is None else max_query_len
+            max_seq_len = max_seq_len or block_table.shape[1] * k_cache.shape[1]
+            flash = flash_attention.prompt_attention(
+                q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale,
+                max_query_len, max_seq_len,
+            )  # fmt: skip
+            out = flash if out is None else out.copy_(flash)
+            # what is left: the decodes, in batch order as in any step with chunks
+            max_query_len, seq_order = 1, None
         return unified_attention(
             q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, out, max_query_len,
             max_seq_len, seq_order, k_scale, v_scale, pdl=self.pdl,

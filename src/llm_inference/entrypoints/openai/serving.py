@@ -230,7 +230,7 @@ class OpenAIServing:
         if req.use_beam_search:
             streams = await self._beam_search(raw, prompts, params, builder, req)
         else:
-            streams = await self._start(raw, prompts, params, builder.id)
+            streams = await self._start(raw, prompts, params, builder.id, req)
         if req.stream:
             return SSEResponse(
                 self._stream(streams, builder, req.include_usage, req.continuous_usage)
@@ -238,9 +238,9 @@ class OpenAIServing:
         finals = await until_disconnected(raw, _collect(streams, params.n))
         return builder.response(finals)
 
-    async def _start(self, raw, prompts: list[Prompt], params, request_id: str):
-        """Start every prompt and wait for its first output; an engine refusal is a 400 (and
-        the request's other prompts are aborted)."""
+    async def _start(self, raw, prompts: list[Prompt], params, request_id: str, req):
+        """Start every prompt and wait for its first output; an engine refusal (or a grammar
+        that failed to compile) is a 400, and the request's other prompts are aborted."""
         ids = [p[1] for p in prompts]
         delta = RequestOutputKind.DELTA
         gens = [self.llm.generate(t, params, f"{request_id}-{i}", output_kind=delta)
@@ -253,7 +253,7 @@ class OpenAIServing:
             for g in gens:
                 await g.aclose()
             index, error = errors[0]
-            raise _api_error(error, len(prompts), index)
+            raise _api_error(error, len(prompts), index, req)
         return [prepend(first, g) for first, g in zip(firsts, gens)]
 
     async def _beam_search(self, raw, prompts: list[Prompt], params, builder, req):
@@ -327,7 +327,26 @@ def structured_outputs(req: _SamplingFields) -> StructuredOutputsParams | None:
     the schema strictly; vLLM's structural_tag) or chat's `tool_choice` "required" or named
     (tool_choice.py). A spec that xgrammar cannot take (structured_output.check_spec), or two
     fields at once, is a 400 naming the field."""
-    given: list[tuple[str, str, dict]] = []  # (field, its name in errors, the params' kwargs)
+    given = structured_fields(req)
+    if len(given) > 1:
+        names = " and ".join(field for field, _, _ in given)
+        raise APIError(400, f"{names} both ask for structured outputs: give one",
+                       param=given[1][0])  # fmt: skip
+    if not given:
+        return None
+    field, name, kwargs = given[0]
+    try:
+        so = StructuredOutputsParams(**kwargs)
+        check_spec(so)
+    except (TypeError, ValueError) as e:
+        raise APIError(400, _named(str(e), name), param=field) from e
+    return so
+
+
+def structured_fields(req: _SamplingFields) -> list[tuple[str, str, dict]]:
+    """(field, its name in errors, StructuredOutputsParams kwargs) of each of the request's
+    fields that ask for structured outputs (`structured_outputs`)."""
+    given: list[tuple[str, str, dict]] = []
     if req.structured_outputs:
         so = dict(req.structured_outputs)
         unknown = sorted(set(so) - {*StructuredOutputsParams.KINDS, "disable_any_whitespace"})
@@ -344,20 +363,13 @@ def structured_outputs(req: _SamplingFields) -> StructuredOutputsParams | None:
     forced = forced_tool_choice(req)
     if forced is not None:  # arguments on one line (tool_choice.py)
         given.append(("tool_choice", "tools", {"json": forced, "disable_any_whitespace": True}))
-    if len(given) > 1:
-        names = " and ".join(field for field, _, _ in given)
-        raise APIError(400, f"{names} both ask for structured outputs: give one",
-                       param=given[1][0])  # fmt: skip
-    if not given:
-        return None
-    field, name, kwargs = given[0]
-    try:
-        so = StructuredOutputsParams(**kwargs)
-        check_spec(so)
-    except (TypeError, ValueError) as e:
-        message = re.sub(r"^structured_outputs(\.\w+)?", name, str(e)) if name else str(e)
-        raise APIError(400, message, param=field) from e
-    return so
+    return given
+
+
+def _named(message: str, name: str) -> str:
+    """An error about `structured_outputs.<kind>` with the spec named as the request names it
+    (`name`; "": the request's own structured_outputs field)."""
+    return re.sub(r"^structured_outputs(\.\w+)?", name, message) if name else message
 
 
 def _response_format(fmt: dict) -> tuple[str, dict]:
@@ -416,17 +428,24 @@ def _field_error(e: ValueError, req: _SamplingFields) -> APIError:
 ENGINE_CHECKED_FIELDS = ("logit_bias", "allowed_token_ids")
 
 
-def _api_error(e: BaseException, num_prompts: int, index: int | None = None) -> APIError:
+def _api_error(
+    e: BaseException, num_prompts: int, index: int | None = None, req: _SamplingFields | None = None
+) -> APIError:
     """The APIError of an engine's error about the request (of `num_prompts` prompts; `index`:
-    the prompt it is about, where known, counted from 0 as LLM.generate's errors count)."""
+    the prompt it is about, where known, counted from 0 as LLM.generate's errors count; `req`:
+    the request, whose field an error about its structured outputs names)."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, (ValueError, TypeError)):
-        message = str(e)
+        message, param = str(e), "prompt"
         if (field := message.split(" ", 1)[0]) in ENGINE_CHECKED_FIELDS:
             return APIError(400, message, param=field)
+        about_spec = req is not None and message.startswith("structured_outputs")
+        if about_spec and (given := structured_fields(req)):  # a grammar that failed to compile
+            param, name, _ = given[0]
+            message = _named(message, name)
         which = "a prompt" if index is None else f"prompt {index}"
-        return APIError(400, message if num_prompts == 1 else f"{which}: {e}", param="prompt")
+        return APIError(400, message if num_prompts == 1 else f"{which}: {message}", param=param)
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), type="server_error", code="engine_dead")
     return APIError(500, f"internal error: {e!r}", type="server_error")
