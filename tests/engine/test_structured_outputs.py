@@ -14,6 +14,7 @@ import json
 import re
 import threading
 
+import numpy as np
 import pytest
 from helpers import answers
 
@@ -212,7 +213,8 @@ def test_a_constrained_step_is_launched_before_the_step_before_is_read(llm, monk
 
     def fill_bitmask(ids, requests):
         bitmask = fill(ids, requests)
-        finished.extend(bitmask[k] for k, rid in enumerate(ids) if rid not in requests)
+        # copies: the bitmask is the worker's staging buffer, which the next fill overwrites
+        finished.extend(bitmask[k].copy() for k, rid in enumerate(ids) if rid not in requests)
         return bitmask
 
     monkeypatch.setattr(core.structured, "fill_bitmask", fill_bitmask)
@@ -244,6 +246,27 @@ def test_a_constrained_step_is_launched_before_the_step_before_is_read(llm, monk
             assert after[0] == ("sample", None)
     assert overlapped >= 20
     assert finished and all((row == -1).all() for row in finished)
+
+
+def test_the_bitmask_is_filled_in_the_workers_staging_buffer(llm, monkeypatch):
+    """With the worker in the engine core's process, each step's bitmask is filled in the
+    buffer it goes to the device from (nothing packed), and the answers stay valid."""
+    core = llm.engine.core
+    staging = core.executor.workers[0].model_runner.mask_staging
+    fills = []
+    fill = core.structured.fill_bitmask
+
+    def recorded(ids, requests):
+        fills.append(fill(ids, requests))
+        return fills[-1]
+
+    monkeypatch.setattr(core.structured, "fill_bitmask", recorded)
+    check = KINDS["json"][1]
+    out = llm.generate(PROMPTS[:2], [constrained("json", s) for s in range(2)], use_tqdm=False)
+    assert fills and all(np.shares_memory(b, staging.host.numpy()) for b in fills)
+    for o in out:
+        if o.outputs[0].finish_reason == "stop":
+            check(o.outputs[0].text)
 
 
 def test_a_call_reports_each_request_once(llm, monkeypatch):

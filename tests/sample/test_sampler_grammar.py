@@ -99,6 +99,37 @@ def test_masks_packed_through_the_staging_buffer_equal_those_sent_apart(device):
 
 
 @pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                          reason="needs CUDA"))],
+)  # fmt: skip
+def test_masks_filled_in_the_staging_buffer_equal_those_copied_in(device):
+    """`bitmask_buffer` hands out the staging buffer's head for the bitmask to be filled in
+    place (the engine core's fill, worker in its process); `build` then sends it without
+    packing it, the same mask as one copied in. In place and copied builds alternate; the
+    buffer grows for larger steps, and keeps what it held where a step has more sample rows
+    than were reserved (`max_rows`)."""
+    staging, masks = MaskStaging(torch.device(device)), []
+    for m, rows, num_rows, words, max_rows in ((2, [1, 3], 4, 4, 4), (2, [0, 1], 3, 4, None),
+                                               (5, [0, 2, 3, 6, 7], 9, 6, 9),
+                                               (7, list(range(7)), 40, 6, 7),
+                                               (1, [0], 1, 4, 1)):  # fmt: skip
+        bm = np.resize(random_bitmask(m, seed=m + words), (m, words))
+        want = sent_apart(bm, rows, num_rows, device)
+        if max_rows is not None:  # filled in place
+            buffer = staging.bitmask_buffer(m, words, max_rows)
+            assert buffer.shape == (m, words) and np.shares_memory(buffer, staging.host.numpy())
+            buffer[:] = bm
+            bm = buffer
+        masks.append((want, staging.build(bm, rows, num_rows)))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for want, got in masks:
+        assert torch.equal(got.bitmask, want.bitmask) and got.bitmask.shape == want.bitmask.shape
+        assert torch.equal(got.rows, want.rows) and torch.equal(got.row_index, want.row_index)
+
+
+@pytest.mark.parametrize(
     "params",
     [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
      SamplingParams(temperature=0.8, top_k=5, top_p=0.9), SamplingParams(logprobs=3)],

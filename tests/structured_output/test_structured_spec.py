@@ -167,6 +167,17 @@ def test_bitmask_rows_follow_each_answer(compiler):
     assert (mask[0] == -1).all() and (
         mask[1] == manager.fill_bitmask(["c"], {"c": other_stop})
     ).all()
+    # filled where the executor's buffer says (the worker's staging buffer), else anew
+    buffers = []
+
+    def buffer(m, words):
+        buffers.append(np.zeros((m, words), dtype=np.int32))
+        return buffers[-1]
+
+    in_place = StructuredOutputManager(lambda: tok, V, (EOS,), buffer)
+    filled = in_place.fill_bitmask(["gone", "c"], {"c": Req(list(yes))})
+    assert filled is buffers[0] and filled.shape == (2, -(-V // 32))
+    assert (filled == manager.fill_bitmask(["gone", "c"], {"c": Req(list(yes))})).all()
 
 
 def test_json_schema_answers_validate(compiler):

@@ -98,7 +98,7 @@ class EngineCore:
         self._sync_ids: set[str] = set()  # live requests that need synchronous steps
         self.structured = StructuredOutputManager(
             lambda: load_tokenizer(config.model_path), config.model.vocab_size,
-            config.model.eos_token_ids,
+            config.model.eos_token_ids, self.executor.grammar_bitmask_buffer,
         )  # fmt: skip
 
     def _fit_max_model_len(self, config: EngineConfig, num_blocks: int) -> int:

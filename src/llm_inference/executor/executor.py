@@ -68,6 +68,14 @@ class Executor:
             return _RankZero(self.processes.submit("sample_tokens", grammar_bitmask), forward)
         return self.collective_rpc("sample_tokens", grammar_bitmask)[0]
 
+    def grammar_bitmask_buffer(self, m: int, words: int):
+        """[m, words] int32 where the single worker in this process sends a step's grammar
+        bitmask from, for the engine core to fill in place; None where the ranks are elsewhere
+        (the bitmask is sent to them: any array serves)."""
+        if self.processes is not None:
+            return None
+        return self.workers[0].grammar_bitmask_buffer(m, words)
+
     def shutdown(self) -> None:
         if self.processes is not None:
             self.processes.shutdown()

@@ -412,6 +412,11 @@ class ModelRunner:
             out = self.sampler(logits, smd, sync=sync)
         return self._keep_sampled(step.request_ids, step, out, prompt_lps)
 
+    def grammar_bitmask_buffer(self, m: int, words: int):
+        """Where the engine core may fill a step's bitmask of m rows (MaskStaging.bitmask_buffer:
+        the buffer it goes to the device from)."""
+        return self.mask_staging.bitmask_buffer(m, words, self.config.scheduler.max_num_seqs)
+
     def _grammar_mask(self, so: SchedulerOutput, step: StepInputs, bitmask) -> GrammarMask | None:
         """The step's grammar bitmask (structured outputs) on the device, for the sample rows
         of the requests the engine core filled it for (in batch order, as the sample rows)."""

@@ -65,6 +65,10 @@ class Worker:
         """Sample the step launched with `sample=False`: as `execute_model` returns."""
         return self.model_runner.sample_tokens(grammar_bitmask)
 
+    def grammar_bitmask_buffer(self, m: int, words: int):
+        """Where a step's grammar bitmask may be filled in this process (ModelRunner's)."""
+        return self.model_runner.grammar_bitmask_buffer(m, words)
+
     def gc_frozen_objects(self) -> int:
         """Objects in this process's permanent GC generation (gc_heap.py)."""
         import gc

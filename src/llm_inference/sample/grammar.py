@@ -31,8 +31,10 @@ class MaskStaging:
     sample row `rows[i]` of a step of `num_rows`. The bitmask, row index and rows (int32) are
     packed into one host buffer, pinned on CUDA and reused from step to step, so that they go
     to the device in one copy without pinning new memory each step (the bitmask is 16 KB a row
-    at a 128k vocabulary). The next packing first waits
-    for that copy (it has run long before: a step's mask is built after the step before's
+    at a 128k vocabulary). The engine core's grammar manager may fill the bitmask in that
+    buffer in the first place (`bitmask_buffer`, where the worker is in its process): then
+    nothing is packed but the row index. Handing the buffer out or packing first waits for the
+    last copy from it (it has run long before: a step's mask is built after the step before's
     tokens). On the CPU the buffer is plain memory and the copy a copy."""
 
     def __init__(self, device: torch.device) -> None:
@@ -41,20 +43,40 @@ class MaskStaging:
         self.host: torch.Tensor | None = None
         self.copied: torch.cuda.Event | None = None
 
+    @staticmethod
+    def _layout(m: int, words: int, num_rows: int) -> tuple[int, int]:
+        """(where the row index starts, the buffer's size) for m bitmask rows of `words` and a
+        step of `num_rows` sample rows. The row index is 16-byte aligned, as a tensor of its own
+        would be: Triton specializes a kernel on its pointers' alignment, so another would
+        compile mid-run."""
+        start = -(-m * words // 4) * 4
+        return start, start + num_rows + m
+
+    def _ready(self, size: int) -> np.ndarray:
+        """The host buffer, at least `size` int32 long (grown with what it held), once the last
+        copy from it is done."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        if self.host is None or self.host.numel() < size:
+            old, self.host = self.host, torch.empty(size, dtype=torch.int32, pin_memory=self.cuda)
+            if old is not None:
+                self.host[: old.numel()] = old
+        return self.host.numpy()
+
+    def bitmask_buffer(self, m: int, words: int, max_rows: int) -> np.ndarray:
+        """[m, words] int32 in the host buffer, for a bitmask that `build` then sends without
+        packing it (a step of at most `max_rows` sample rows)."""
+        return self._ready(self._layout(m, words, max_rows)[1])[: m * words].reshape(m, words)
+
     def build(self, bitmask: np.ndarray, rows: list[int], num_rows: int) -> GrammarMask:
         if len(rows) != len(bitmask):
             raise ValueError(f"{len(bitmask)} bitmask rows for {len(rows)} constrained rows")
         m, words = bitmask.shape
-        # the row index 16-byte aligned, as a tensor of its own would be: Triton specializes
-        # a kernel on its pointers' alignment, so another would compile mid-run
-        start = -(-m * words // 4) * 4
-        size = start + num_rows + m
-        if self.copied is not None:
-            self.copied.synchronize()
-        if self.host is None or self.host.numel() < size:
-            self.host = torch.empty(size, dtype=torch.int32, pin_memory=self.cuda)
-        flat = self.host.numpy()
-        flat[: m * words] = bitmask.reshape(-1)
+        start, size = self._layout(m, words, num_rows)
+        in_place = self.host is not None and bitmask.ctypes.data == self.host.data_ptr()
+        flat = self._ready(size)
+        if not in_place:
+            flat[: m * words] = bitmask.reshape(-1)
         index = flat[start : start + num_rows]
         index.fill(-1)
         index[rows] = np.arange(m, dtype=np.int32)

@@ -89,12 +89,19 @@ def _check_accepted(accepted: bool, token: int) -> None:
 class StructuredOutputManager:
     """Compiles the grammars of `add`ed requests and fills the steps' bitmasks; see the module
     docstring. `load_tokenizer()` gives the model's tokenizer (loaded on the first structured
-    request, on the pool's thread); the bitmask covers `vocab_size` tokens, the model's."""
+    request, on the pool's thread); the bitmask covers `vocab_size` tokens, the model's, and
+    is filled where `bitmask_buffer(rows, words)` says (Executor.grammar_bitmask_buffer: the
+    worker's own buffer), or in a new array where it says None."""
 
     def __init__(
-        self, load_tokenizer: Callable[[], object], vocab_size: int, eos_token_ids: tuple[int, ...]
+        self,
+        load_tokenizer: Callable[[], object],
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        bitmask_buffer: Callable[[int, int], np.ndarray | None] = lambda m, words: None,
     ) -> None:
         self._load_tokenizer = load_tokenizer
+        self._bitmask_buffer = bitmask_buffer
         self.vocab_size, self.eos_token_ids = vocab_size, eos_token_ids
         self.threads = max(1, min((os.cpu_count() or 1) // 2, 8))  # as vLLM
         self._pool: ThreadPoolExecutor | None = None
@@ -151,10 +158,14 @@ class StructuredOutputManager:
     def fill_bitmask(self, request_ids: list[str], requests: dict) -> np.ndarray:
         """The token bitmask of a step: row i for request `request_ids[i]` (`requests`: the
         scheduler's unfinished ones, by id; a request not there gets every token),
-        int32 [len(request_ids), ceil(vocab_size / 32)]."""
+        int32 [len(request_ids), ceil(vocab_size / 32)]. In the worker's buffer where
+        `bitmask_buffer` gives one: valid until the next step's fill."""
         import xgrammar as xgr
 
-        bitmask = np.empty((len(request_ids), -(-self.vocab_size // 32)), dtype=np.int32)
+        shape = len(request_ids), -(-self.vocab_size // 32)
+        bitmask = self._bitmask_buffer(*shape)
+        if bitmask is None:
+            bitmask = np.empty(shape, dtype=np.int32)
         matchers, rows, accepting, tokens = [], [], [], []
         for row, rid in enumerate(request_ids):
             request = requests.get(rid)
