@@ -39,7 +39,7 @@ def sent_apart(bitmask: np.ndarray, rows: list[int], num_rows: int, device) -> G
     index[rows] = np.arange(len(rows), dtype=np.int32)
     return GrammarMask(
         bitmask=torch.from_numpy(bitmask).to(device),
-        rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        rows=torch.tensor(rows, dtype=torch.int32, device=device),
         row_index=torch.from_numpy(index).to(device),
     )
 
@@ -94,7 +94,7 @@ def test_masks_packed_through_the_staging_buffer_equal_those_sent_apart(device):
         torch.cuda.synchronize()
     for want, got in masks:
         assert torch.equal(got.bitmask, want.bitmask) and got.bitmask.shape == want.bitmask.shape
-        assert torch.equal(got.rows, want.rows) and got.rows.dtype == torch.int64
+        assert torch.equal(got.rows, want.rows) and got.rows.dtype == torch.int32
         assert torch.equal(got.row_index, want.row_index)
 
 

@@ -22,7 +22,7 @@ import torch
 @dataclass
 class GrammarMask:
     bitmask: torch.Tensor  # [M, ceil(V / 32)] int32: one row per constrained sample row
-    rows: torch.Tensor  # [M] int64: those sample rows, rising
+    rows: torch.Tensor  # [M] int32: those sample rows, rising
     row_index: torch.Tensor  # [R] int32: per sample row its bitmask row, -1 without one
 
 
@@ -41,7 +41,8 @@ class MaskStaging:
         self.device = device
         self.cuda = device.type == "cuda"
         self.host: torch.Tensor | None = None
-        self.copied: torch.cuda.Event | None = None
+        # one event, recorded after each copy (a new one per step cost as much as the copy)
+        self.copied = torch.cuda.Event() if self.cuda else None
 
     @staticmethod
     def _layout(m: int, words: int, num_rows: int) -> tuple[int, int]:
@@ -77,17 +78,16 @@ class MaskStaging:
         flat = self._ready(size)
         if not in_place:
             flat[: m * words] = bitmask.reshape(-1)
-        index = flat[start : start + num_rows]
+        index, sample_rows = flat[start : start + num_rows], flat[start + num_rows : size]
+        sample_rows[:] = rows
         index.fill(-1)
-        index[rows] = np.arange(m, dtype=np.int32)
-        flat[start + num_rows : size] = rows
+        index[sample_rows] = np.arange(m, dtype=np.int32)
         dev = self.host[:size].to(self.device, non_blocking=True, copy=True)
         if self.cuda:
-            self.copied = torch.cuda.Event()
             self.copied.record()
         return GrammarMask(
             bitmask=dev[: m * words].view(m, words),
-            rows=dev[start + num_rows :].long(),
+            rows=dev[start + num_rows :],
             row_index=dev[start : start + num_rows],
         )
 
@@ -109,7 +109,8 @@ def apply_grammar(logits: torch.Tensor, mask: GrammarMask, vocab_start: int = 0)
     """Set to -inf, in place, the logits of the tokens each constrained row's grammar does not
     allow; `logits` [R, width] column j is token vocab_start + j (a rank's vocabulary slice
     under tensor parallelism). Returns `logits`."""
-    rows = logits.index_select(0, mask.rows)
+    index = mask.rows.long()  # index_copy_ takes int64 only
+    rows = logits.index_select(0, index)
     keep = allowed_tokens(mask.bitmask, vocab_start, logits.shape[1])
-    logits.index_copy_(0, mask.rows, rows.masked_fill_(~keep, float("-inf")))
+    logits.index_copy_(0, index, rows.masked_fill_(~keep, float("-inf")))
     return logits
