@@ -35,8 +35,9 @@ def timed_build(staging: MaskStaging, bitmask, rows, num_rows, t: dict) -> Gramm
     start, size = staging._layout(m, words, num_rows)
     in_place = staging.host is not None and bitmask.ctypes.data == staging.host.data_ptr()
     s = lap("layout and in-place check", s)
-    flat = staging._ready(size)
-    s = lap("_ready (event sync)", s)
+    ready = in_place and staging.host.numel() >= size
+    flat = staging.host.numpy() if ready else staging._ready(size)
+    s = lap("_ready (event sync; packed only)", s)
     if not in_place:
         flat[: m * words] = bitmask.reshape(-1)
     s = lap("bitmask packed", s)

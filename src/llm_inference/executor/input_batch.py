@@ -92,8 +92,9 @@ class InputBuffers:
     `stage()` hands out host arrays for the next step: on CUDA the next of STAGES persistent
     pinned copies, in turn, each reused only once the copy that last read it has run (an event
     recorded after it). A step can thus be prepared while the previous one is still being
-    copied. `to_device` copies the whole flat array and the used corner of the
-    table."""
+    copied. `to_device` copies the whole flat array and the step's corner of the table
+    (`table_rows`: packed in the host stage, then spread into the table by the device: a
+    strided corner copied from the host would pass through unpinned memory)."""
 
     STAGES = 3
     PER_TOKEN = ("input_ids", "positions", "slot_mapping")
@@ -111,6 +112,8 @@ class InputBuffers:
         self.on_host = self.device.type == "cpu"
         self.dev_flat = torch.zeros(total, dtype=torch.int32, device=device)
         self.dev_table = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
+        # the step's corner of the table, packed as the host stage holds it
+        self.dev_packed = None if self.on_host else torch.empty_like(self.dev_table).view(-1)
         self.dev: StepArrays[torch.Tensor] = self._cut(self.dev_flat, torch.float32)
         self.attention = StepBuffers(
             slot_mapping=self.dev.slot_mapping,
@@ -119,10 +122,11 @@ class InputBuffers:
             block_table=self.dev_table,
             seq_order=self.dev.seq_order,
         )
-        # (host flat array, host table, their numpy views, the event after their last copy)
+        # (host flat array, host table, their numpy views, the event after their last copy);
+        # on CUDA a stage's table is flat: `table_rows` packs the step's corner in it
         stages = [(self.dev_flat, self.dev_table)] if self.on_host else [
             (torch.empty(total, dtype=torch.int32, pin_memory=True),
-             torch.empty(max_seqs, max_blocks, dtype=torch.int32, pin_memory=True))
+             torch.empty(max_seqs * max_blocks, dtype=torch.int32, pin_memory=True))
             for _ in range(self.STAGES)
         ]  # fmt: skip
         self._stages = [(flat, table, self._cut(flat.numpy(), np.float32), table.numpy(), None)
@@ -147,6 +151,13 @@ class InputBuffers:
         self._next = (self._next + 1) % len(self._stages)
         if copied is not None:
             copied.synchronize()  # the copy that last read these arrays has run
+
+    def table_rows(self, num_seqs: int, width: int) -> np.ndarray:
+        """[num_seqs, width]: where the step's block table is written: on CUDA packed at the
+        start of the host stage's table (one contiguous copy), on the CPU the table's corner."""
+        if self.on_host:
+            return self.np_table[:num_seqs, :width]
+        return self.np_table[: num_seqs * width].reshape(num_seqs, width)
 
     def pad_decode(self, num_seqs: int, padded: int) -> None:
         """Fill rows [num_seqs, padded) of a one-token-per-sequence step as harmless padding:
@@ -176,9 +187,10 @@ class InputBuffers:
         if self.on_host:
             return
         self.dev_flat.copy_(self.host_flat, non_blocking=True)
-        self.dev_table[:num_seqs, :block_width].copy_(
-            self.host_table[:num_seqs, :block_width], non_blocking=True
-        )
+        n = num_seqs * block_width
+        packed = self.dev_packed[:n]
+        packed.copy_(self.host_table[:n], non_blocking=True)
+        self.dev_table[:num_seqs, :block_width].copy_(packed.view(num_seqs, block_width))
         flat, table, views, table_view, copied = self._stages[self._current]
         copied = copied or torch.cuda.Event()
         copied.record()
@@ -323,7 +335,7 @@ class InputBatch:
         b.seq_lens[:num_seqs] = seq_lens
         b.seq_order[:num_seqs] = np.argsort(-seq_lens, kind="stable")  # longest first
         b.logits_indices[: len(sample)] = logits_indices
-        buffers.np_table[:num_seqs, :width] = self.block_table[rows, :width]
+        buffers.table_rows(num_seqs, width)[:] = self.block_table[rows, :width]
         ph_dst = cu[1:][ph_seqs] - 1
         b.placeholder_dst[: len(ph_dst)] = ph_dst
         b.placeholder_src[: len(ph_dst)] = ph_src

@@ -129,7 +129,7 @@ class ModelRunner:
         b.slot_mapping[:tokens] = -1
         b.query_start_loc[: num_seqs + 1] = np.cumsum([0, *lens])
         b.seq_lens[:num_seqs] = lens
-        buffers.np_table[:num_seqs, :width] = 0
+        buffers.table_rows(num_seqs, width)[:] = 0
         buffers.to_device(num_seqs, width)
         md = self.model.attn_backend.metadata(
             buffers.attention, tokens, num_seqs, lens[0], lens[0], width

@@ -75,7 +75,9 @@ class MaskStaging:
         m, words = bitmask.shape
         start, size = self._layout(m, words, num_rows)
         in_place = self.host is not None and bitmask.ctypes.data == self.host.data_ptr()
-        flat = self._ready(size)
+        # in place: `bitmask_buffer` readied the buffer already (for at most `max_rows`)
+        ready = in_place and self.host.numel() >= size
+        flat = self.host.numpy() if ready else self._ready(size)
         if not in_place:
             flat[: m * words] = bitmask.reshape(-1)
         index, sample_rows = flat[start : start + num_rows], flat[start + num_rows : size]
