@@ -1,7 +1,8 @@
 """The host's bitmask fill of a structured-outputs step: ms per step for N constrained rows, a
 Python loop of `GrammarMatcher.fill_next_token_bitmask` against xgrammar's
-`BatchGrammarMatcher` (one call for all rows) at 1, 2, 4 and 8 threads
-(structured_output/manager.py's FILL_THREADS); and the step's accepts, one new token per
+`BatchGrammarMatcher` (one call for all rows) at 1, 2, 4 and 8 threads of xgrammar's own
+(structured_output/manager.py's FILL_THREADS), and the rows cut in 2 and 4 parts filled at once
+from Python threads (one part on the calling thread); and the step's accepts, one new token per
 matcher: a loop of `accept_token` against one `batch_accept_token` (the manager's), on the same
 tokens (accepted, rolled back, accepted again).
 
@@ -24,6 +25,7 @@ import random
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +33,7 @@ from structured_outputs import SCHEMA, json_checkpoint
 
 VOCAB, BOS, EOS = 128256, 128000, 128001
 THREADS = (1, 2, 4, 8)
+SPLITS = (2, 4)  # the rows cut in this many parts, filled at once from Python threads
 
 
 def compiled_schema():
@@ -54,8 +57,11 @@ def measure(grammar, rows: int, steps: int, seed: int = 0) -> dict[str, float]:
 
     matchers = [xgr.GrammarMatcher(grammar) for _ in range(rows)]
     batch = {t: xgr.BatchGrammarMatcher(max_threads=t) for t in THREADS}
+    pools = {k: ThreadPoolExecutor(k - 1) for k in SPLITS}
+    fillers = {k: [xgr.BatchGrammarMatcher(max_threads=1) for _ in range(k)] for k in SPLITS}
     words = -(-VOCAB // 32)
     times: dict[str, list[float]] = {"loop": [], **{f"batch_{t}": [] for t in THREADS},
+                                     **{f"split_{k}": [] for k in SPLITS},
                                      "accept_loop": [], "accept_batch": []}  # fmt: skip
     rng = random.Random(seed)
     for _ in range(steps):
@@ -68,8 +74,11 @@ def measure(grammar, rows: int, steps: int, seed: int = 0) -> dict[str, float]:
             if name == "loop":
                 for i, m in enumerate(matchers):
                     m.fill_next_token_bitmask(bitmask, i)
-            else:
+            elif name.startswith("batch"):
                 batch[int(name.split("_")[1])].batch_fill_next_token_bitmask(matchers, bitmask)
+            else:
+                k = int(name.split("_")[1])
+                split_fill(pools[k], fillers[k], matchers, bitmask)
             times[name].append(time.perf_counter() - t0)
             masks[name] = bitmask
         for name, bitmask in masks.items():
@@ -99,6 +108,20 @@ def measure(grammar, rows: int, steps: int, seed: int = 0) -> dict[str, float]:
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
+def split_fill(pool: ThreadPoolExecutor, fillers: list, matchers: list, bitmask) -> None:
+    """The rows in len(fillers) parts, one filled here and the others on `pool`'s threads at
+    the same time (xgrammar releases the GIL while it fills)."""
+    k, n = len(fillers), len(matchers)
+    bounds = [n * i // k for i in range(k + 1)]
+    parts = [(f, matchers[lo:hi], list(range(lo, hi)))
+             for f, lo, hi in zip(fillers, bounds, bounds[1:])]  # fmt: skip
+    futures = [pool.submit(f.batch_fill_next_token_bitmask, m, bitmask, r) for f, m, r in parts[1:]]
+    f, m, r = parts[0]
+    f.batch_fill_next_token_bitmask(m, bitmask, r)
+    for future in futures:
+        future.result()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="64,256", help="constrained rows per step")
@@ -108,9 +131,10 @@ def main() -> None:
     grammar = compiled_schema()
     res = {"cpus": os.cpu_count(), "rows": {}}
     print(f"ms per step to fill the bitmask ({os.cpu_count()} CPUs), medians of {args.steps}")
-    print("| rows | loop | " + " | ".join(f"batch, {t} thr" for t in THREADS)
+    print("| rows | loop | " + " | ".join(f"batch, {t} thr" for t in THREADS) + " | "
+          + " | ".join(f"{k} parts on threads" for k in SPLITS)
           + " | accept: loop | accept: batch |")  # fmt: skip
-    print("|---:|---:|" + "---:|" * (len(THREADS) + 2))
+    print("|---:|---:|" + "---:|" * (len(THREADS) + len(SPLITS) + 2))
     for rows in map(int, args.rows.split(",")):
         ms = res["rows"][rows] = measure(grammar, rows, args.steps)
         print(f"| {rows} | " + " | ".join(f"{v:.3f}" for v in ms.values()) + " |")
